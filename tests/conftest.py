@@ -1,0 +1,44 @@
+"""Fixtures shared by every test: short temp dirs for ipc paths, contexts closed with linger=0."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+# Hypothesis profiles: CI runs the full count, derandomized so a failure reproduces.
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    )
+    settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("ci" if os.environ.get("CI") else "dev")
+except ImportError:  # pragma: no cover - hypothesis is in the dev extra
+    pass
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir with a short path: ``ipc://`` paths must stay under ~100 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="zo-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def zmq_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A private context; every socket made from it is closed with linger=0 at teardown."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        yield ctx
+    finally:
+        ctx.destroy(linger=0)

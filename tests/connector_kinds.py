@@ -1,0 +1,40 @@
+"""Pairs of connectors the shared contract suite runs against.
+
+Each kind is a context manager that yields ``(sender, receiver, edge)`` where
+``edge = (from_stage, to_stage)``, and closes both connectors on exit. A
+backend joins the contract suite by adding a kind here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+from zmq_omni.connectors.base import OmniConnectorBase
+
+Pair = tuple[OmniConnectorBase, OmniConnectorBase, tuple[str, str]]
+PairFactory = Callable[[Path], AbstractContextManager[Pair]]
+
+KINDS: dict[str, PairFactory] = {}
+
+
+def kind(name: str) -> Callable[[PairFactory], PairFactory]:
+    def register(factory: PairFactory) -> PairFactory:
+        KINDS[name] = factory
+        return factory
+
+    return register
+
+
+@kind("inproc")
+@contextmanager
+def inproc_pair(tmp: Path) -> Iterator[Pair]:
+    from zmq_omni.connectors.inproc import InProcConnector
+
+    namespace = f"contract-{uuid.uuid4().hex}"
+    with InProcConnector({"namespace": namespace, "stage_id": "0"}) as sender, InProcConnector(
+        {"namespace": namespace, "stage_id": "1"}
+    ) as receiver:
+        yield sender, receiver, ("0", "1")

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import errno
+
+import pytest
+import zmq
+
+from zmq_omni import errors
+
+
+def test_every_error_is_a_zmq_omni_error() -> None:
+    for name in errors.__all__:
+        value = getattr(errors, name)
+        if isinstance(value, type):
+            assert issubclass(value, errors.ZmqOmniError), name
+
+
+def test_timeouts_are_also_builtin_timeouts() -> None:
+    assert issubclass(errors.TransportTimeoutError, TimeoutError)
+    assert issubclass(errors.ConfigError, ValueError)
+    assert issubclass(errors.DecodeError, ValueError)
+
+
+def test_tree_is_written_in_the_docstring() -> None:
+    doc = errors.__doc__ or ""
+    for name in errors.__all__:
+        if isinstance(getattr(errors, name), type):
+            assert name in doc, name
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (zmq.Again(), errors.TransportTimeoutError),
+        (zmq.ZMQError(zmq.ETERM), errors.ClosedResourceError),
+        (zmq.ZMQError(zmq.EHOSTUNREACH), errors.PeerGoneError),
+        (zmq.ZMQError(errno.EADDRINUSE), errors.TransportError),
+    ],
+)
+def test_zmq_errors_translate_with_the_endpoint(exc: zmq.ZMQError, kind: type) -> None:
+    translated = errors.from_zmq_error(exc, endpoint="tcp://127.0.0.1:9", op="send")
+    assert type(translated) is kind
+    assert "tcp://127.0.0.1:9" in str(translated) and "send" in str(translated)
+
+
+def test_delivery_error_names_the_key() -> None:
+    err = errors.DeliveryError("not acknowledged", key="req1_0_3", endpoint="ipc:///tmp/x")
+    assert err.key == "req1_0_3" and "req1_0_3" in str(err) and isinstance(err, errors.TransportError)

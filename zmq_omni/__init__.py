@@ -1,0 +1,76 @@
+"""zmq_omni: move tensors and metadata between inference-pipeline stages over ZeroMQ.
+
+The public surface is re-exported here; backends and adapters are imported
+lazily on first use so ``import zmq_omni`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from .config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
+from .connectors import OmniConnectorBase, OmniConnectorFactory, TransferFailure, create_connector
+from .errors import (
+    ClosedResourceError,
+    CodecError,
+    ConfigError,
+    DecodeError,
+    DeliveryError,
+    EncodeError,
+    MessageTooLargeError,
+    PeerGoneError,
+    ShmError,
+    ShmSpaceError,
+    TransportError,
+    TransportTimeoutError,
+    ZmqOmniError,
+)
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+# name -> module that defines it; imported on first attribute access.
+_LAZY: dict[str, str] = {
+    "InProcConnector": "zmq_omni.connectors.inproc",
+}
+
+__all__ = [
+    "ClosedResourceError",
+    "CodecError",
+    "ConfigError",
+    "ConnectorSpec",
+    "DecodeError",
+    "DeliveryError",
+    "EncodeError",
+    "InProcConnector",
+    "MessageTooLargeError",
+    "OmniConnectorBase",
+    "OmniConnectorFactory",
+    "OmniTransferConfig",
+    "PeerGoneError",
+    "ShmError",
+    "ShmSpaceError",
+    "TransferFailure",
+    "TransportError",
+    "TransportTimeoutError",
+    "ZmqOmniError",
+    "__version__",
+    "create_connector",
+    "load_omni_transfer_config",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zmq_omni' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

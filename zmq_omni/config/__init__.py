@@ -1,0 +1,10 @@
+"""Config: frozen dataclasses built from plain dicts (YAML, JSON, environment).
+
+Unknown or bad keys raise :class:`~zmq_omni.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from .pipeline import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
+
+__all__ = ["ConnectorSpec", "OmniTransferConfig", "load_omni_transfer_config"]

@@ -1,0 +1,102 @@
+"""Typed field readers for building frozen config dataclasses from plain dicts.
+
+Every reader raises :class:`~zmq_omni.errors.ConfigError` naming the key
+(with its dotted path) so a user can fix their YAML without reading code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from ..errors import ConfigError
+
+__all__ = ["check_known_keys", "read_bool", "read_choice", "read_float", "read_int", "read_mapping", "read_str"]
+
+T = TypeVar("T")
+_MISSING: Any = object()
+
+
+def _where(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def check_known_keys(data: Mapping[str, Any], known: Iterable[str], path: str = "") -> None:
+    """Raise ``ConfigError`` for the first key of ``data`` not in ``known``."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    allowed = set(known)
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(f"unknown config key {_where(path, str(key))!r} (known: {', '.join(sorted(allowed))})")
+
+
+def _read(data: Mapping[str, Any], key: str, default: Any, path: str) -> Any:
+    if key in data and data[key] is not None:
+        return data[key]
+    if default is _MISSING:
+        raise ConfigError(f"missing required config key {_where(path, key)!r}")
+    return default
+
+
+def read_str(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "") -> Any:
+    """Read a string; ints are accepted and turned into strings (stage ids are often ints)."""
+    value = _read(data, key, default, path)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        if value is default:
+            return value
+        raise ConfigError(f"config key {_where(path, key)!r} must be a string, got {value!r}")
+    return str(value)
+
+
+def read_int(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: int | None = None) -> Any:
+    """Read an integer, optionally with a lower bound."""
+    value = _read(data, key, default, path)
+    if value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config key {_where(path, key)!r} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"config key {_where(path, key)!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def read_float(
+    data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: float | None = None
+) -> Any:
+    """Read a number as float, optionally with a lower bound."""
+    value = _read(data, key, default, path)
+    if value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config key {_where(path, key)!r} must be a number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"config key {_where(path, key)!r} must be >= {minimum}, got {value}")
+    return float(value)
+
+
+def read_bool(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "") -> Any:
+    """Read a boolean (YAML true/false)."""
+    value = _read(data, key, default, path)
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key {_where(path, key)!r} must be true or false, got {value!r}")
+    return value
+
+
+def read_choice(
+    data: Mapping[str, Any], key: str, choices: Iterable[str], default: Any = _MISSING, path: str = ""
+) -> Any:
+    """Read a string that must be one of ``choices``."""
+    value = read_str(data, key, default, path)
+    options = tuple(choices)
+    if value not in options:
+        raise ConfigError(f"config key {_where(path, key)!r} must be one of {', '.join(options)}; got {value!r}")
+    return value
+
+
+def read_mapping(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "") -> Any:
+    """Read a nested mapping."""
+    value = _read(data, key, default, path)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"config key {_where(path, key)!r} must be a mapping, got {value!r}")
+    return value

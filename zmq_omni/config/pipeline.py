@@ -1,0 +1,200 @@
+"""Connector specs and vllm-omni-style stage configs.
+
+A stage config names connector specs once, under ``runtime.connectors``, and
+each stage picks one per edge::
+
+    stage_args:
+      - stage_id: 0
+        output_connectors: {to_stage_1: fast}
+      - stage_id: 1
+        input_connectors: {from_stage_0: fast}
+    runtime:
+      connectors:
+        fast: {name: ZmqConnector, extra: {endpoints: {"1": "ipc:///tmp/s1"}}}
+
+:func:`load_omni_transfer_config` turns that (a dict, or a YAML/JSON file)
+into an :class:`OmniTransferConfig` whose :meth:`~OmniTransferConfig.get_connector_for_edge`
+answers "which connector moves data from stage A to stage B".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from ..errors import ConfigError
+from ._fields import check_known_keys, read_mapping, read_str
+
+__all__ = ["ConnectorSpec", "OmniTransferConfig", "load_omni_transfer_config"]
+
+#: The connector an edge gets when it is declared but names none (vllm-omni's default).
+DEFAULT_EDGE_CONNECTOR = "SharedMemoryConnector"
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """Which connector to build (``name``) and the dict its constructor takes (``extra``)."""
+
+    name: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"connector spec 'name' must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.extra, Mapping):
+            raise ConfigError(f"connector spec 'extra' must be a mapping, got {type(self.extra).__name__}")
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], path: str = "connector") -> ConnectorSpec:
+        """Build from ``{"name": ..., "extra": {...}}``; other keys raise ``ConfigError``."""
+        check_known_keys(data, ("name", "extra"), path)
+        return cls(read_str(data, "name", path=path), dict(read_mapping(data, "extra", {}, path)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain-dict form (what :meth:`from_dict` reads)."""
+        return {"name": self.name, "extra": dict(self.extra)}
+
+
+@dataclass(frozen=True)
+class OmniTransferConfig:
+    """The connector chosen for each edge ``(from_stage, to_stage)`` of a pipeline."""
+
+    connectors: Mapping[tuple[str, str], ConnectorSpec]
+    default_connector: ConnectorSpec | None = None
+
+    def get_connector_for_edge(self, from_stage: str | int, to_stage: str | int) -> ConnectorSpec:
+        """The spec for the edge, else the default; ``ConfigError`` when there is neither."""
+        edge = (str(from_stage), str(to_stage))
+        spec = self.connectors.get(edge, self.default_connector)
+        if spec is None:
+            known = ", ".join(f"{a}->{b}" for a, b in sorted(self.connectors)) or "none"
+            raise ConfigError(f"no connector configured for edge {edge[0]}->{edge[1]} (edges: {known})")
+        return spec
+
+    def edges(self) -> list[tuple[str, str]]:
+        """Every configured edge, sorted."""
+        return sorted(self.connectors)
+
+
+def _read_source(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(source, Mapping):
+        return source
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: invalid JSON: {exc}") from exc
+    else:
+        try:
+            import yaml
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ConfigError("reading YAML needs PyYAML: pip install 'zmq-omni[yaml]'") from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def _spec_ref(value: Any, named: Mapping[str, ConnectorSpec], where: str) -> ConnectorSpec:
+    """A per-edge choice: the name of a ``runtime.connectors`` entry, or an inline spec."""
+    if isinstance(value, str):
+        if value not in named:
+            known = ", ".join(sorted(named)) or "none"
+            raise ConfigError(f"{where}: unknown connector {value!r} (runtime.connectors has: {known})")
+        return named[value]
+    if isinstance(value, Mapping):
+        return ConnectorSpec.from_dict(value, where)
+    raise ConfigError(f"{where}: expected a connector name or {{name, extra}}, got {value!r}")
+
+
+def _edge_stage(key: str, prefix: str, where: str) -> str:
+    if not isinstance(key, str) or not key.startswith(prefix) or not key[len(prefix) :]:
+        raise ConfigError(f"{where}: edge key {key!r} must look like '{prefix}<stage_id>'")
+    return key[len(prefix) :]
+
+
+def load_omni_transfer_config(source: str | Path | Mapping[str, Any]) -> OmniTransferConfig:
+    """Load a vllm-omni-style stage config from a dict, a YAML file or a JSON file.
+
+    Reads ``runtime.connectors`` (named specs), each stage's
+    ``input_connectors`` (``from_stage_X``) and ``output_connectors``
+    (``to_stage_Y``), and declared edges without a connector
+    (``runtime.edges`` entries, ``engine_input_source``), which get
+    ``runtime.default_connector`` or ``SharedMemoryConnector``.
+
+    Raises:
+        ConfigError: a key is missing or malformed, a connector name is
+            unknown, or the two ends of an edge choose different connectors.
+    """
+    data = _read_source(source)
+    runtime = read_mapping(data, "runtime", {}, "")
+    raw_named = read_mapping(runtime, "connectors", {}, "runtime")
+    named = {
+        str(name): ConnectorSpec.from_dict(spec, f"runtime.connectors.{name}")
+        if isinstance(spec, Mapping)
+        else _spec_ref(spec, {}, f"runtime.connectors.{name}")
+        for name, spec in raw_named.items()
+    }
+    default_raw = runtime.get("default_connector")
+    default = (
+        _spec_ref(default_raw, named, "runtime.default_connector")
+        if default_raw is not None
+        else ConnectorSpec(DEFAULT_EDGE_CONNECTOR)
+    )
+
+    chosen: dict[tuple[str, str], tuple[ConnectorSpec, str]] = {}
+
+    def choose(edge: tuple[str, str], spec: ConnectorSpec, where: str) -> None:
+        if edge in chosen and chosen[edge][0] != spec:
+            raise ConfigError(
+                f"{where}: edge {edge[0]}->{edge[1]} uses {spec.name!r} here but {chosen[edge][0].name!r} "
+                f"at {chosen[edge][1]}"
+            )
+        chosen[edge] = (spec, where)
+
+    stages = data.get("stage_args", [])
+    if not isinstance(stages, list):
+        raise ConfigError("stage_args must be a list of stages")
+    implicit: list[tuple[str, str]] = []
+    for index, stage in enumerate(stages):
+        where = f"stage_args[{index}]"
+        if not isinstance(stage, Mapping):
+            raise ConfigError(f"{where} must be a mapping")
+        stage_id = read_str(stage, "stage_id", path=where)
+        for key, value in read_mapping(stage, "input_connectors", {}, where).items():
+            from_stage = _edge_stage(key, "from_stage_", f"{where}.input_connectors")
+            choose((from_stage, stage_id), _spec_ref(value, named, f"{where}.input_connectors.{key}"), where)
+        for key, value in read_mapping(stage, "output_connectors", {}, where).items():
+            to_stage = _edge_stage(key, "to_stage_", f"{where}.output_connectors")
+            choose((stage_id, to_stage), _spec_ref(value, named, f"{where}.output_connectors.{key}"), where)
+        sources = stage.get("engine_input_source") or []
+        if not isinstance(sources, list):
+            raise ConfigError(f"{where}.engine_input_source must be a list of stage ids")
+        implicit.extend((str(src), stage_id) for src in sources)
+
+    edges = runtime.get("edges") or []
+    if not isinstance(edges, list):
+        raise ConfigError("runtime.edges must be a list of {from, to}")
+    for index, edge in enumerate(edges):
+        where = f"runtime.edges[{index}]"
+        if not isinstance(edge, Mapping):
+            raise ConfigError(f"{where} must be a mapping with 'from' and 'to'")
+        implicit.append((read_str(edge, "from", path=where), read_str(edge, "to", path=where)))
+
+    connectors = {edge: spec for edge, (spec, _) in chosen.items()}
+    for edge in implicit:
+        connectors.setdefault(edge, default)
+    return OmniTransferConfig(MappingProxyType(connectors), default if default_raw is not None else None)

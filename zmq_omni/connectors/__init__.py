@@ -1,0 +1,12 @@
+"""Connectors: the put/get backends and the factory that builds them by name.
+
+Backends are imported lazily by the factory; importing this package does not
+import pyzmq sockets or shared-memory code.
+"""
+
+from __future__ import annotations
+
+from .base import OmniConnectorBase, TransferFailure, key_matches_prefix
+from .factory import OmniConnectorFactory, create_connector
+
+__all__ = ["OmniConnectorBase", "OmniConnectorFactory", "TransferFailure", "create_connector", "key_matches_prefix"]

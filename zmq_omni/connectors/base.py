@@ -1,0 +1,213 @@
+"""The connector contract: what every put/get backend implements.
+
+The contract is the one of vllm-omni's ``OmniConnectorBase``, so a stage
+worker written for vllm-omni can use any zmq_omni connector unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+from ..errors import ZmqOmniError
+from ..metrics import Counters
+
+__all__ = ["HEALTH_COUNTERS", "OmniConnectorBase", "TransferFailure", "key_matches_prefix"]
+
+#: Counters every connector reports in ``health()``; backends may add more.
+HEALTH_COUNTERS = (
+    "puts",
+    "gets",
+    "bytes_sent",
+    "bytes_received",
+    "errors",
+    "timeouts",
+)
+
+#: How many undrained failures a connector keeps; older ones are dropped (and counted).
+MAX_KEPT_FAILURES = 10_000
+
+
+def key_matches_prefix(key: str, prefix: str) -> bool:
+    """The ``cleanup_prefix`` rule: ``key`` is ``prefix`` followed by decimal digits only.
+
+    This is vllm-omni's rule: chunk keys are ``{req}_{stage}_{n}``, and
+    ``cleanup_prefix("req1_0_")`` must drop ``req1_0_7`` but never a key of
+    another request such as ``req1_0_7_x`` or ``req1_0_x``.
+    """
+    return len(key) > len(prefix) and key.startswith(prefix) and key[len(prefix) :].isdigit()
+
+
+@dataclass(frozen=True)
+class TransferFailure:
+    """A put or get that failed for good, kept for the adapters to collect.
+
+    Attributes:
+        key: the put/get key.
+        from_stage: the sending stage.
+        to_stage: the receiving stage.
+        op: ``"put"`` or ``"get"``.
+        reason: a one-line human-readable reason.
+        error: the typed cause, when there is one.
+        at: ``time.time()`` when the failure was recorded.
+    """
+
+    key: str
+    from_stage: str
+    to_stage: str
+    op: Literal["put", "get"]
+    reason: str
+    error: ZmqOmniError | None = None
+    at: float = 0.0
+
+
+class OmniConnectorBase(ABC):
+    """Base of every connector: ``put``/``get`` keyed by ``(from_stage, to_stage, key)``.
+
+    Who calls what, and from which thread:
+
+    * ``__init__(config)`` -- the stage worker (or the factory), once, with the
+      ``extra`` dict of a :class:`~zmq_omni.config.ConnectorSpec`. Bad config
+      raises :class:`~zmq_omni.errors.ConfigError`; a bind that fails raises too.
+    * ``put`` -- the adapter's save thread (vllm-omni: the sender loop). It
+      copies or pins ``data`` before returning, so the caller may reuse its
+      arrays at once. Returns ``(ok, nbytes, metadata)``; ``metadata`` may be
+      forwarded over a control plane and passed to ``get``.
+    * ``get`` -- the adapter's receive thread. Without metadata it looks the
+      key up and returns ``None`` at once when it is not there yet; callers
+      re-poll (or use ``get_with_deadline``). Each put is consumed exactly
+      once; a re-put of an unconsumed key replaces it.
+    * ``get_with_deadline`` -- the receive thread, when it would rather wait
+      (on a condition, never a sleep loop) until ``time.monotonic()`` reaches
+      ``deadline``.
+    * ``cleanup`` / ``cleanup_prefix`` -- the scheduler thread, concurrently
+      with the two above, when a request finishes or is aborted. Never block.
+    * ``health`` -- any thread; a snapshot of counters and status.
+    * ``drain_failures`` -- the adapters, to learn which puts/gets failed for
+      good and why (for failures found after ``put`` returned, such as a
+      delivery that was never acknowledged).
+    * ``close`` -- the owner, once or more: idempotent, never hangs.
+
+    Transport faults never escape ``put``/``get`` as exceptions: they return
+    ``False``/``None``, are counted in ``health()`` (``timeouts`` apart from
+    ``errors``) and are kept as :class:`TransferFailure` for the adapters.
+    Programming errors (bad arguments, unsupported types) raise.
+    """
+
+    #: True when the backend takes raw bytes / tensors natively (vllm-omni RDMA flag).
+    supports_raw_data: bool = False
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._counters = Counters(HEALTH_COUNTERS)
+        self._failures: deque[TransferFailure] = deque(maxlen=MAX_KEPT_FAILURES)
+        self._failures_lock = threading.Lock()
+
+    # -- the contract ---------------------------------------------------------
+    @abstractmethod
+    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        """Hand ``data`` to ``to_stage`` under ``key``; return ``(ok, nbytes, metadata)``."""
+
+    @abstractmethod
+    def get(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        """Take the object put under ``key``: ``(obj, nbytes)``, or ``None`` if not there yet."""
+
+    @abstractmethod
+    def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> tuple[Any, int] | None:
+        """Like :meth:`get`, waiting until ``time.monotonic() >= deadline`` at most."""
+
+    @abstractmethod
+    def cleanup(self, key: str) -> bool:
+        """Drop everything held for ``key``; True when something was dropped."""
+
+    @abstractmethod
+    def cleanup_prefix(self, prefix: str) -> int:
+        """Drop every key that is ``prefix`` + digits (:func:`key_matches_prefix`); return how many."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every socket, thread and segment. Idempotent; never hangs."""
+
+    def health(self) -> dict[str, Any]:
+        """Status (``"ok"``/``"closed"``) plus every counter, as a plain dict."""
+        snap = dict(self._counters.snapshot())
+        snap["bytes_transferred"] = snap.get("bytes_sent", 0) + snap.get("bytes_received", 0)
+        return {"status": "closed" if self._closed else "ok", **snap}
+
+    # -- vllm-omni hooks that most backends need not implement ------------------
+    def abandon_get(self, key: str) -> None:
+        """The caller stopped waiting for ``key`` (vllm-omni hook; no-op by default)."""
+
+    def reap_consumed(self) -> None:
+        """Reclaim resources of payloads consumed by the peer (no-op by default)."""
+
+    # -- failures kept for the adapters ----------------------------------------
+    def drain_failures(self) -> list[TransferFailure]:
+        """Return and forget every failure recorded since the last call."""
+        with self._failures_lock:
+            out = list(self._failures)
+            self._failures.clear()
+        return out
+
+    def _record_failure(
+        self,
+        op: Literal["put", "get"],
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        reason: str,
+        error: ZmqOmniError | None = None,
+    ) -> None:
+        """Keep a failure for :meth:`drain_failures` and count it (timeouts apart)."""
+        if isinstance(error, TimeoutError):
+            self._counters.add("timeouts")
+        else:
+            self._counters.add("errors")
+        failure = TransferFailure(key, from_stage, to_stage, op, reason, error, time.time())
+        with self._failures_lock:
+            if len(self._failures) == self._failures.maxlen:
+                self._counters.add("failures_dropped")
+            self._failures.append(failure)
+
+    # -- lifecycle --------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> OmniConnectorBase:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Safe after a failed __init__: _closed may not exist yet.
+        if getattr(self, "_closed", True):
+            return
+        warnings.warn(f"unclosed connector {self!r}", ResourceWarning, stacklevel=2, source=self)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 -- nothing may escape __del__
+            pass

@@ -1,0 +1,119 @@
+"""The one exception tree of zmq_omni.
+
+Every error the library raises on purpose is a :class:`ZmqOmniError`::
+
+    ZmqOmniError
+    ├── ConfigError (ValueError)            bad or missing config key, unknown connector name
+    ├── CodecError
+    │   ├── EncodeError (TypeError)         object cannot be encoded (unsupported type, limits)
+    │   └── DecodeError (ValueError)        frames are not a valid encoding (never another type)
+    ├── TransportError                      a socket-level fault, with the endpoint in the message
+    │   ├── TransportTimeoutError (TimeoutError)  an operation hit its bound
+    │   ├── PeerGoneError                   the peer disconnected, died, or never came
+    │   ├── ClosedResourceError             the connector/socket was already closed
+    │   ├── MessageTooLargeError            a message is above the configured maximum
+    │   └── DeliveryError                   delivery could not be confirmed before the deadline
+    └── ShmError                            shared-memory segment fault
+        └── ShmSpaceError                   /dev/shm has not enough free space
+
+pyzmq's ``zmq.ZMQError`` is translated into this tree in exactly one place,
+:func:`from_zmq_error`, with ``raise ... from exc`` at the call site.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+import zmq
+
+__all__ = [
+    "ClosedResourceError",
+    "CodecError",
+    "ConfigError",
+    "DecodeError",
+    "DeliveryError",
+    "EncodeError",
+    "MessageTooLargeError",
+    "PeerGoneError",
+    "ShmError",
+    "ShmSpaceError",
+    "TransportError",
+    "TransportTimeoutError",
+    "ZmqOmniError",
+    "from_zmq_error",
+]
+
+
+class ZmqOmniError(Exception):
+    """Root of every error zmq_omni raises on purpose."""
+
+
+class ConfigError(ZmqOmniError, ValueError):
+    """A config key is missing, unknown or has a bad value; the message names the key."""
+
+
+class CodecError(ZmqOmniError):
+    """Base of the wire codec errors."""
+
+
+class EncodeError(CodecError, TypeError):
+    """An object cannot be encoded (unsupported type, or over a size limit)."""
+
+
+class DecodeError(CodecError, ValueError):
+    """A frame set is not a valid encoding. Decoding raises nothing else."""
+
+
+class TransportError(ZmqOmniError):
+    """A socket-level fault. ``endpoint`` names the peer when known."""
+
+    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+        super().__init__(message if endpoint is None else f"{message} (endpoint={endpoint})")
+        self.endpoint = endpoint
+
+
+class TransportTimeoutError(TransportError, TimeoutError):
+    """An operation hit its time bound (send, receive, acknowledgement)."""
+
+
+class PeerGoneError(TransportError):
+    """The peer disconnected, died, or was never reachable."""
+
+
+class ClosedResourceError(TransportError):
+    """The connector or socket was used after ``close()``."""
+
+
+class MessageTooLargeError(TransportError):
+    """A message is larger than the configured maximum message size."""
+
+
+class DeliveryError(TransportError):
+    """Delivery of ``key`` could not be confirmed before its deadline."""
+
+    def __init__(self, message: str, *, key: str, endpoint: str | None = None) -> None:
+        super().__init__(f"{message} [key={key!r}]", endpoint=endpoint)
+        self.key = key
+
+
+class ShmError(ZmqOmniError):
+    """A shared-memory segment could not be created, attached or released."""
+
+
+class ShmSpaceError(ShmError):
+    """``/dev/shm`` has less free space than a write needs."""
+
+
+def from_zmq_error(exc: zmq.ZMQError, *, endpoint: str | None = None, op: str = "") -> TransportError:
+    """Translate a pyzmq error into the zmq_omni tree.
+
+    Call as ``raise from_zmq_error(exc, endpoint=ep, op="send") from exc``.
+    """
+    what = f"{op} failed: {exc}" if op else str(exc)
+    if isinstance(exc, zmq.Again) or exc.errno == _errno.EAGAIN:
+        return TransportTimeoutError(what, endpoint=endpoint)
+    if exc.errno in (zmq.ETERM, zmq.ENOTSOCK) or exc.errno == _errno.EBADF:
+        return ClosedResourceError(what, endpoint=endpoint)
+    if exc.errno in (zmq.EHOSTUNREACH, _errno.ECONNREFUSED, _errno.ECONNRESET):
+        return PeerGoneError(what, endpoint=endpoint)
+    return TransportError(what, endpoint=endpoint)

@@ -1,0 +1,42 @@
+"""Receiver-side bounds applied by :func:`zmq_omni.wire.decode` before it builds anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..errors import ConfigError
+
+__all__ = ["DecodeLimits"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLimits:
+    """Bounds a frame set must respect to be decoded; anything over raises ``DecodeError``.
+
+    Declared sizes in a header are never trusted: every array size is checked
+    against the bytes actually received, so these limits bound how much a
+    *valid-looking* message may make the receiver hold, not whether a forged
+    one can make it allocate (it cannot).
+
+    Attributes:
+        max_header_bytes: largest frame 0 (preamble plus msgpack header),
+            inline arrays, strings and bytes included. Default 64 MiB.
+        max_frames: largest number of out-of-band frames (frames after
+            frame 0). Default 65536.
+        max_total_bytes: largest sum of all frame sizes. Default 64 GiB.
+        max_ndim: largest number of dimensions of one array. Default 32
+            (numpy itself allows 64).
+    """
+
+    max_header_bytes: int = 64 << 20
+    max_frames: int = 65536
+    max_total_bytes: int = 64 << 30
+    max_ndim: int = 32
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if type(value) is not int or value < 0:
+                raise ConfigError(f"DecodeLimits.{field.name} must be a non-negative int, got {value!r}")
+        if self.max_ndim > 64:
+            raise ConfigError(f"DecodeLimits.max_ndim must be at most 64 (numpy's limit), got {self.max_ndim}")
