@@ -21,6 +21,7 @@ REPO_DIR="$(cd "${SCRIPT_DIR}/.." && pwd)"
 CACHE_DIR="${ZMQ_OMNI_DOCKER_CACHE:-${HOME:-/root}/.cache/zmq-omni-docker}"
 BASE_IMAGE="${ZMQ_OMNI_BASE_IMAGE:-zmq-omni-base:bookworm}"
 APP_IMAGE="${ZMQ_OMNI_IMAGE:-zmq-omni:local}"
+DEPS_IMAGE="${APP_IMAGE%%:*}-deps:local"
 SUITE="bookworm"
 # Packages added to debootstrap's minbase. python3 is 3.11 in bookworm, the same
 # ABI (cp311) as the wheels fetched below.
@@ -97,6 +98,11 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=...)"
 [[ -f "$REPO_DIR/pyproject.toml" ]] || die "no pyproject.toml in $REPO_DIR (use --repo DIR)"
 mkdir -p "$CACHE_DIR"
 CACHE_DIR="$(cd "$CACHE_DIR" && pwd)"
+# One build at a time per cache (a test and a developer may start it together).
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$CACHE_DIR/.lock"
+    flock -n 9 || { log "another build holds $CACHE_DIR/.lock: waiting"; flock 9; }
+fi
 log "repository: $REPO_DIR"
 log "cache:      $CACHE_DIR"
 
@@ -212,7 +218,9 @@ umount_below() {  # unmount anything debootstrap may have left mounted in $1
     done < <(awk -v d="$dir" '$2 == d || index($2, d "/") == 1 { print $2 }' /proc/mounts | sort -r)
 }
 
+OLD_BASE_ID=""
 build_base() {
+    OLD_BASE_ID="$(docker image inspect -f '{{.Id}}' "$BASE_IMAGE" 2>/dev/null || true)"
     if [[ $REBUILD_BASE -eq 0 ]] && image_exists "$BASE_IMAGE"; then
         if [[ "$(image_env "$BASE_IMAGE" ZMQ_OMNI_BASE_KEY)" == "$BASE_KEY" ]]; then
             log "base image $BASE_IMAGE exists: skipping debootstrap (--rebuild-base to force)"
@@ -316,41 +324,48 @@ fi
 PROJECT_OK=1
 build_project_wheel "$CONTEXT/wheels/project" || PROJECT_OK=0
 
+# The dependency stage is tagged too: an untagged stage image would be
+# "dangling" and lost to the pruning below, and with it the layer cache.
 t0=$(now)
+log "docker build -> $DEPS_IMAGE (dependency stage; log: $CACHE_DIR/docker-build.log)"
+docker build --target deps --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+    -t "$DEPS_IMAGE" "$CONTEXT" >"$CACHE_DIR/docker-build.log" 2>&1 \
+    || { cat "$CACHE_DIR/docker-build.log" >&2; die "docker build of the dependency stage failed"; }
+record "docker build (deps stage)" "$(since "$t0")"
+
+prune_superseded() {
+    # Images of this project that lost their tag to a newer build (old app and
+    # dependency stages, and through them old base layers). Filtered by the
+    # label set in docker/Dockerfile, so other images on the engine are safe.
+    docker image prune --force --filter dangling=true --filter label=io.zmq-omni.build=1 >/dev/null 2>&1 || true
+    if [[ -n "$OLD_BASE_ID" ]] && [[ "$OLD_BASE_ID" != "$(docker image inspect -f '{{.Id}}' "$BASE_IMAGE" 2>/dev/null)" ]]; then
+        docker image rm "$OLD_BASE_ID" >/dev/null 2>&1 || true
+    fi
+}
+
 if [[ $PROJECT_OK -eq 0 ]]; then
-    # Still build (and cache) the dependency layer so the next run is fast.
-    warn "the zmq-omni wheel did not build (log: $CACHE_DIR/project-wheel.log)"
-    log "building only the dependency stage -> zmq-omni-deps:local"
-    docker build --target deps --build-arg "BASE_IMAGE=$BASE_IMAGE" \
-        -t zmq-omni-deps:local "$CONTEXT" >"$CACHE_DIR/docker-build.log" 2>&1 \
-        || { cat "$CACHE_DIR/docker-build.log" >&2; die "docker build of the dependency stage failed"; }
-    record "docker build (deps only)" "$(since "$t0")"
+    prune_superseded
     print_timings
-    die "$APP_IMAGE NOT built: fix the project wheel build (see above); base and dependency layers are ready"
+    die "the zmq-omni wheel did not build (log: $CACHE_DIR/project-wheel.log): $APP_IMAGE NOT built; the base image, the dependency wheels and $DEPS_IMAGE are ready"
 fi
 
+t0=$(now)
 log "docker build -> $APP_IMAGE (log: $CACHE_DIR/docker-build.log)"
-OLD_ID="$(docker image inspect -f '{{.Id}}' "$APP_IMAGE" 2>/dev/null || true)"
 if ! docker build --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$APP_IMAGE" "$CONTEXT" \
-        >"$CACHE_DIR/docker-build.log" 2>&1; then
+        >>"$CACHE_DIR/docker-build.log" 2>&1; then
     cat "$CACHE_DIR/docker-build.log" >&2
     die "docker build of $APP_IMAGE failed"
 fi
 record "docker build (app)" "$(since "$t0")"
+prune_superseded
 
 # Quick check that the image runs the CLI.
 if ! docker run --rm "$APP_IMAGE" zmq-omni --help >/dev/null 2>"$CACHE_DIR/smoke.log"; then
     tail -n 5 "$CACHE_DIR/smoke.log" >&2
     warn "'zmq-omni --help' does not run in $APP_IMAGE yet (zmq_omni.cli missing?)"
 fi
-# Remove the image this build replaced (only that one: the engine is shared).
-NEW_ID="$(docker image inspect -f '{{.Id}}' "$APP_IMAGE")"
-if [[ -n "$OLD_ID" && "$OLD_ID" != "$NEW_ID" ]]; then
-    docker image rm "$OLD_ID" >/dev/null 2>&1 || true
-fi
-
 print_timings
 log "images:"
-docker image ls --format '    {{.Repository}}:{{.Tag}}  {{.Size}}' \
-    | grep -E "^    (${BASE_IMAGE}|${APP_IMAGE})  " >&2 || true
+docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' \
+    | grep -E "^(${BASE_IMAGE}|${DEPS_IMAGE}|${APP_IMAGE})  " | sed 's/^/    /' >&2 || true
 log "done: $APP_IMAGE"

@@ -38,3 +38,15 @@ def inproc_pair(tmp: Path) -> Iterator[Pair]:
         {"namespace": namespace, "stage_id": "1"}
     ) as receiver:
         yield sender, receiver, ("0", "1")
+
+
+@kind("shm")
+@contextmanager
+def shm_pair(tmp: Path) -> Iterator[Pair]:
+    from zmq_omni.connectors.shm import SharedMemoryConnector
+
+    config = {"namespace": f"contract-{uuid.uuid4().hex}", "spill_dir": str(tmp)}
+    with SharedMemoryConnector({**config, "stage_id": "0"}) as sender, SharedMemoryConnector(
+        {**config, "stage_id": "1"}
+    ) as receiver:
+        yield sender, receiver, ("0", "1")

@@ -35,6 +35,12 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # name -> module that defines it; imported on first attribute access.
 _LAZY: dict[str, str] = {
     "InProcConnector": "zmq_omni.connectors.inproc",
+    "DriverEvent": "zmq_omni.adapters.worker",
+    "PipelineConfig": "zmq_omni.adapters.worker",
+    "PipelineDriver": "zmq_omni.adapters.worker",
+    "StageSpec": "zmq_omni.adapters.worker",
+    "StageWorker": "zmq_omni.adapters.worker",
+    "load_pipeline_config": "zmq_omni.adapters.worker",
 }
 
 __all__ = [
@@ -44,6 +50,7 @@ __all__ = [
     "ConnectorSpec",
     "DecodeError",
     "DeliveryError",
+    "DriverEvent",
     "EncodeError",
     "InProcConnector",
     "MessageTooLargeError",
@@ -51,8 +58,12 @@ __all__ = [
     "OmniConnectorFactory",
     "OmniTransferConfig",
     "PeerGoneError",
+    "PipelineConfig",
+    "PipelineDriver",
     "ShmError",
     "ShmSpaceError",
+    "StageSpec",
+    "StageWorker",
     "TransferFailure",
     "TransportError",
     "TransportTimeoutError",
@@ -60,6 +71,7 @@ __all__ = [
     "__version__",
     "create_connector",
     "load_omni_transfer_config",
+    "load_pipeline_config",
 ]
 
 

@@ -122,13 +122,33 @@ class RetryPolicy:
 
         return tenacity.Retrying(
             stop=stop,
-            wait=tenacity.wait_exponential_jitter(
-                initial=self.backoff_initial_s,
-                max=self.backoff_max_s,
-                exp_base=self.backoff_multiplier,
-                jitter=self.jitter_s,
-            ),
+            wait=self._wait(),
             retry=tenacity.retry_if_exception(self.retryable),
             sleep=sleep,
             reraise=True,
         )
+
+    def polling(self, timeout_s: float, *, stop_event: threading.Event | None = None) -> tenacity.Retrying:
+        """A ``tenacity.Retrying`` for a bounded receive: repeat while the call returns None.
+
+        The call is expected to wait by itself (``get_with_deadline``); the
+        policy's back-off only paces calls that return None early (a transport
+        fault), so a broken connector is not hammered. Gives up with result
+        None once ``timeout_s`` has passed or ``stop_event`` is set.
+        """
+        stop: tenacity.stop.stop_base = tenacity.stop_after_delay(timeout_s)
+        if stop_event is not None:
+            stop = stop | tenacity.stop_when_event_set(stop_event)
+        return tenacity.Retrying(
+            stop=stop,
+            wait=self._wait(),
+            retry=tenacity.retry_if_result(lambda result: result is None),
+            retry_error_callback=lambda _state: None,
+        )
+
+    def _wait(self) -> tenacity.wait.wait_base:
+        # wait_exponential + wait_random rather than wait_exponential_jitter, whose
+        # arguments changed between tenacity 8 and 9.
+        return tenacity.wait_exponential(
+            multiplier=self.backoff_initial_s, max=self.backoff_max_s, exp_base=self.backoff_multiplier
+        ) + tenacity.wait_random(0, self.jitter_s)

@@ -49,7 +49,9 @@ def read_str(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: s
     return str(value)
 
 
-def read_int(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: int | None = None) -> Any:
+def read_int(
+    data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: int | None = None
+) -> Any:
     """Read an integer, optionally with a lower bound."""
     value = _read(data, key, default, path)
     if value is default:

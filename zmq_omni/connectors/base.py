@@ -6,10 +6,11 @@ worker written for vllm-omni can use any zmq_omni connector unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
@@ -67,7 +68,16 @@ class TransferFailure:
     at: float = 0.0
 
 
-class OmniConnectorBase(ABC):
+class _ConnectorMeta(ABCMeta):
+    """Marks an instance as fully built once its whole ``__init__`` chain returned."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        instance = super().__call__(*args, **kwargs)
+        instance._fully_built = True
+        return instance
+
+
+class OmniConnectorBase(metaclass=_ConnectorMeta):
     """Base of every connector: ``put``/``get`` keyed by ``(from_stage, to_stage, key)``.
 
     Who calls what, and from which thread:
@@ -203,11 +213,14 @@ class OmniConnectorBase(ABC):
         self.close()
 
     def __del__(self) -> None:
-        # Safe after a failed __init__: _closed may not exist yet.
+        # Safe after a failed __init__: _closed may not exist yet, and a connector
+        # whose constructor raised was never handed to the caller, so no warning.
         if getattr(self, "_closed", True):
             return
+        if not getattr(self, "_fully_built", False):
+            with contextlib.suppress(Exception):
+                self.close()
+            return
         warnings.warn(f"unclosed connector {self!r}", ResourceWarning, stacklevel=2, source=self)
-        try:
+        with contextlib.suppress(Exception):  # nothing may escape __del__
             self.close()
-        except Exception:  # noqa: BLE001 -- nothing may escape __del__
-            pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from ..config import ConnectorSpec
 from ..errors import ConfigError
@@ -48,7 +48,7 @@ def _import_path(path: str) -> ConnectorConstructor:
 class OmniConnectorFactory:
     """The connector registry (class-level, like vllm-omni's factory)."""
 
-    _registry: ClassVar[dict[str, Union[ConnectorConstructor, str]]] = dict(_BUILTIN)
+    _registry: ClassVar[dict[str, ConnectorConstructor | str]] = dict(_BUILTIN)
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod

@@ -56,7 +56,7 @@ class Owner:
             return True
         start = process_start_time(self.pid)
         # -1: the process exists but /proc hides it from us; never call that dead.
-        return start is not None and (start == self.start or start == -1)
+        return start is not None and start in (self.start, -1)
 
 
 def process_start_time(pid: int) -> int | None:

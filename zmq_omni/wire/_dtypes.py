@@ -12,6 +12,7 @@ imported lazily on decode, the first time a frame set needs them.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import threading
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 
 __all__ = [
     "BFLOAT16",
+    "NAME_OF_NUMPY",
     "WIRE_DTYPES",
     "numpy_dtype_for",
     "torch_dtype_for",
@@ -43,13 +45,15 @@ _NUMPY_NAMES = (
 #: Every dtype string the format allows, in a stable order (documented in docs/wire-format.md).
 WIRE_DTYPES: tuple[str, ...] = (*_NUMPY_NAMES, BFLOAT16)
 
-# Encode side: numpy dtype -> wire name. np.dtype hashes and compares by
-# byte order, so "=f4" and "<f4" share an entry on a little-endian host.
-_NAME_OF_NUMPY: dict[np.dtype[Any], str] = {np.dtype(name): name for name in _NUMPY_NAMES}
+#: Encode side: numpy dtype -> wire name. np.dtype hashes and compares by
+#: byte order, so "=f4" and "<f4" share an entry on a little-endian host.
+NAME_OF_NUMPY: dict[np.dtype[Any], str] = {np.dtype(name): name for name in _NUMPY_NAMES}
 
 # Decode side: wire name (bytes, as sliced from the header) -> numpy dtype.
 # bfloat16 is resolved lazily because it needs ml_dtypes.
 _NUMPY_OF_NAME: dict[bytes, np.dtype[Any]] = {name.encode(): np.dtype(name) for name in _NUMPY_NAMES}
+
+log = logging.getLogger("zmq_omni.wire")
 
 _lazy_lock = threading.Lock()
 _bf16_numpy: np.dtype[Any] | None = None
@@ -60,15 +64,16 @@ _torch: Any = _MISSING
 
 def wire_name_of_numpy(dtype: np.dtype[Any]) -> str | None:
     """The wire name of a numpy dtype, or ``None`` when the format does not carry it."""
-    name = _NAME_OF_NUMPY.get(dtype)
+    name = NAME_OF_NUMPY.get(dtype)
     if name is not None:
         return name
     # ml_dtypes registers bfloat16 as a void-kind dtype of its own type; it
     # can only reach us if the caller already imported ml_dtypes.
     if dtype.name == "bfloat16":
         ml = sys.modules.get("ml_dtypes")
+        # Not cached in NAME_OF_NUMPY: the codec's fast path assumes every
+        # dtype there exports a standard buffer format, and bfloat16 does not.
         if ml is not None and dtype.type is ml.bfloat16:
-            _NAME_OF_NUMPY[dtype] = BFLOAT16
             return BFLOAT16
     return None
 
@@ -82,6 +87,7 @@ def _bfloat16_numpy() -> np.dtype[Any]:
                 ml = importlib.import_module("ml_dtypes")
                 _bf16_numpy = np.dtype(ml.bfloat16)
             except ImportError:
+                log.info("ml_dtypes is not installed: bfloat16 arrays decode to uint16 bit patterns")
                 _bf16_numpy = np.dtype("<u2")
     return _bf16_numpy
 

@@ -1,0 +1,194 @@
+"""``zmq-omni`` as users run it: separate processes, real sockets over tcp://127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+CLI = [sys.executable, "-m", "zmq_omni.cli"]
+STAGES = (("thinker", 0), ("talker", 1), ("vocoder", 2))
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")}
+
+
+def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=_env(), check=False)
+
+
+def write_pipeline(path: Path, *, stall: float = 5.0, request_timeout: float = 30.0) -> dict[str, str]:
+    endpoints = {name: f"tcp://127.0.0.1:{_port()}" for name in ("driver", "thinker", "talker", "vocoder")}
+    doc: dict[str, Any] = {
+        "pipeline": {
+            "name": "test-tcp",
+            "stall_timeout_s": stall,
+            "request_timeout_s": request_timeout,
+            "retry": {"attempts": 2, "deadline_s": 1.0},
+            "driver": {"stage_id": "driver", "endpoint": endpoints["driver"]},
+            "stages": [{"name": name, "stage_id": sid, "function": f"zmq_omni.cli.demo_stages:{name}",
+                        "endpoint": endpoints[name]} for name, sid in STAGES],
+        },
+        "stage_args": [
+            {"stage_id": 0, "input_connectors": {"from_stage_driver": "tcp"}, "output_connectors": {"to_stage_1": "tcp"}},
+            {"stage_id": 1, "input_connectors": {"from_stage_0": "tcp"}, "output_connectors": {"to_stage_2": "tcp"}},
+            {"stage_id": 2, "input_connectors": {"from_stage_1": "tcp"},
+             "output_connectors": {"to_stage_driver": "tcp"}},
+        ],
+        "runtime": {"connectors": {"tcp": {"name": "ZmqConnector",
+                                           "extra": {"shm": "off", "put_timeout_s": 2.0, "delivery_timeout_s": 3.0,
+                                                     "peer_timeout_s": 1.0, "heartbeat_s": 0.2}}}},
+    }
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return endpoints
+
+
+class StageProcs:
+    def __init__(self, config: Path, names: list[str]) -> None:
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        for name in names:
+            self.procs[name] = subprocess.Popen(
+                [*CLI, "stage", "--config", str(config), "--stage", name], stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, env=_env())
+
+    def terminate(self) -> dict[str, tuple[int, str]]:
+        out: dict[str, tuple[int, str]] = {}
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in self.procs.items():
+            try:
+                _, err = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            out[name] = (proc.returncode, err)
+        return out
+
+
+@pytest.fixture
+def stage_procs() -> Iterator[list[StageProcs]]:
+    made: list[StageProcs] = []
+    yield made
+    for procs in made:
+        procs.terminate()
+
+
+def test_help_on_every_subcommand() -> None:
+    top = run_cli("--help")
+    assert top.returncode == 0 and "demo" in top.stdout and "shm-sweep" in top.stdout
+    for command in ("demo", "stage", "drive", "health", "bench", "shm-sweep"):
+        result = run_cli(command, "--help")
+        assert result.returncode == 0, command
+        assert f"usage: zmq-omni {command}" in result.stdout
+
+
+def test_pipeline_from_yaml_three_stage_processes_over_tcp(
+    short_tmp: Path, stage_procs: list[StageProcs]
+) -> None:
+    config = short_tmp / "pipeline.yaml"
+    endpoints = write_pipeline(config)
+    procs = StageProcs(config, ["thinker", "talker", "vocoder"])
+    stage_procs.append(procs)
+
+    out = short_tmp / "out"
+    drive = run_cli("drive", "--config", str(config), "--requests", "3", "--chunks", "4", "--payload-size", "32768",
+                    "--out", str(out), "--wait-ready", "30", timeout=90)
+    assert drive.returncode == 0, drive.stdout + drive.stderr
+    for i in range(3):
+        assert f"req-{i:03d} completed: " in drive.stdout
+        assert (out / f"req-{i:03d}.wav").stat().st_size > 44
+    assert "FAILED" not in drive.stdout and "failures" in drive.stdout
+
+    healthy = run_cli("health", "--endpoint", endpoints["talker"])
+    assert healthy.returncode == 0, healthy.stderr
+    assert '"status": "ok"' in healthy.stdout
+    by_stage = run_cli("health", "--config", str(config), "--stage", "vocoder")
+    assert by_stage.returncode == 0, by_stage.stderr
+
+    # SIGTERM stops every stage cleanly: exit 0, adapters shut down, no traceback.
+    for name, (code, err) in procs.terminate().items():
+        assert code == 0, (name, err)
+        assert f"zmq-omni stage {name}: stopped (3 requests completed, 0 failed)" in err
+        assert "Traceback" not in err
+
+
+def test_driver_reports_failed_requests_when_a_stage_is_down(
+    short_tmp: Path, stage_procs: list[StageProcs]
+) -> None:
+    config = short_tmp / "pipeline.yaml"
+    write_pipeline(config, stall=1.0, request_timeout=6.0)
+    stage_procs.append(StageProcs(config, ["thinker", "vocoder"]))  # the talker never comes
+    started = time.monotonic()
+    drive = run_cli("drive", "--config", str(config), "--requests", "2", "--chunks", "2", "--payload-size", "16384",
+                    "--wait-ready", "0", timeout=60)
+    assert drive.returncode == 1, drive.stdout + drive.stderr
+    assert "req-000 FAILED: " in drive.stdout and "req-001 FAILED: " in drive.stdout
+    assert time.monotonic() - started < 45
+
+
+def test_health_against_nothing_exits_1_with_one_line() -> None:
+    result = run_cli("health", "--endpoint", f"tcp://127.0.0.1:{_port()}", "--timeout", "0.5")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "unhealthy" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "cannot read pipeline config"),
+        ("pipeline: {stages: [{name: a, stage_id: 0}]}\n", "pipeline.stages[0].function"),
+        ("pipeline: {stages: [{name: a, stage_id: 0, function: 'x:y', colour: red}]}\n",
+         "unknown config key 'pipeline.stages[0].colour'"),
+        ("pipeline: [unclosed\n", "invalid YAML"),
+        ("pipeline: {stages: [{name: a, stage_id: 0, function: 'no.such.module:f', endpoint: 'tcp://127.0.0.1:1'}]}\n",
+         "cannot import 'no.such.module'"),
+    ],
+)
+def test_bad_config_is_one_clear_line(short_tmp: Path, content: str | None, needle: str) -> None:
+    config = short_tmp / "bad.yaml"
+    if content is not None:
+        config.write_text(content, encoding="utf-8")
+    result = run_cli("stage", "--config", str(config), "--stage", "a")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("zmq-omni stage: configuration error: ") and needle in lines[0]
+    drive = run_cli("drive", "--config", str(config), "--wait-ready", "0")
+    assert drive.returncode == 2 and len(drive.stderr.strip().splitlines()) == 1, drive.stderr
+
+
+def test_unknown_stage_name_is_one_line(short_tmp: Path) -> None:
+    config = short_tmp / "pipeline.yaml"
+    write_pipeline(config)
+    result = run_cli("stage", "--config", str(config), "--stage", "mixer")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "zmq-omni stage: configuration error: pipeline 'test-tcp' has no stage 'mixer' (stages: thinker, talker, "
+        "vocoder)"
+    ]
+
+
+def test_shm_sweep_dry_run(short_tmp: Path) -> None:
+    result = subprocess.run([*CLI, "shm-sweep", "--dry-run"], capture_output=True, text=True, timeout=30,
+                            env={**_env(), "ZMQ_OMNI_SHM_DIR": str(short_tmp)}, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "shm-sweep: would remove 0 objects" in result.stdout

@@ -1,0 +1,723 @@
+"""OmniChunkManager: stream a request's data to the next stage in chunks.
+
+Keys and order:
+    The sender puts chunk ``n`` of a request under ``{external_req_id}_{stage_id}_{n}``;
+    the receiver reads ``{external_req_id}_{upstream_stage_id}_{n}`` for n = 0, 1, 2, ...
+    Chunk ids are assigned by ``save_async`` in call order, and the save thread
+    sends them in that order. The receiver reads each key once, in order, so it
+    never sees a chunk twice and never out of order.
+
+On the wire, a chunk is ``{"meta": {"chunk_id", "final", "cancelled"}, "data": {...}}``.
+``final`` is the in-band end of stream. ``data`` is the caller's payload (a
+dict of arrays and metadata); see :func:`~zmq_omni.adapters.assemble_chunks`
+for how received chunks become the next stage's inputs (arrays concatenated
+along ``concat_axis``, metadata merged).
+
+Ownership: ``save_async`` returns before the put happens, so the payload's
+arrays belong to the manager from then on; do not write into them afterwards
+(pass a copy when a buffer is reused).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Mapping, MutableSequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..config import ConnectorSpec
+from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
+from ..connectors import OmniConnectorBase
+from ..errors import ConfigError
+from ._assemble import assemble_chunks
+from .base import OmniTransferAdapterBase, RecvTarget
+from .retry import RetryPolicy
+from .scheduling import SchedulableRequest, SchedulerOutputLike
+
+__all__ = ["ChunkInputs", "ChunkManagerConfig", "OmniChunkManager"]
+
+R = TypeVar("R", bound=SchedulableRequest)
+
+logger = logging.getLogger("zmq_omni.adapters")
+
+#: How many finished requests the manager remembers (to attribute late failures
+#: and to refuse a second stream under a used id); older ones are forgotten.
+_REMEMBERED = 65_536
+
+
+def _neighbour(stage_id: str, step: int) -> str | None:
+    try:
+        value = int(stage_id) + step
+    except ValueError:
+        return None
+    return str(value) if value >= 0 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkManagerConfig:
+    """Config of an :class:`OmniChunkManager` (build from YAML with :meth:`from_dict`).
+
+    Attributes:
+        stage_id: this stage; chunks it sends are keyed with it.
+        upstream_stage_id: the stage it receives from; default ``stage_id - 1``
+            for numeric ids (none for stage 0).
+        downstream_stage_id: the stage it sends to; default ``stage_id + 1``
+            for numeric ids.
+        connector: the connector to build when none is passed in.
+        retry: the send policy; a chunk that exhausts it fails its request.
+        stall_timeout_s: a receiving request that gets no chunk for this long
+            is reported by ``collect_failed_receive_request_ids()``.
+        recv_wait_s: longest block of the receive worker on one key (bounds
+            the latency of other keys and of stall detection).
+        concat_axis: axis along which received arrays are concatenated.
+        shutdown_grace_s: how long ``shutdown`` waits for a put in progress.
+    """
+
+    stage_id: str
+    upstream_stage_id: str | None = None
+    downstream_stage_id: str | None = None
+    connector: ConnectorSpec | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    stall_timeout_s: float = 30.0
+    recv_wait_s: float = 0.01
+    concat_axis: int = 0
+    shutdown_grace_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_id", str(self.stage_id))
+        if self.upstream_stage_id is None:
+            object.__setattr__(self, "upstream_stage_id", _neighbour(self.stage_id, -1))
+        if self.downstream_stage_id is None:
+            object.__setattr__(self, "downstream_stage_id", _neighbour(self.stage_id, +1))
+        if self.stall_timeout_s <= 0 or self.recv_wait_s <= 0:
+            raise ConfigError("'stall_timeout_s' and 'recv_wait_s' must be > 0")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
+        """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
+        known = ("stage_id", "upstream_stage_id", "downstream_stage_id", "connector", "retry",
+                 "stall_timeout_s", "recv_wait_s", "concat_axis", "shutdown_grace_s")
+        check_known_keys(data, known, path)
+        spec = data.get("connector")
+        d = cls.__dataclass_fields__
+        return cls(
+            stage_id=read_str(data, "stage_id", path=path),
+            upstream_stage_id=read_str(data, "upstream_stage_id", None, path),
+            downstream_stage_id=read_str(data, "downstream_stage_id", None, path),
+            connector=None if spec is None else (
+                spec if isinstance(spec, ConnectorSpec) else ConnectorSpec.from_dict(spec, f"{path}.connector")
+            ),
+            retry=RetryPolicy.from_dict(read_mapping(data, "retry", {}, path), f"{path}.retry"),
+            stall_timeout_s=read_float(data, "stall_timeout_s", d["stall_timeout_s"].default, path),
+            recv_wait_s=read_float(data, "recv_wait_s", d["recv_wait_s"].default, path),
+            concat_axis=read_int(data, "concat_axis", d["concat_axis"].default, path),
+            shutdown_grace_s=read_float(data, "shutdown_grace_s", d["shutdown_grace_s"].default, path, minimum=0),
+        )
+
+
+@dataclass(frozen=True)
+class ChunkInputs:
+    """The assembled inputs of one request for one scheduling step.
+
+    Attributes:
+        request_id: the request.
+        data: the chunks received since the last take, assembled.
+        first_chunk_id: id of the oldest chunk in ``data``.
+        num_chunks: how many chunks ``data`` holds (empty keep-alive chunks excluded).
+        is_final: the upstream stream ended with these inputs; nothing more comes.
+        cancelled: the upstream cancelled the request; ``data`` may be incomplete.
+    """
+
+    request_id: str
+    data: dict[str, Any]
+    first_chunk_id: int
+    num_chunks: int
+    is_final: bool
+    cancelled: bool = False
+
+
+@dataclass
+class _SaveItem:
+    request_id: str
+    key: str
+    chunk_id: int
+    data: Mapping[str, Any]
+    final: bool
+    cancelled: bool = False
+    done: threading.Event | None = None
+    ok: bool = False
+
+
+@dataclass
+class _SendState:
+    request_id: str
+    prefix: str
+    next_chunk_id: int = 0
+    terminal_queued: bool = False
+    cancelled: bool = False
+    failed: bool = False
+
+
+@dataclass
+class _RecvState:
+    request_id: str
+    prefix: str
+    last_progress: float
+    next_chunk_id: int = 0
+    ready: list[Mapping[str, Any]] = field(default_factory=list)
+    first_ready_id: int = 0
+    final: bool = False
+    cancelled_upstream: bool = False
+    all_chunks: list[Mapping[str, Any]] | None = None  # kept for a synchronous load()
+
+
+class OmniChunkManager(OmniTransferAdapterBase):
+    """The chunk transfer adapter: asynchronous chunk streams between two stages.
+
+    Sender side (this stage produces): :meth:`save_async` per chunk, the last one
+    with ``is_final=True``; :meth:`save` waits for the put. Receiver side (this
+    stage consumes): :meth:`load_async` registers a request; its chunks are
+    fetched in the background and assembled by :meth:`take_inputs`, or by the
+    scheduler hooks :meth:`process_pending_chunks`, :meth:`restore_queues` and
+    :meth:`filter_scheduler_output`; :meth:`load` waits for a whole stream.
+
+    The scheduler drains :meth:`collect_failed_send_request_ids` (a chunk that
+    could not be delivered) and :meth:`collect_failed_receive_request_ids`
+    (upstream silent for ``stall_timeout_s``, or a bad chunk) every step, and
+    calls :meth:`release` when a request is done or :meth:`cancel` to abort it.
+    """
+
+    def __init__(self, config: ChunkManagerConfig | Mapping[str, Any], connector: OmniConnectorBase | None = None):
+        cfg = config if isinstance(config, ChunkManagerConfig) else ChunkManagerConfig.from_dict(config)
+        super().__init__(
+            cfg, connector, stage_id=cfg.stage_id, retry=cfg.retry, recv_wait_s=cfg.recv_wait_s,
+            shutdown_grace_s=cfg.shutdown_grace_s, name="chunks",
+        )
+        self.config: ChunkManagerConfig = cfg
+        self._save_queue: deque[_SaveItem] = deque()
+        self._send: dict[str, _SendState] = {}
+        self._recv: dict[str, _RecvState] = {}
+        self._rotation = 0
+        # key prefix -> request id, for failures reported by key (bounded, LRU).
+        self._send_owner: OrderedDict[str, str] = OrderedDict()
+        self._recv_owner: OrderedDict[str, str] = OrderedDict()
+        self._ended_streams: OrderedDict[str, None] = OrderedDict()
+        self._progress = threading.Event()
+        self._loaded_cond = threading.Condition(self._lock)
+        self._sent_cond = threading.Condition(self._lock)
+        self._parked: dict[str, tuple[list[str], list[Any]]] = {}
+        self._start_workers()
+
+    # -- keys --------------------------------------------------------------------------
+    def send_key(self, external_req_id: str, chunk_id: int) -> str:
+        """The key chunk ``chunk_id`` of a request is put under by this stage."""
+        return f"{external_req_id}_{self.stage_id}_{chunk_id}"
+
+    def recv_key(self, external_req_id: str, chunk_id: int) -> str:
+        """The key chunk ``chunk_id`` of a request is read from (upstream stage id)."""
+        return f"{external_req_id}_{self.config.upstream_stage_id}_{chunk_id}"
+
+    @staticmethod
+    def _remember(book: OrderedDict[str, Any], key: str, value: Any) -> None:
+        book[key] = value
+        book.move_to_end(key)
+        while len(book) > _REMEMBERED:
+            book.popitem(last=False)
+
+    # -- sender side -----------------------------------------------------------------------
+    def save_async(
+        self,
+        request_id: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        is_final: bool = False,
+        external_req_id: str | None = None,
+    ) -> int | None:
+        """Queue the next chunk of ``request_id`` and return its chunk id at once.
+
+        Args:
+            request_id: the scheduler's id; failures are reported under it.
+            payload: a dict of arrays and metadata (``None`` or ``{}`` for an
+                end-of-stream marker without data). Not copied: do not
+                modify its arrays afterwards.
+            is_final: this is the last chunk (in-band end of stream).
+            external_req_id: the id shared by all stages, used in keys
+                (default ``request_id``); fixed by the first chunk.
+
+        Returns:
+            The chunk id, or ``None`` when the request was cancelled or already
+            failed to send (its failure is, or was, reported).
+
+        Raises:
+            ValueError: a chunk after the final one.
+            ConfigError: this stage has no downstream stage.
+        """
+        _save_item = self._queue_chunk(request_id, payload, is_final, external_req_id, None)
+        return None if _save_item is None else _save_item.chunk_id
+
+    def save(
+        self,
+        request_id: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        is_final: bool = True,
+        external_req_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Send one chunk (by default the whole, final payload) and wait until it is put.
+
+        Returns True when the put succeeded; False when it failed (reported as a
+        send failure) or ``timeout_s`` passed first (the chunk stays queued).
+        """
+        done = threading.Event()
+        item = self._queue_chunk(request_id, payload, is_final, external_req_id, done)
+        if item is None:
+            return False
+        done.wait(timeout_s)
+        return item.ok
+
+    def _queue_chunk(
+        self,
+        request_id: str,
+        payload: Mapping[str, Any] | None,
+        is_final: bool,
+        external_req_id: str | None,
+        done: threading.Event | None,
+    ) -> _SaveItem | None:
+        if self.config.downstream_stage_id is None:
+            raise ConfigError(f"stage {self.stage_id} has no downstream_stage_id to send to")
+        if payload is not None and not isinstance(payload, Mapping):
+            raise TypeError(f"chunk payload must be a mapping, got {type(payload).__name__}")
+        with self._lock:
+            state = self._send.get(request_id)
+            if state is None:
+                if request_id in self._ended_streams:
+                    raise ValueError(f"request {request_id!r} already ended its stream")
+                prefix = f"{external_req_id or request_id}_{self.stage_id}_"
+                state = self._send[request_id] = _SendState(request_id, prefix)
+                self._remember(self._send_owner, prefix, request_id)
+            if state.cancelled or state.failed:
+                return None
+            if state.terminal_queued:
+                raise ValueError(f"request {request_id!r}: chunk after the final one")
+            item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id,
+                             payload or {}, is_final, done=done)
+            state.next_chunk_id += 1
+            state.terminal_queued = is_final
+            self._save_queue.append(item)
+            self._save_cond.notify()
+        return item
+
+    def _next_save_item(self) -> _SaveItem | None:
+        return self._save_queue.popleft() if self._save_queue else None
+
+    def _request_id_of_item(self, item: Any) -> str | None:
+        return item.request_id if isinstance(item, _SaveItem) else None
+
+    def _send_item(self, item: Any) -> None:
+        assert isinstance(item, _SaveItem)
+        with self._lock:
+            state = self._send.get(item.request_id)
+            if state is None or state.failed:
+                return
+        wire = {"meta": {"chunk_id": item.chunk_id, "final": item.final, "cancelled": item.cancelled},
+                "data": item.data}
+        downstream = self.config.downstream_stage_id
+        assert downstream is not None
+        item.ok = self._put_with_retry(item.request_id, downstream, item.key, wire)
+        if item.ok and item.final:
+            with self._lock:
+                if self._send.get(item.request_id) is state:
+                    del self._send[item.request_id]
+                self._remember(self._ended_streams, item.request_id, None)
+            with self._failures_lock:
+                self._finished_saved.add(item.request_id)
+
+    def _save_item_done(self, item: Any) -> None:
+        if isinstance(item, _SaveItem) and item.done is not None:
+            item.done.set()
+
+    def _on_send_failure(self, request_id: str) -> None:
+        with self._lock:
+            state = self._send.get(request_id)
+            if state is not None:
+                state.failed = True
+                self._drop_queued(request_id)
+        self._progress.set()
+
+    def _drop_queued(self, request_id: str) -> list[_SaveItem]:
+        """Remove and return the queued items of ``request_id`` (lock held)."""
+        dropped = [item for item in self._save_queue if item.request_id == request_id]
+        if dropped:
+            self._save_queue = deque(item for item in self._save_queue if item.request_id != request_id)
+            for item in dropped:
+                if item.done is not None:
+                    item.done.set()
+        return dropped
+
+    # -- receiver side --------------------------------------------------------------------
+    def load_async(self, request_id: str, *, external_req_id: str | None = None) -> None:
+        """Start receiving the chunk stream of ``request_id``; returns at once, idempotent.
+
+        A no-op on a stage without an upstream stage (stage 0).
+        """
+        self._register(request_id, external_req_id, keep_all=False)
+
+    def _register(self, request_id: str, external_req_id: str | None, *, keep_all: bool) -> _RecvState | None:
+        if self.config.upstream_stage_id is None:
+            return None
+        with self._lock:
+            state = self._recv.get(request_id)
+            if state is None:
+                prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"
+                state = self._recv[request_id] = _RecvState(request_id, prefix, time.monotonic())
+                self._remember(self._recv_owner, prefix, request_id)
+                self._kick_recv()
+            if keep_all and state.all_chunks is None:
+                state.all_chunks = list(state.ready)
+            return state
+
+    def load(
+        self, request_id: str, *, external_req_id: str | None = None, timeout_s: float | None = None
+    ) -> ChunkInputs | None:
+        """Receive the whole stream of ``request_id`` and return it assembled.
+
+        Waits until the final chunk arrives, the request fails (stall, bad
+        chunk, cancel) or ``timeout_s`` (default ``stall_timeout_s``) passes
+        without a chunk; a timeout is reported as a receive failure. Returns
+        None on failure.
+        """
+        limit = self.config.stall_timeout_s if timeout_s is None else timeout_s
+        state = self._register(request_id, external_req_id, keep_all=True)
+        if state is None:
+            raise ConfigError(f"stage {self.stage_id} has no upstream_stage_id to load from")
+        with self._loaded_cond:
+            while self._recv.get(request_id) is state and not state.final and not self.stop_event.is_set():
+                remaining = state.last_progress + limit - time.monotonic()
+                if remaining <= 0:
+                    self._fail_receiving_locked(
+                        state, f"load timed out: no chunk from stage {self.config.upstream_stage_id} "
+                               f"for {limit:.1f}s (waiting for chunk {state.next_chunk_id})")
+                    return None
+                self._loaded_cond.wait(remaining)
+            if self._recv.get(request_id) is not state or not state.final:
+                return None
+            chunks = state.all_chunks or []
+            del self._recv[request_id]
+        with self._failures_lock:
+            self._finished_loaded.add(request_id)
+        return ChunkInputs(request_id, assemble_chunks(chunks, self.config.concat_axis), 0, len(chunks),
+                           True, state.cancelled_upstream)
+
+    def _has_pending_loads(self) -> bool:
+        return any(not state.final for state in self._recv.values())
+
+    def _recv_pass(self) -> bool:
+        now = time.monotonic()
+        stalled: list[_RecvState] = []
+        with self._lock:
+            active = [s for s in self._recv.values() if not s.final]
+            for state in active:
+                if now - state.last_progress > self.config.stall_timeout_s:
+                    stalled.append(state)
+        for state in stalled:
+            with self._lock:
+                if self._recv.get(state.request_id) is state and not state.final:
+                    self._fail_receiving_locked(
+                        state, f"stalled: no chunk from stage {self.config.upstream_stage_id} for "
+                               f"{self.config.stall_timeout_s:.1f}s (waiting for chunk {state.next_chunk_id})")
+        progressed = False
+        upstream = self.config.upstream_stage_id
+        assert upstream is not None or not active
+        for state in active:
+            if state in stalled:
+                continue
+            while not self.stop_event.is_set():
+                key = f"{state.prefix}{state.next_chunk_id}"
+                got = self.connector.get(str(upstream), self.stage_id, key)
+                if got is None:
+                    break
+                self.counters.add("gets")
+                progressed = True
+                if not self._recv_commit(RecvTarget(str(upstream), self.stage_id, key), got[0], state):
+                    break
+        return progressed
+
+    def _recv_target(self) -> RecvTarget | None:
+        with self._lock:
+            active = [s for s in self._recv.values() if not s.final]
+            if not active:
+                return None
+            self._rotation = (self._rotation + 1) % len(active)
+            state = active[self._rotation]
+            return RecvTarget(str(self.config.upstream_stage_id), self.stage_id,
+                              f"{state.prefix}{state.next_chunk_id}")
+
+    def _recv_commit(self, target: RecvTarget, obj: Any, state: _RecvState | None = None) -> bool:
+        """Apply a received chunk; False when the stream of its request stopped."""
+        with self._lock:
+            if state is None:
+                prefix = target.key.rstrip("0123456789")
+                request_id = self._recv_owner.get(prefix)
+                state = self._recv.get(request_id) if request_id is not None else None
+            # The request may have been cancelled or released while the get ran
+            # (cleanup is a barrier): then the chunk is dropped, never committed.
+            if state is None or self._recv.get(state.request_id) is not state or state.final:
+                return False
+            if target.key != f"{state.prefix}{state.next_chunk_id}":
+                return False
+            meta = obj.get("meta") if isinstance(obj, Mapping) else None
+            data = obj.get("data") if isinstance(obj, Mapping) else None
+            if not isinstance(meta, Mapping) or not isinstance(data, Mapping) \
+                    or meta.get("chunk_id") != state.next_chunk_id:
+                self._fail_receiving_locked(state, f"bad chunk under {target.key!r}: not a chunk of this stream")
+                return False
+            state.next_chunk_id += 1
+            state.last_progress = time.monotonic()
+            final = bool(meta.get("final"))
+            if data or final:
+                if not state.ready:
+                    state.first_ready_id = state.next_chunk_id - 1
+                state.ready.append(data)
+                if state.all_chunks is not None:
+                    state.all_chunks.append(data)
+            if final:
+                state.final = True
+                state.cancelled_upstream = bool(meta.get("cancelled"))
+                with self._failures_lock:
+                    if state.all_chunks is None:
+                        self._finished_loaded.add(state.request_id)
+            self._loaded_cond.notify_all()
+        self._progress.set()
+        if final:
+            # Drop anything a retried put may have left behind for this stream.
+            self.connector.cleanup_prefix(state.prefix)
+        return not final
+
+    def _fail_receiving_locked(self, state: _RecvState, reason: str) -> None:
+        del self._recv[state.request_id]
+        self._loaded_cond.notify_all()
+        self.record_receive_failure(state.request_id, reason)
+        self._progress.set()
+        self.connector.cleanup_prefix(state.prefix)
+
+    def _request_id_for_key(self, key: str, op: str) -> str | None:
+        prefix = key.rstrip("0123456789")
+        with self._lock:
+            book = self._send_owner if op == "put" else self._recv_owner
+            return book.get(prefix)
+
+    # -- taking inputs (scheduler thread) -------------------------------------------------------
+    def is_ready(self, request_id: str) -> bool:
+        """True unless ``request_id`` is receiving and has no new chunk yet."""
+        with self._lock:
+            state = self._recv.get(request_id)
+            return state is None or bool(state.ready) or state.final
+
+    def is_receiving(self, request_id: str) -> bool:
+        """True while ``request_id`` has a registered, unfinished incoming stream."""
+        with self._lock:
+            return request_id in self._recv
+
+    def take_inputs(self, request_id: str) -> ChunkInputs | None:
+        """Assemble and hand over the chunks received for ``request_id`` since the last take.
+
+        Returns None when nothing new arrived. After the final inputs are taken,
+        the request's receiving state is released.
+        """
+        with self._lock:
+            return self._take_locked(request_id)
+
+    def _take_locked(self, request_id: str) -> ChunkInputs | None:
+        state = self._recv.get(request_id)
+        if state is None or not (state.ready or state.final):
+            return None
+        chunks, state.ready = state.ready, []
+        if state.final:
+            del self._recv[request_id]
+        return ChunkInputs(request_id, assemble_chunks(chunks, self.config.concat_axis), state.first_ready_id,
+                           len(chunks), state.final, state.cancelled_upstream)
+
+    def wait_for_progress(self, timeout: float | None = None) -> bool:
+        """Block until a chunk arrived, a stream ended or a failure was recorded.
+
+        For a stage worker's loop: ``wait_for_progress(0.1)`` then schedule.
+        Returns False on timeout.
+        """
+        happened = self._progress.wait(timeout)
+        self._progress.clear()
+        return happened
+
+    def record_receive_failure(self, request_id: str, reason: str) -> None:
+        """Note that data for ``request_id`` will never arrive (also wakes :meth:`wait_for_progress`)."""
+        super().record_receive_failure(request_id, reason)
+        self._progress.set()
+
+    # -- cancellation and release ---------------------------------------------------------------
+    def cancel(self, request_id: str, *, notify_downstream: bool | None = None) -> None:
+        """Abort ``request_id`` on both sides; never waits for I/O.
+
+        Sender side: queued chunks are dropped and the downstream stage gets an
+        in-band final chunk marked ``cancelled``, so it finishes the request
+        instead of stalling. When the final chunk is already queued it is left
+        to go through, with the chunks before it (vllm-omni #6670: a terminal
+        chunk lost at cleanup hangs the next stage). Receiver side: the stream
+        stops, chunks not taken are dropped, a get in progress is not committed,
+        and what the connector holds for the stream is cleaned up.
+
+        Args:
+            request_id: the request.
+            notify_downstream: send the cancelled final chunk. By default only
+                when this stage already sent or queued chunks of the request;
+                True also when it sent nothing yet (a middle stage forwarding
+                an upstream cancellation), False never.
+        """
+        prefix: str | None = None
+        with self._lock:
+            state = self._send.get(request_id)
+            if state is None and notify_downstream and self.config.downstream_stage_id is not None \
+                    and request_id not in self._ended_streams:
+                ext = request_id
+                recv = self._recv.get(request_id)
+                if recv is not None:
+                    ext = recv.prefix[: -len(f"_{self.config.upstream_stage_id}_")]
+                state = self._send[request_id] = _SendState(request_id, f"{ext}_{self.stage_id}_")
+                self._remember(self._send_owner, state.prefix, request_id)
+            if state is not None and not state.cancelled and not state.failed and not state.terminal_queued:
+                dropped = self._drop_queued(request_id)
+                if dropped:
+                    state.next_chunk_id = min(item.chunk_id for item in dropped)
+                state.cancelled = True
+                if notify_downstream is not False:
+                    item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id, {},
+                                     True, cancelled=True)
+                    state.next_chunk_id += 1
+                    state.terminal_queued = True
+                    self._save_queue.append(item)
+                    self._save_cond.notify()
+            recv = self._recv.pop(request_id, None)
+            if recv is not None:
+                prefix = recv.prefix
+                self._loaded_cond.notify_all()
+        if prefix is not None:
+            self.connector.cleanup_prefix(prefix)
+
+    def release(self, request_id: str) -> None:
+        """Forget every state of a finished request (idempotent).
+
+        A request still streaming is cancelled first, so nothing of it leaks.
+        """
+        with self._lock:
+            state = self._send.get(request_id)
+            streaming = (state is not None and not state.terminal_queued and not state.failed) \
+                or request_id in self._recv
+        if streaming:
+            self.cancel(request_id)
+        with self._lock:
+            state = self._send.get(request_id)
+            if state is not None and (state.failed or not any(
+                    item.request_id == request_id for item in self._save_queue)):
+                del self._send[request_id]
+                self._remember(self._ended_streams, request_id, None)
+
+    def pending_state(self) -> dict[str, int]:
+        """Sizes of the internal state (for tests, health and leak checks)."""
+        with self._lock:
+            return {"sending": len(self._send), "receiving": len(self._recv), "queued": len(self._save_queue),
+                    "parked": sum(len(p[1]) for p in self._parked.values())}
+
+    def health(self) -> dict[str, Any]:
+        """Base health plus :meth:`pending_state`."""
+        return {**super().health(), **self.pending_state()}
+
+    # -- scheduler hooks ----------------------------------------------------------------------------
+    def process_pending_chunks(
+        self, waiting: MutableSequence[R], running: MutableSequence[R]
+    ) -> None:
+        """Before scheduling: park requests whose next chunk has not arrived.
+
+        Parked requests are taken out of ``waiting`` / ``running`` (so the
+        scheduler cannot pick them) and remembered with their place;
+        requests with new chunks, finished streams, or no incoming stream stay.
+        Call :meth:`restore_queues` after scheduling.
+        """
+        with self._lock:
+            if any(parked for _, parked in self._parked.values()):
+                # restore_queues was skipped: put the previous step's requests back first.
+                logger.warning("stage %s: process_pending_chunks called twice without restore_queues", self.stage_id)
+                self._restore_locked(waiting, running)
+            for name, queue in (("waiting", waiting), ("running", running)):
+                parked: list[R] = []
+                keep: list[R] = []
+                for request in queue:
+                    state = self._recv.get(request.request_id)
+                    if state is not None and not state.ready and not state.final:
+                        parked.append(request)
+                    else:
+                        keep.append(request)
+                if parked:
+                    order = [request.request_id for request in queue]
+                    queue.clear()
+                    queue.extend(keep)
+                    self._parked[name] = (order, parked)
+
+    def restore_queues(
+        self, waiting: MutableSequence[R], running: MutableSequence[R]
+    ) -> None:
+        """After scheduling: put parked requests back where they were.
+
+        Each goes right after the nearest request that preceded it before
+        parking and is still in the queue (or to the front when none is), so
+        the order of the queue is kept around what the scheduler changed.
+        """
+        with self._lock:
+            self._restore_locked(waiting, running)
+
+    def _restore_locked(
+        self, waiting: MutableSequence[R], running: MutableSequence[R]
+    ) -> None:
+        for name, queue in (("waiting", waiting), ("running", running)):
+            entry = self._parked.pop(name, None)
+            if entry is None:
+                continue
+            order, parked = entry
+            result = list(queue)
+            ids = [request.request_id for request in result]
+            present = set(ids)
+            position = {rid: i for i, rid in enumerate(order)}
+            for request in parked:
+                rid = request.request_id
+                if rid in present:
+                    continue
+                at = 0
+                for earlier in reversed(order[: position[rid]]):
+                    if earlier in present:
+                        at = ids.index(earlier) + 1
+                        break
+                result.insert(at, request)
+                ids.insert(at, rid)
+                present.add(rid)
+            queue.clear()
+            queue.extend(result)
+
+    def filter_scheduler_output(self, scheduler_output: SchedulerOutputLike) -> None:
+        """After scheduling: attach assembled inputs, drop scheduled requests that are not ready.
+
+        Each scheduled request with new chunks gets ``scheduler_output.chunk_inputs[request_id]``;
+        a receiving request with nothing new is removed from
+        ``scheduler_output.scheduled_request_ids``; others pass untouched.
+        """
+        kept: list[str] = []
+        with self._lock:
+            for request_id in scheduler_output.scheduled_request_ids:
+                if request_id not in self._recv:
+                    kept.append(request_id)
+                    continue
+                inputs = self._take_locked(request_id)
+                if inputs is not None:
+                    scheduler_output.chunk_inputs[request_id] = inputs
+                    kept.append(request_id)
+        scheduler_output.scheduled_request_ids[:] = kept

@@ -1,0 +1,164 @@
+"""The ``stage``, ``drive``, ``health`` and ``shm-sweep`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ..adapters.worker import PipelineConfig, PipelineDriver, StageWorker, load_pipeline_config
+from ..errors import ConfigError, TransportError
+from ._run import Progress, drive_requests, format_table
+
+__all__ = ["run_drive", "run_health", "run_shm_sweep", "run_stage", "wait_ready"]
+
+#: Set by ``zmq-omni demo`` for its stage processes: they exit when that process dies.
+PARENT_PID_ENV = "ZMQ_OMNI_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Make this process get SIGTERM when the demo that started it dies, even by SIGKILL."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if str(os.getppid()) != parent:  # the parent died before prctl took effect
+        raise SystemExit(0)
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    """Run one stage until SIGTERM/SIGINT; then shut the adapters down, close the connectors, exit 0."""
+    _die_with_parent()
+    pipeline = load_pipeline_config(args.config)
+    spec = pipeline.stage(args.stage)
+    worker = StageWorker.from_pipeline(pipeline, args.stage)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        worker.stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        print(f"zmq-omni stage {spec.name} (stage id {spec.stage_id}) serving on {spec.endpoint or '-'}",
+              file=sys.stderr, flush=True)
+        worker.run()
+        health = worker.health()
+    finally:
+        worker.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if args.stats_out:
+        Path(args.stats_out).write_text(json.dumps(health, default=str), encoding="utf-8")
+    print(f"zmq-omni stage {spec.name}: stopped ({health['completed']} requests completed, "
+          f"{health['failed']} failed)", file=sys.stderr, flush=True)
+    return 0
+
+
+def wait_ready(pipeline: PipelineConfig, timeout_s: float, *, alive: Any = None) -> None:
+    """Probe every stage's endpoint until it answers, or raise after ``timeout_s``.
+
+    Raises:
+        TransportError: a stage did not answer in time (named in the message).
+    """
+    from ..transport import probe
+
+    deadline = time.monotonic() + timeout_s
+    for spec in pipeline.stages:
+        if not spec.endpoint:
+            continue
+        while True:
+            if alive is not None:
+                reason = alive()
+                if reason:
+                    raise TransportError(reason)
+            try:
+                probe(spec.endpoint, timeout_s=min(1.0, max(0.05, deadline - time.monotonic())))
+                break
+            except TransportError as exc:
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"stage {spec.name!r} is not answering: {exc}") from exc
+                time.sleep(0.05)
+
+
+def run_drive(args: argparse.Namespace) -> int:
+    """Submit requests, print one line per request and the report; 1 when any request failed."""
+    pipeline = load_pipeline_config(args.config)
+    if args.timeout is not None:
+        pipeline = _with_timeout(pipeline, args.timeout)
+    if args.wait_ready > 0:
+        wait_ready(pipeline, args.wait_ready)
+    out_dir = Path(args.out) if args.out else None
+    with PipelineDriver.from_pipeline(pipeline) as driver:
+        run = drive_requests(driver, pipeline, requests=args.requests, chunks=args.chunks,
+                             payload_size=args.payload_size, out_dir=out_dir, progress=Progress(),
+                             prefix=args.prefix)
+    for result in run.requests.values():
+        if result.failed is None and result.done:
+            ttfa = (result.first_output_at or result.submitted_at) - result.submitted_at
+            print(f"{result.request_id} completed: {result.chunks} chunks, {result.bytes} bytes, "
+                  f"first output after {ttfa * 1e3:.1f} ms", flush=True)
+        else:
+            print(f"{result.request_id} FAILED: {result.failed or 'did not finish'}", flush=True)
+    names = " -> ".join(spec.name for spec in pipeline.stages)
+    print(format_table(run, title=f"zmq-omni drive: {pipeline.name} ({names})", chunks_per_request=args.chunks,
+                       payload_size=args.payload_size), flush=True)
+    return 1 if run.failed else 0
+
+
+def _with_timeout(pipeline: PipelineConfig, timeout_s: float) -> PipelineConfig:
+    from dataclasses import replace
+
+    if timeout_s <= 0:
+        raise ConfigError(f"--timeout must be > 0, got {timeout_s}")
+    return replace(pipeline, request_timeout_s=timeout_s)
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """Probe one endpoint: print its health as JSON and exit 0, or one line on stderr and exit 1."""
+    from ..transport import probe
+
+    endpoint = args.endpoint
+    if endpoint is None:
+        if not args.config:
+            raise ConfigError("--stage needs --config")
+        endpoint = load_pipeline_config(args.config).stage(args.stage).endpoint
+        if not endpoint:
+            raise ConfigError(f"stage {args.stage!r} has no endpoint")
+    try:
+        health = probe(endpoint, timeout_s=args.timeout)
+    except TransportError as exc:
+        print(f"zmq-omni health: unhealthy: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(health, default=str, sort_keys=True))
+    status = health.get("status", "ok") if isinstance(health, dict) else "ok"
+    if status != "ok":
+        print(f"zmq-omni health: {endpoint} reports status {status!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_shm_sweep(args: argparse.Namespace) -> int:
+    """Remove (or list, with --dry-run) shared-memory leftovers of dead processes."""
+    from ..shm import sweep
+
+    report = sweep(dry_run=args.dry_run, expire_after=args.expire_after)
+    verb = "would remove" if report.dry_run else "removed"
+    for path in report.removed:
+        print(f"{verb} {path}")
+    for path in report.expired:
+        print(f"{verb} (expired) {path}")
+    print(f"shm-sweep: {verb} {len(report.removed) + len(report.expired)} objects, "
+          f"{report.freed_bytes} bytes; kept {report.kept_live} of live owners, "
+          f"{report.kept_foreign} foreign")
+    for line in report.errors:
+        print(f"shm-sweep: error: {line}", file=sys.stderr)
+    return 1 if report.errors else 0

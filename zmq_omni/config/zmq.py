@@ -1,0 +1,127 @@
+"""Configuration of :class:`~zmq_omni.connectors.zmq.ZmqConnector` (the ``extra`` dict).
+
+Every key, its default and its meaning is documented in ``docs/zmq-connector.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Literal
+
+from ..errors import ConfigError
+from ._fields import check_known_keys, read_bool, read_choice, read_float, read_int, read_mapping, read_str
+
+__all__ = ["ZmqConnectorConfig"]
+
+Role = Literal["sender", "receiver", "dual"]
+Mode = Literal["push", "pull"]
+ShmPolicy = Literal["auto", "on", "off"]
+
+_PATH = "ZmqConnector"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZmqConnectorConfig:
+    """Settings of one ZeroMQ connector; build it with :meth:`from_dict`.
+
+    Attributes:
+        stage_id: this stage's id (ints are accepted and turned into strings).
+        role: ``sender`` (puts only), ``receiver`` (gets only) or ``dual``.
+        mode: ``push`` (the receiver binds, senders push and keep payloads until
+            consumed) or ``pull`` (the sender binds and keeps payloads; receivers fetch).
+        endpoints: stage id -> the endpoint peers connect to for that stage
+            (``tcp://host:port`` or ``ipc://path``); ``ZMQ_OMNI_ENDPOINT_<STAGE>``
+            environment variables override entries.
+        bind: the address this stage binds when it differs from the address peers
+            connect to (containers: ``tcp://0.0.0.0:5555``); ``ZMQ_OMNI_BIND`` overrides.
+        from_stage: informational (vllm-omni injects it); not used for routing.
+        to_stage: informational (vllm-omni injects it); not used for routing.
+        put_timeout_s: longest a ``put`` waits for window room and for ZeroMQ.
+        delivery_timeout_s: longest a put may stay unconfirmed before it is
+            reported as a :class:`~zmq_omni.errors.DeliveryError`.
+        heartbeat_s: interval of sender pings (which drive resends).
+        peer_timeout_s: silence after which a receiver is presumed gone.
+        max_unacked: most puts held unconsumed by a sender (the window).
+        max_unacked_bytes: most payload bytes held unconsumed by a sender.
+        max_message_bytes: largest message; also ``MAXMSGSIZE`` of receiving sockets.
+        hwm: ZeroMQ high-water mark (messages) of every socket; never 0.
+        pull_ttl_s: pull mode: unfetched payloads expire after this long.
+        fetch_timeout_s: pull mode: longest wait for a fetch reply.
+        copy_on_put: copy large arrays at ``put`` instead of pinning them.
+        inline_threshold: arrays of at least this many bytes get their own frame.
+        allow_pickle: let the codec pickle/unpickle unknown types (trusted peers only).
+        malloc_tuning: tune glibc malloc so large receives reuse heap pages.
+        shm: shared-memory fast path policy (``auto``/``on``/``off``); accepted
+            now, used once the same-host fast path lands (frames only until then).
+    """
+
+    stage_id: str
+    role: Role = "dual"
+    mode: Mode = "push"
+    endpoints: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    bind: str | None = None
+    from_stage: str | None = None
+    to_stage: str | None = None
+    put_timeout_s: float = 10.0
+    delivery_timeout_s: float = 30.0
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 3.0
+    max_unacked: int = 10_000
+    max_unacked_bytes: int = 1 << 30
+    max_message_bytes: int = 1 << 30
+    hwm: int = 1000
+    pull_ttl_s: float = 300.0
+    fetch_timeout_s: float = 5.0
+    copy_on_put: bool = False
+    inline_threshold: int = 4096
+    allow_pickle: bool = False
+    malloc_tuning: bool = True
+    shm: ShmPolicy = "auto"
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every accepted key, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, extra: Mapping[str, Any]) -> ZmqConnectorConfig:
+        """Build from a plain dict; unknown, missing or bad keys raise ``ConfigError`` naming the key."""
+        check_known_keys(extra, cls.keys(), _PATH)
+        endpoints_raw = read_mapping(extra, "endpoints", {}, _PATH)
+        endpoints: dict[str, str] = {}
+        for stage, endpoint in endpoints_raw.items():
+            if not isinstance(endpoint, str):
+                raise ConfigError(f"config key '{_PATH}.endpoints.{stage}' must be a string, got {endpoint!r}")
+            endpoints[str(stage)] = endpoint
+        config = cls(
+            stage_id=read_str(extra, "stage_id", path=_PATH),
+            role=read_choice(extra, "role", ("sender", "receiver", "dual"), "dual", _PATH),
+            mode=read_choice(extra, "mode", ("push", "pull"), "push", _PATH),
+            endpoints=MappingProxyType(endpoints),
+            bind=read_str(extra, "bind", None, _PATH),
+            from_stage=read_str(extra, "from_stage", None, _PATH),
+            to_stage=read_str(extra, "to_stage", None, _PATH),
+            put_timeout_s=read_float(extra, "put_timeout_s", 10.0, _PATH, minimum=0.0),
+            delivery_timeout_s=read_float(extra, "delivery_timeout_s", 30.0, _PATH, minimum=0.001),
+            heartbeat_s=read_float(extra, "heartbeat_s", 0.5, _PATH, minimum=0.01),
+            peer_timeout_s=read_float(extra, "peer_timeout_s", 3.0, _PATH, minimum=0.01),
+            max_unacked=read_int(extra, "max_unacked", 10_000, _PATH, minimum=1),
+            max_unacked_bytes=read_int(extra, "max_unacked_bytes", 1 << 30, _PATH, minimum=1),
+            max_message_bytes=read_int(extra, "max_message_bytes", 1 << 30, _PATH, minimum=1024),
+            hwm=read_int(extra, "hwm", 1000, _PATH, minimum=1),
+            pull_ttl_s=read_float(extra, "pull_ttl_s", 300.0, _PATH, minimum=0.001),
+            fetch_timeout_s=read_float(extra, "fetch_timeout_s", 5.0, _PATH, minimum=0.001),
+            copy_on_put=read_bool(extra, "copy_on_put", False, _PATH),
+            inline_threshold=read_int(extra, "inline_threshold", 4096, _PATH, minimum=0),
+            allow_pickle=read_bool(extra, "allow_pickle", False, _PATH),
+            malloc_tuning=read_bool(extra, "malloc_tuning", True, _PATH),
+            shm=read_choice(extra, "shm", ("auto", "on", "off"), "auto", _PATH),
+        )
+        if config.peer_timeout_s < config.heartbeat_s:
+            raise ConfigError(
+                f"config key '{_PATH}.peer_timeout_s' ({config.peer_timeout_s}) must be >= "
+                f"heartbeat_s ({config.heartbeat_s})"
+            )
+        return config

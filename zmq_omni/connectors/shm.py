@@ -1,0 +1,389 @@
+"""Same-host connector over shared memory: a mailbox directory plus a reused slot pool.
+
+Transport only (no per-request state): every put is a record in the
+namespace's mailbox directory, found by key alone from any process of the
+host, and claimed exactly once by an atomic rename (see
+:mod:`zmq_omni.shm.mailbox`). Where the payload lives depends on its size:
+
+* up to ``inline_max_bytes``: inside the record (one small file write);
+* larger: in a slot of this connector's :class:`~zmq_omni.shm.SlotPool`
+  (written once, straight from the arrays), read by the receiver **without a
+  copy** through a lease that keeps the slot from reuse until its last array
+  is gone;
+* when the pool cannot hold it (``/dev/shm`` below its free-space floor, or
+  ``pool_max_bytes`` reached with every slot leased): in a *spill file* under
+  ``spill_dir`` (a disk-backed directory). The put still succeeds, the
+  receiver gets a private copy, and ``health()`` reports ``"degraded"`` until
+  a later large put fits in shared memory again. If even the small record
+  cannot be written (``/dev/shm`` completely full), the put fails with a
+  :class:`~zmq_omni.errors.ShmSpaceError` kept for the adapters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..config._fields import check_known_keys, read_float, read_int, read_str
+from ..errors import ClosedResourceError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
+from ..shm import Mailbox, Record, SlotPool, SlotReader, default_shm_dir, namespace_dir, self_owner
+from ..shm._owner import is_our_name, make_name
+from ..shm._watch import DirWatch
+from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
+from ..shm.pool import flat_bytes
+from ..wire import decode, encode, frames_nbytes
+from .base import OmniConnectorBase, key_matches_prefix
+
+__all__ = ["SharedMemoryConfig", "SharedMemoryConnector"]
+
+_log = logging.getLogger("zmq_omni.connectors")
+
+#: Keep at most this many of our own unconsumed puts in mind for ``close()``.
+_MAX_TRACKED = 65536
+#: A waiting get re-arms its watch at least this often (a removed directory drops it).
+_REARM_S = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedMemoryConfig:
+    """Config of :class:`SharedMemoryConnector` (the ``extra`` dict).
+
+    Attributes:
+        namespace: connectors of one deployment share it; others never collide
+            (letters, digits, ``_ . -``). Default ``"default"``.
+        stage_id: informational, exposed as ``.stage_id``.
+        role: informational (``sender`` / ``receiver`` / ``dual``); every
+            instance can put and get.
+        shm_dir: tmpfs directory for records and slots. Default
+            ``$ZMQ_OMNI_SHM_DIR`` or ``/dev/shm``.
+        spill_dir: disk directory for payloads shared memory cannot take.
+            Default the system temp directory.
+        inline_max_bytes: payloads up to this size travel inside the record.
+            Default 64 KiB.
+        pool_max_bytes: most slot memory one connector holds. Default 1 GiB.
+        min_free_bytes: never grow the pool if less would stay free in
+            ``shm_dir``. Default 16 MiB.
+        ttl_s: unconsumed puts expire after this many seconds. Default 300.
+    """
+
+    namespace: str = "default"
+    stage_id: str | None = None
+    role: str | None = None
+    shm_dir: str = ""
+    spill_dir: str = ""
+    inline_max_bytes: int = 64 << 10
+    pool_max_bytes: int = 1 << 30
+    min_free_bytes: int = 16 << 20
+    ttl_s: float = 300.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> SharedMemoryConfig:
+        """Build from a plain dict. Raises :class:`~zmq_omni.errors.ConfigError` naming a bad key."""
+        data = dict(data or {})
+        where = "SharedMemoryConnector"
+        check_known_keys(data, [f.name for f in cls.__dataclass_fields__.values()], where)
+        config = cls(
+            namespace=read_str(data, "namespace", "default", where),
+            stage_id=read_str(data, "stage_id", None, where),
+            role=read_str(data, "role", None, where),
+            shm_dir=read_str(data, "shm_dir", "", where) or default_shm_dir(),
+            spill_dir=read_str(data, "spill_dir", "", where) or tempfile.gettempdir(),
+            inline_max_bytes=read_int(data, "inline_max_bytes", 64 << 10, where, minimum=0),
+            pool_max_bytes=read_int(data, "pool_max_bytes", 1 << 30, where, minimum=0),
+            min_free_bytes=read_int(data, "min_free_bytes", 16 << 20, where, minimum=0),
+            ttl_s=read_float(data, "ttl_s", 300.0, where, minimum=0.001),
+        )
+        namespace_dir(config.shm_dir, config.namespace)  # validates the namespace
+        return config
+
+
+class SharedMemoryConnector(OmniConnectorBase):
+    """Same-host connector through shared memory (registered as ``"SharedMemoryConnector"``).
+
+    Every connector of a ``namespace`` on the host sees every put of that
+    namespace, whatever process made it. Arrays a ``get`` returns view shared
+    memory directly (no copy) and are writable; the memory returns to the
+    sender's pool when the last of them is garbage-collected.
+
+    ``close()`` withdraws this connector's unconsumed puts and unlinks its
+    slots; arrays already handed to receivers stay valid. A process killed
+    without ``close()`` leaves segments that :func:`zmq_omni.shm.sweep`
+    removes; its unconsumed records are removed by the same sweep, and other
+    connectors expire records older than ``ttl_s``.
+    """
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        # Config first: a bad config then leaves nothing for __del__ to warn about.
+        self.config = cfg = SharedMemoryConfig.from_dict(config)
+        self.stage_id = cfg.stage_id
+        self.namespace = cfg.namespace
+        self._box = Mailbox(namespace_dir(cfg.shm_dir, cfg.namespace))
+        super().__init__()
+        self._pool = SlotPool(
+            directory=cfg.shm_dir,
+            max_bytes=cfg.pool_max_bytes,
+            min_free_bytes=cfg.min_free_bytes,
+            ttl=cfg.ttl_s,
+        )
+        self._reader = SlotReader(directory=cfg.shm_dir)
+        self._lock = threading.Lock()
+        self._posted: OrderedDict[str, None] = OrderedDict()
+        self._degraded = False
+        self._maintain_every = min(cfg.ttl_s / 4, 5.0)
+        self._next_maintenance = time.monotonic() + self._maintain_every
+
+    # -- put ---------------------------------------------------------------------
+    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        """Publish ``data`` under ``key``, replacing an unconsumed put of the same address."""
+        from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        frames = encode(data)
+        if self._closed:
+            self._record_failure("put", from_stage, to_stage, key, "connector is closed",
+                                 ClosedResourceError("put on a closed SharedMemoryConnector"))
+            return False, 0, None
+        nbytes = frames_nbytes(frames)
+        lengths = [flat_bytes(f).nbytes for f in frames]
+        try:
+            kind = self._publish(from_stage, to_stage, key, frames, lengths, nbytes)
+        except ZmqOmniError as exc:
+            self._record_failure("put", from_stage, to_stage, key, str(exc), exc)
+            return False, 0, None
+        self._counters.add("puts")
+        self._counters.add("bytes_sent", nbytes)
+        self._counters.add(("inline_puts", "shm_puts", "spill_puts")[kind])
+        with self._lock:
+            name = entry_name(key, from_stage, to_stage)
+            self._posted[name] = None
+            self._posted.move_to_end(name)
+            if len(self._posted) > _MAX_TRACKED:
+                self._posted.popitem(last=False)
+        self._maybe_maintain()
+        return True, nbytes, {"key": key, "size": nbytes, "namespace": self.namespace}
+
+    def _publish(
+        self, from_stage: str, to_stage: str, key: str, frames: Sequence[Any], lengths: list[int], nbytes: int
+    ) -> int:
+        kind, body, undo = KIND_INLINE, list(frames), None
+        if nbytes > self.config.inline_max_bytes:
+            try:
+                handle = self._pool.write(frames)
+                kind, body = KIND_SLOT, [handle.pack()]
+                undo = lambda: self._pool.discard(handle)  # noqa: E731
+                self._degraded = False
+            except ShmSpaceError as exc:
+                self._note_fallback(exc)
+                kind, body, undo = self._spill(frames)
+        parts = Record.pack_parts(kind, key, from_stage, to_stage, lengths, body)
+        try:
+            self._box.post(key, from_stage, to_stage, parts, self._discard)
+            return kind
+        except OSError as exc:
+            if undo is not None:
+                undo()
+            if exc.errno != errno.ENOSPC or kind == KIND_SPILL:
+                raise _shm_error(f"cannot publish {key!r} in {self._box.path}", exc) from exc
+            self._note_fallback(exc)
+        # The record with its payload did not fit in the tmpfs: move the payload to disk.
+        kind, body, undo = self._spill(frames)
+        parts = Record.pack_parts(kind, key, from_stage, to_stage, lengths, body)
+        try:
+            self._box.post(key, from_stage, to_stage, parts, self._discard)
+        except OSError as exc:
+            undo()
+            raise _shm_error(f"cannot publish {key!r} in {self._box.path}", exc) from exc
+        return kind
+
+    def _note_fallback(self, exc: BaseException) -> None:
+        if not self._degraded:
+            _log.warning("shared memory short (%s): spilling large payloads to %s", exc, self.config.spill_dir)
+        self._degraded = True
+        self._counters.add("shm_fallbacks")
+
+    def _spill(self, frames: Sequence[Any]) -> tuple[int, list[Any], Any]:
+        name = make_name()
+        path = os.path.join(self.config.spill_dir, name)
+        try:
+            with open(path, "xb") as fh:
+                for frame in frames:
+                    fh.write(flat_bytes(frame))
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise _shm_error(f"cannot spill to {path}", exc) from exc
+        return KIND_SPILL, [name.encode()], lambda: _unlink_quietly(path)
+
+    # -- get ---------------------------------------------------------------------
+    def get(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        """Claim and decode the put of ``key``; None at once when it is not there (metadata is ignored)."""
+        if self._closed:
+            return None
+        from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        self._maybe_maintain()
+        record = self._box.take(key, from_stage, to_stage)
+        if record is None:
+            return None
+        try:
+            frames = self._frames_of(record)
+        except ZmqOmniError as exc:
+            self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
+            return None
+        if frames is None:
+            self._counters.add("stale_gets")
+            self._record_failure("get", from_stage, to_stage, key, "payload expired or its slot was reclaimed",
+                                 ShmError(f"stale shared-memory handle for {key!r}"))
+            return None
+        try:
+            obj = decode(frames)
+        except DecodeError as exc:
+            self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
+            return None
+        nbytes = sum(record.lengths)
+        self._counters.add("gets")
+        self._counters.add("bytes_received", nbytes)
+        return obj, nbytes
+
+    def _frames_of(self, record: Record) -> list[memoryview] | None:
+        if record.kind == KIND_INLINE:
+            return record.frames()
+        if record.kind == KIND_SLOT:
+            return self._reader.open(record.handle())
+        name = record.spill_name()
+        if not is_our_name(name):
+            raise ShmError(f"refusing spill file name {name!r}")
+        path = os.path.join(self.config.spill_dir, name)
+        try:
+            with open(path, "rb") as fh:
+                data = bytearray(fh.read())
+        except FileNotFoundError:
+            return None
+        _unlink_quietly(path)
+        view = memoryview(data)
+        out, pos = [], 0
+        for length in record.lengths:
+            out.append(view[pos : pos + length])
+            pos += length
+        return out
+
+    def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> tuple[Any, int] | None:
+        """Like :meth:`get`, sleeping on an inotify watch of the mailbox until ``deadline``.
+
+        The watch is armed before each check, so a put landing between the
+        check and the sleep wakes us at once; no CPU is used while waiting.
+        """
+        while not self._closed:
+            self._box.ensure()
+            with DirWatch(self._box.path) as watch:
+                found = self.get(from_stage, to_stage, key, metadata)
+                if found is not None:
+                    return found
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._counters.add("timeouts")
+                    return None
+                watch.wait(min(remaining, _REARM_S))
+        return None
+
+    # -- cleanup -----------------------------------------------------------------
+    def cleanup(self, key: str) -> bool:
+        """Drop every unconsumed put of ``key`` in the namespace (any edge)."""
+        key = str(key)
+        taken = self._box.take_where(lambda k: k == key)
+        for record in taken:
+            self._discard(record)
+        return bool(taken)
+
+    def cleanup_prefix(self, prefix: str) -> int:
+        """Drop every unconsumed put whose key is ``prefix`` + digits; return how many."""
+        prefix = str(prefix)
+        taken = self._box.take_where(lambda k: key_matches_prefix(k, prefix))
+        for record in taken:
+            self._discard(record)
+        return len(taken)
+
+    def _discard(self, record: Record) -> None:
+        """Free what an unconsumed record holds (we own it: we took it)."""
+        try:
+            if record.kind == KIND_SLOT:
+                handle = record.handle()
+                if not self._pool.discard(handle):
+                    self._reader.discard(handle)
+            elif record.kind == KIND_SPILL:
+                name = record.spill_name()
+                if is_our_name(name):
+                    _unlink_quietly(os.path.join(self.config.spill_dir, name))
+        except (ShmError, OSError) as exc:
+            _log.warning("could not release a discarded record of %r: %s", record.key, exc)
+
+    def _maybe_maintain(self) -> None:
+        now = time.monotonic()
+        if now < self._next_maintenance:
+            return
+        self._next_maintenance = now + self._maintain_every
+        expired = self._box.take_expired(self.config.ttl_s)
+        for record in expired:
+            self._discard(record)
+        if expired:
+            self._counters.add("expired", len(expired))
+            _log.info("expired %d unconsumed records in %s", len(expired), self._box.path)
+        self._pool.reap()
+
+    # -- status and lifecycle ------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """Counters, pool state, and ``status: "degraded"`` while large puts spill to disk."""
+        snap = super().health()
+        if snap["status"] == "ok" and self._degraded:
+            snap["status"] = "degraded"
+        snap["shm_fallback"] = self._degraded
+        snap["namespace"] = self.namespace
+        snap.update({f"pool_{k}" if not k.startswith("pool") else k: v for k, v in self._pool.stats().items()})
+        return snap
+
+    def close(self) -> None:
+        """Withdraw our unconsumed puts, unlink our slots, drop cached mappings. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            posted, self._posted = self._posted, OrderedDict()
+        try:
+            for record in self._box.withdraw(posted.keys(), self_owner()):
+                self._discard(record)
+        finally:
+            self._pool.close()
+            self._reader.close()
+            with contextlib.suppress(OSError):
+                self._box.remove_if_empty()
+
+    def __repr__(self) -> str:
+        namespace, stage = getattr(self, "namespace", None), getattr(self, "stage_id", None)
+        return f"<SharedMemoryConnector namespace={namespace!r} stage_id={stage!r}>"
+
+
+def _shm_error(what: str, exc: OSError) -> ShmError:
+    if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+        return ShmSpaceError(f"{what}: {exc.strerror}")
+    return ShmError(f"{what}: {exc}")
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,322 @@
+"""``ZmqConnector``: the connector contract over ZeroMQ, across processes and hosts.
+
+Push mode (default): the receiving stage binds a ROUTER; senders connect and
+keep each put until the receiver's ``get`` consumed it, resending after a
+receiver restart, so nothing is lost silently. Pull mode: the sending stage
+binds and keeps each payload until a receiver fetches it with the metadata
+``put`` returned (or by key). The protocol and every config key are described
+in ``docs/zmq-connector.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..config.zmq import ZmqConnectorConfig
+from ..errors import (
+    ClosedResourceError,
+    ConfigError,
+    MessageTooLargeError,
+    TransportError,
+    ZmqOmniError,
+)
+from ..transport import EndpointMap, IoLoop, PullClient, PullServer, PushReceiver, PushSender, tune_malloc
+from ..wire import DecodeLimits, decode, encode, frames_nbytes
+from .base import OmniConnectorBase, key_matches_prefix
+
+__all__ = ["ZmqConnector"]
+
+log = logging.getLogger("zmq_omni.connectors")
+
+_MAX_FRAMES = 65536
+
+
+class ZmqConnector(OmniConnectorBase):
+    """Put/get between stages over ZeroMQ with confirmed delivery (see the module docstring).
+
+    Args:
+        config: the ``extra`` dict; see :class:`~zmq_omni.config.zmq.ZmqConnectorConfig`.
+
+    Raises:
+        ConfigError: a bad, unknown or missing key, or no endpoint for a stage that must bind.
+        TransportError: the bind failed (the message names the endpoint).
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self._closed = True  # until fully built: close() must be safe after a failed __init__
+        self._loop: IoLoop | None = None
+        self._sender: PushSender | None = None
+        self._receiver: PushReceiver | None = None
+        self._server: PullServer | None = None
+        self._client: PullClient | None = None
+        self._close_lock = threading.Lock()
+        cfg = ZmqConnectorConfig.from_dict(config)
+        self.config = cfg
+        self.stage_id = cfg.stage_id
+        self._endpoints = EndpointMap(cfg.endpoints)
+        self.sid = uuid.uuid4().hex[:16]
+        self._limits = DecodeLimits(
+            max_header_bytes=min(cfg.max_message_bytes, 64 << 20),
+            max_frames=_MAX_FRAMES,
+            max_total_bytes=cfg.max_message_bytes,
+        )
+        sends = cfg.role in ("sender", "dual")
+        receives = cfg.role in ("receiver", "dual")
+        binds = receives if cfg.mode == "push" else sends
+        if cfg.malloc_tuning and receives:
+            tune_malloc()  # before the context's I/O threads first allocate
+        self.endpoint: str | None = None
+        loop = self._loop = IoLoop(f"zmq-omni-{cfg.stage_id}")
+        self._closed = False
+        try:
+            if binds:
+                advertised = self._endpoints.get(cfg.stage_id)
+                bind_at = self._endpoints.env_bind or cfg.bind or advertised
+                if bind_at is None:
+                    raise ConfigError(
+                        f"stage {cfg.stage_id!r} must bind: set config key 'endpoints.{cfg.stage_id}' or 'bind'"
+                    )
+                if cfg.mode == "push":
+                    self._receiver = PushReceiver(
+                        loop,
+                        bind_at,
+                        incarnation=uuid.uuid4().hex[:16],
+                        decode=self._decode,
+                        hwm=cfg.hwm,
+                        max_message_bytes=cfg.max_message_bytes,
+                        max_frames=_MAX_FRAMES,
+                        source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
+                        counters=self._counters,
+                        health=self.health,
+                    )
+                    self.endpoint = self._receiver.endpoint
+                else:
+                    fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
+                    self._server = PullServer(
+                        loop,
+                        bind_at,
+                        fixed,
+                        put_timeout_s=cfg.put_timeout_s,
+                        ttl_s=cfg.pull_ttl_s,
+                        max_unacked=cfg.max_unacked,
+                        max_unacked_bytes=cfg.max_unacked_bytes,
+                        hwm=cfg.hwm,
+                        max_frames=_MAX_FRAMES,
+                        counters=self._counters,
+                        on_failure=self._on_failure,
+                        health=self.health,
+                    )
+                    self.endpoint = self._server.endpoint
+            if cfg.mode == "push" and sends:
+                self._sender = PushSender(
+                    loop,
+                    self._endpoints,
+                    sid=self.sid,
+                    put_timeout_s=cfg.put_timeout_s,
+                    delivery_timeout_s=cfg.delivery_timeout_s,
+                    heartbeat_s=cfg.heartbeat_s,
+                    peer_timeout_s=cfg.peer_timeout_s,
+                    max_unacked=cfg.max_unacked,
+                    max_unacked_bytes=cfg.max_unacked_bytes,
+                    hwm=cfg.hwm,
+                    counters=self._counters,
+                    on_failure=self._on_failure,
+                )
+            if cfg.mode == "pull" and receives:
+                self._client = PullClient(
+                    hwm=cfg.hwm,
+                    max_message_bytes=cfg.max_message_bytes,
+                    decode=self._decode,
+                    counters=self._counters,
+                )
+            loop.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("ZmqConnector stage=%s role=%s mode=%s endpoint=%s", cfg.stage_id, cfg.role, cfg.mode, self.endpoint)
+
+    # -- helpers ------------------------------------------------------------------
+    def _decode(self, frames: list[Any]) -> Any:
+        return decode(frames, allow_pickle=self.config.allow_pickle, limits=self._limits)
+
+    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+        self._record_failure("get" if op == "get" else "put", from_stage, to_stage, key, reason, error)
+
+    def _fail_put(self, from_stage: str, to_stage: str, key: str, error: ZmqOmniError) -> tuple[bool, int, None]:
+        self._record_failure("put", from_stage, to_stage, key, str(error), error)
+        return False, 0, None
+
+    # -- the contract ---------------------------------------------------------------
+    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        """Send ``data`` to ``to_stage`` under ``key``; ``(True, nbytes, metadata)`` once ZeroMQ has it.
+
+        Push mode returns when the put is in the send window and handed to
+        ZeroMQ, not when it is acknowledged; a delivery that is never confirmed
+        is reported later through :meth:`drain_failures`. Large arrays are sent
+        without copying and pinned until the receiver consumed them: do not
+        modify them in place after ``put`` unless ``copy_on_put`` is set.
+
+        Raises:
+            EncodeError: ``data`` holds an unsupported type (a programming error).
+            ValueError: this connector's role cannot put.
+        """
+        from_stage, to_stage = str(from_stage), str(to_stage)
+        if self._closed:
+            return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
+        if self._sender is None and self._server is None:
+            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot put")
+        cfg = self.config
+        frames = encode(data, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle)
+        nbytes = frames_nbytes(frames)
+        if nbytes > cfg.max_message_bytes:
+            return self._fail_put(
+                from_stage,
+                to_stage,
+                key,
+                MessageTooLargeError(f"put of {nbytes} bytes > max_message_bytes {cfg.max_message_bytes}"),
+            )
+        if cfg.copy_on_put and len(frames) > 1:
+            frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
+        try:
+            if self._sender is not None:
+                self._sender.send(from_stage, to_stage, key, frames, nbytes)
+                metadata: dict[str, Any] = {"key": key, "size": nbytes}
+            else:
+                assert self._server is not None
+                metadata = self._server.store(from_stage, to_stage, key, frames, nbytes)
+        except TransportError as exc:
+            return self._fail_put(from_stage, to_stage, key, exc)
+        self._counters.add("puts")
+        self._counters.add("bytes_sent", nbytes)
+        return True, nbytes, metadata
+
+    def get(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        """Take the object put under ``key``: ``(obj, nbytes)``, or None when it is not there (yet).
+
+        Push mode never waits. Pull mode asks the sender (one round trip; at
+        most ``fetch_timeout_s`` when the sender does not answer).
+        """
+        return self._get(str(from_stage), str(to_stage), key, metadata, None)
+
+    def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> tuple[Any, int] | None:
+        """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``."""
+        return self._get(str(from_stage), str(to_stage), key, metadata, deadline)
+
+    def _get(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
+    ) -> tuple[Any, int] | None:
+        if self._closed:
+            return None
+        if self._receiver is not None:
+            if deadline is None:
+                got = self._receiver.take(from_stage, to_stage, key)
+            else:
+                got = self._receiver.take_by(from_stage, to_stage, key, deadline)
+        elif self._client is not None:
+            got = self._fetch(from_stage, to_stage, key, metadata, deadline)
+        else:
+            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot get")
+        if got is not None:
+            self._counters.add("gets")
+            self._counters.add("bytes_received", got[1])
+        return got
+
+    def _fetch(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
+    ) -> tuple[Any, int] | None:
+        assert self._client is not None
+        if isinstance(metadata, dict) and key in metadata and isinstance(metadata[key], dict):
+            metadata = metadata[key]  # vllm-omni's {key: meta} wrapper
+        endpoint = metadata.get("endpoint") if isinstance(metadata, dict) else None
+        if not isinstance(endpoint, str):
+            endpoint = self._endpoints.require(from_stage)
+        now = time.monotonic()
+        if deadline is None:
+            wait_s, reply_by = 0.0, now + self.config.fetch_timeout_s
+        else:
+            # The server answers "not found" a little before the deadline, so the reply is in by then.
+            wait_s = max(0.0, (deadline - now) * 0.8)
+            reply_by = deadline
+        try:
+            return self._client.fetch(endpoint, from_stage, to_stage, key, wait_s=wait_s, deadline=reply_by)
+        except TransportError as exc:
+            if not isinstance(exc, ClosedResourceError):
+                self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
+            return None
+        except ZmqOmniError as exc:  # a malformed or oversized reply
+            self._counters.add("rejected_frames")
+            self._record_failure("get", from_stage, to_stage, key, f"bad reply from {endpoint}: {exc}", exc)
+            return None
+
+    def cleanup(self, key: str) -> bool:
+        """Drop everything held for ``key`` (mailbox, unconsumed sends, unfetched payloads)."""
+        return self._forget(lambda k: k == key) > 0
+
+    def cleanup_prefix(self, prefix: str) -> int:
+        """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many."""
+        return self._forget(lambda k: key_matches_prefix(k, prefix))
+
+    def _forget(self, match: Callable[[str], bool]) -> int:
+        dropped = 0
+        for part in (self._receiver, self._sender, self._server):
+            if part is not None:
+                dropped += part.forget(match)
+        return dropped
+
+    def health(self) -> dict[str, Any]:
+        """Status, counters (puts, gets, bytes, errors, timeouts, resends, rejected_frames, ...) and state."""
+        base = super().health()
+        for name in ("resends", "rejected_frames", "duplicates_dropped", "delivery_failures"):
+            base.setdefault(name, 0)
+        base.update(
+            {"stage_id": self.stage_id, "role": self.config.role, "mode": self.config.mode, "endpoint": self.endpoint}
+        )
+        pending = 0
+        if self._sender is not None:
+            stats = self._sender.stats()
+            pending += stats["pending"]
+            base.update(pending_bytes=stats["pending_bytes"], undelivered=stats["undelivered"], peers=stats["peers"])
+        if self._server is not None:
+            stats = self._server.stats()
+            pending += stats["pending"]
+            base["pending_bytes"] = stats["pending_bytes"]
+        base["pending"] = pending
+        if self._receiver is not None:
+            base["mailbox"] = self._receiver.mailbox_size()
+            base["incarnation"] = self._receiver.incarnation
+        return base
+
+    def close(self) -> None:
+        """Stop the I/O thread and close every socket; idempotent, returns in well under a second."""
+        with self._close_lock:
+            if self._loop is None:
+                return
+            self._closed = True
+            for part in (self._sender, self._receiver, self._server, self._client):
+                if part is not None:
+                    part.close()
+            if not self._loop.stop(timeout=1.0):
+                log.warning("I/O thread of stage %s did not stop within 1s", self.stage_id)
+            self._loop = None
+
+    def __repr__(self) -> str:
+        cfg = getattr(self, "config", None)
+        if cfg is None:
+            return "<ZmqConnector (not configured)>"
+        return f"<ZmqConnector stage={cfg.stage_id} role={cfg.role} mode={cfg.mode} endpoint={self.endpoint}>"

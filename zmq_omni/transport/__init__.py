@@ -1,0 +1,31 @@
+"""Transport: sockets, endpoints, socket options, the envelope and ack protocol, health probes.
+
+Raises typed errors from :mod:`zmq_omni.errors`; the mapping to the connector
+contract's ``(ok, nbytes, metadata)`` / ``None`` happens once, in the connector.
+"""
+
+from __future__ import annotations
+
+from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoint, env_name
+from ._loop import IoLoop
+from ._probe import probe
+from ._pull import PullClient, PullServer
+from ._push import FailureCallback, PushReceiver, PushSender
+from ._sockets import context, tune_malloc
+
+__all__ = [
+    "ENV_BIND",
+    "ENV_ENDPOINT_PREFIX",
+    "EndpointMap",
+    "FailureCallback",
+    "IoLoop",
+    "PullClient",
+    "PullServer",
+    "PushReceiver",
+    "PushSender",
+    "check_endpoint",
+    "context",
+    "env_name",
+    "probe",
+    "tune_malloc",
+]

@@ -1,0 +1,153 @@
+"""The transport envelope: a fixed preamble and a small msgpack header in front of the wire frames.
+
+Every message this room sends starts with one frame laid out as::
+
+    preamble (8 B): magic b"ZT" | version u8 | kind u8 | header length u32 (little endian)
+    header:         msgpack array, its shape fixed by ``kind`` (see below)
+    payload:        for DATA and FETCH_REPLY, frame 0 of the wire codec (its own preamble follows)
+
+and, for DATA and FETCH_REPLY, the wire codec's out-of-band buffer frames after it.
+Putting the transport header in the same frame as the codec header keeps a
+small message a single ZeroMQ frame.
+
+Headers by kind:
+
+* ``DATA``        ``[sid, seq, low, from_stage, to_stage, key, loc]``; ``loc`` is the
+  location table of the buffer frames, ``None`` meaning "each buffer is the
+  next ZeroMQ frame" (the same-host fast path will put shared-memory handles here).
+* ``PING``        ``[sid, n, low]``
+* ``REPLY``       ``[incarnation, n, arrived, consumed]``; ``n`` is the answered ping
+  or -1 for a plain acknowledgement; ``arrived``/``consumed`` are ``[[first, last], ...]`` seq ranges.
+* ``HEALTH``      ``[]``; ``HEALTH_REPLY`` ``[health dict]``
+* ``FETCH``       ``[req_id, from_stage, to_stage, key, wait_ms]``
+* ``FETCH_REPLY`` ``[req_id, found]``
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from ..errors import DecodeError
+
+__all__ = [
+    "PREAMBLE_SIZE",
+    "Kind",
+    "check_types",
+    "from_ranges",
+    "pack",
+    "to_ranges",
+    "unpack",
+]
+
+MAGIC = b"ZT"
+VERSION = 1
+_PREAMBLE = struct.Struct("<2sBBI")
+PREAMBLE_SIZE = _PREAMBLE.size
+
+#: Longest transport header accepted (keys and stage ids are short; seq lists are bounded by the window).
+MAX_HEADER_BYTES = 4 << 20
+
+
+class Kind(IntEnum):
+    """Message kinds of the transport protocol."""
+
+    DATA = 1
+    PING = 2
+    REPLY = 3
+    HEALTH = 4
+    HEALTH_REPLY = 5
+    FETCH = 6
+    FETCH_REPLY = 7
+
+
+#: Number of header fields each kind must carry.
+_ARITY = {
+    Kind.DATA: 7,
+    Kind.PING: 3,
+    Kind.REPLY: 4,
+    Kind.HEALTH: 0,
+    Kind.HEALTH_REPLY: 1,
+    Kind.FETCH: 5,
+    Kind.FETCH_REPLY: 2,
+}
+
+_packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
+
+
+def pack(kind: Kind, header: Sequence[Any], payload: bytes | memoryview | None = None) -> bytes:
+    """Frame 0 of a message: preamble, msgpack ``header`` and (optionally) the codec's frame 0."""
+    body = _packb(header)
+    if payload is None:
+        return _PREAMBLE.pack(MAGIC, VERSION, kind, len(body)) + body
+    return b"".join((_PREAMBLE.pack(MAGIC, VERSION, kind, len(body)), body, payload))
+
+
+def unpack(frame: bytes | memoryview) -> tuple[Kind, list[Any], memoryview]:
+    """Split frame 0 into ``(kind, header, payload view)``; anything malformed raises ``DecodeError``."""
+    view = memoryview(frame)
+    if view.nbytes < PREAMBLE_SIZE:
+        raise DecodeError(f"transport frame of {view.nbytes} bytes is shorter than the preamble")
+    magic, version, kind_no, size = _PREAMBLE.unpack_from(view)
+    if magic != MAGIC:
+        raise DecodeError(f"transport frame starts with {bytes(magic)!r}, not {MAGIC!r}")
+    if version != VERSION:
+        raise DecodeError(f"transport version {version} is not supported (this side speaks {VERSION})")
+    try:
+        kind = Kind(kind_no)
+    except ValueError:
+        raise DecodeError(f"unknown transport message kind {kind_no}") from None
+    end = PREAMBLE_SIZE + size
+    if size > MAX_HEADER_BYTES or end > view.nbytes:
+        raise DecodeError(f"transport header length {size} exceeds the frame ({view.nbytes} bytes)")
+    try:
+        header = msgpack.unpackb(view[PREAMBLE_SIZE:end], raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise DecodeError(f"transport header is not valid msgpack: {exc!r}") from exc
+    if not isinstance(header, list) or len(header) != _ARITY[kind]:
+        raise DecodeError(f"{kind.name} header must be a list of {_ARITY[kind]} fields, got {header!r:.80}")
+    return kind, header, view[end:]
+
+
+def check_types(header: Sequence[Any], types: Sequence[type | tuple[type, ...]], what: str) -> None:
+    """Raise ``DecodeError`` unless each header field has its expected type (bool is not an int)."""
+    for index, (value, expected) in enumerate(zip(header, types, strict=True)):
+        if isinstance(value, bool) and expected is not bool:
+            raise DecodeError(f"{what} header field {index} has type bool")
+        if not isinstance(value, expected):
+            raise DecodeError(f"{what} header field {index} has type {type(value).__name__}")
+
+
+def to_ranges(seqs: Iterable[int]) -> list[list[int]]:
+    """Compress sequence numbers into sorted ``[first, last]`` runs (acks stay small under load)."""
+    out: list[list[int]] = []
+    for seq in sorted(seqs):
+        if out and seq <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], seq)
+        else:
+            out.append([seq, seq])
+    return out
+
+
+def from_ranges(ranges: Any, limit: int) -> list[int]:
+    """Expand ``[first, last]`` runs, refusing more than ``limit`` numbers (hostile acks)."""
+    if not isinstance(ranges, list):
+        raise DecodeError("seq ranges must be a list")
+    out: list[int] = []
+    for item in ranges:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not all(type(v) is int for v in item)
+            or item[0] > item[1]
+            or item[0] < 0
+        ):
+            raise DecodeError(f"bad seq range {item!r:.40}")
+        if len(out) + item[1] - item[0] + 1 > limit:
+            raise DecodeError(f"seq ranges name more than {limit} messages")
+        out.extend(range(item[0], item[1] + 1))
+    return out

@@ -1,0 +1,143 @@
+"""One I/O thread per connector: it owns its sockets and wakes on them, on an eventfd, or on a timer.
+
+Other threads never touch the loop's sockets; they hand work over with
+:meth:`IoLoop.call_soon` (or just :meth:`IoLoop.wake` after updating shared
+state), which writes to an eventfd the poller watches. Nothing sleep-polls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+__all__ = ["IoLoop"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+
+class _Periodic:
+    __slots__ = ("due", "fn", "interval")
+
+    def __init__(self, interval: float, fn: Callable[[], None]) -> None:
+        self.interval = interval
+        self.fn = fn
+        self.due = time.monotonic() + interval
+
+
+class IoLoop:
+    """A poller thread with thread-safe wake-ups, deferred calls and periodic timers."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._poller = zmq.Poller()
+        self._handlers: dict[Any, Callable[[], None]] = {}
+        self._calls: deque[Callable[[], None]] = deque()
+        self._timers: list[_Periodic] = []
+        self._on_stop: list[Callable[[], None]] = []
+        self._stopping = False
+        self._started = False
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- any thread ----------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread."""
+        self._started = True
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Make the loop run its calls and handlers now (cheap, lock-free, any thread)."""
+        # OSError: closed during shutdown, or the counter saturated: the loop is awake anyway.
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self._wake_fd, 1)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread as soon as possible."""
+        self._calls.append(fn)
+        self.wake()
+
+    def in_loop(self) -> bool:
+        """True when called from the loop thread."""
+        return threading.current_thread() is self._thread
+
+    def stop(self, timeout: float = 1.0) -> bool:
+        """Run the on-stop callbacks on the loop thread, end it; True when it ended within ``timeout``."""
+        self._stopping = True
+        if not self._started:
+            # Never started (a constructor failed half-way): release what was set up, here.
+            self._started = True
+            for fn in self._on_stop:
+                self._guard(fn)
+        if self._thread.is_alive():
+            self.wake()
+            self._thread.join(timeout)
+        alive = self._thread.is_alive()
+        if not alive:
+            with contextlib.suppress(OSError):
+                os.close(self._wake_fd)
+        return not alive
+
+    # -- loop thread (or before start) ---------------------------------------
+    def add_reader(self, sock: Any, handler: Callable[[], None]) -> None:
+        """Call ``handler`` whenever ``sock`` is readable; it must drain without blocking."""
+        self._handlers[sock] = handler
+        self._poller.register(sock, zmq.POLLIN)
+
+    def remove_reader(self, sock: Any) -> None:
+        """Stop watching ``sock`` (before closing it)."""
+        if self._handlers.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+
+    def every(self, interval: float, fn: Callable[[], None]) -> None:
+        """Call ``fn`` every ``interval`` seconds."""
+        self._timers.append(_Periodic(interval, fn))
+
+    def on_stop(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the loop thread just before it ends (flush, close sockets)."""
+        self._on_stop.append(fn)
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        # A bug in one handler must not kill the thread that every transfer depends on.
+        try:
+            fn()
+        except Exception:
+            log.exception("%s: handler %r failed", self._name, fn)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                timeout_ms = 1000.0
+                for timer in self._timers:
+                    timeout_ms = min(timeout_ms, max(0.0, (timer.due - now) * 1000.0))
+                if self._calls:
+                    timeout_ms = 0.0
+                for sock, _ in self._poller.poll(int(timeout_ms)):
+                    if sock == self._wake_fd:
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(self._wake_fd)
+                        continue
+                    handler = self._handlers.get(sock)
+                    if handler is not None:
+                        self._guard(handler)
+                while self._calls:
+                    self._guard(self._calls.popleft())
+                now = time.monotonic()
+                for timer in self._timers:
+                    if timer.due <= now:
+                        timer.due = now + timer.interval
+                        self._guard(timer.fn)
+        finally:
+            while self._calls:
+                self._guard(self._calls.popleft())
+            for fn in self._on_stop:
+                self._guard(fn)

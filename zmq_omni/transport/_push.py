@@ -1,0 +1,727 @@
+"""Push mode: confirmed delivery from senders (DEALER) to a receiver's ROUTER.
+
+Socket layout, per (sender connector, receiving stage):
+
+* a **data** DEALER (identity ``d<sid>``) carries DATA and PING messages. Any
+  put thread may send on it, one at a time under the peer's ``data_lock``;
+  nothing is ever received on it;
+* a **control** DEALER (identity ``c<sid>``), owned by the I/O thread, receives
+  the receiver's REPLY messages (acknowledgements and pongs);
+* the receiver binds one ROUTER, owned by its I/O thread.
+
+Why DEALER/ROUTER rather than PUSH/PULL plus a separate ack channel: the
+receiver can answer on the same endpoint it binds (senders need no endpoint
+of their own), a DEALER blocks at its high-water mark exactly like PUSH, and
+the ROUTER learns who sent what. Why a second DEALER: the I/O thread must
+poll for acknowledgements while put threads send, and a ZeroMQ socket may not
+be polled and sent on concurrently.
+
+Delivery protocol (seq numbers are per sender and receiving stage):
+
+1. The receiver acknowledges **arrival** (cumulative, batched per drain of its
+   socket) and **consumption** (when ``get`` takes the item, or a re-put or
+   ``cleanup`` drops it). Arrival stops the delivery deadline; consumption
+   frees the sender's copy.
+2. Every ``heartbeat_s`` the sender sends PING ``n`` on the data DEALER, behind
+   the data it already sent. The receiver flushes its acks and answers with a
+   pong naming ``n`` and its incarnation id. ZeroMQ keeps per-connection
+   order, so a message sent before ping ``n`` and still unacknowledged when
+   pong ``n`` arrives was lost on a broken connection: it is resent.
+3. A new incarnation id means a new receiver process/connector: everything
+   not yet consumed is sent again; the new receiver de-duplicates by
+   ``(sid, seq)``. The only duplicates an application can see are items the
+   old receiver handed to ``get`` whose consumption ack was lost with it.
+4. A receiver silent for ``peer_timeout_s`` is presumed gone: what it held
+   unconsumed becomes undelivered again, with a fresh delivery deadline.
+5. Undelivered past its deadline: the put is reported as failed (a
+   :class:`~zmq_omni.errors.DeliveryError`), forgotten, and the data DEALER is
+   recreated so ZeroMQ's queue cannot deliver it later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from ..errors import (
+    ClosedResourceError,
+    DecodeError,
+    DeliveryError,
+    MessageTooLargeError,
+    TransportTimeoutError,
+    ZmqOmniError,
+    from_zmq_error,
+)
+from ..metrics import Counters
+from ._endpoints import EndpointMap
+from ._envelope import Kind, check_types, from_ranges, pack, to_ranges, unpack
+from ._loop import IoLoop
+from ._router import recv_routed
+from ._sockets import bind, close_socket, make_socket
+
+__all__ = ["FailureCallback", "PushReceiver", "PushSender"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+#: ``(op, from_stage, to_stage, key, reason, error)`` -- how the transport reports a failure for good.
+FailureCallback = Callable[[str, str, str, str, str, ZmqOmniError], None]
+
+_MAX_DRAIN = 512  # messages handled per wake-up before acks are flushed
+_MAX_SID = 64
+_SEND_SLICE_S = 0.05  # a blocked send re-checks close() this often
+
+
+class _Out:
+    """One put kept by the sender until the receiver consumed it."""
+
+    __slots__ = ("arrived", "deadline", "frames", "from_stage", "key", "nbytes", "sent_ping", "seq")
+
+    def __init__(self, seq: int, from_stage: str, key: str, frames: list[Any], nbytes: int, deadline: float) -> None:
+        self.seq = seq
+        self.from_stage = from_stage
+        self.key = key
+        self.frames = frames
+        self.nbytes = nbytes
+        self.deadline = deadline
+        self.arrived = False
+        self.sent_ping: int | None = None  # the last ping sent before this went out; None = not sent yet
+
+
+class _Peer:
+    """Sender-side state of one receiving stage."""
+
+    def __init__(self, to_stage: str, endpoint: str) -> None:
+        self.to_stage = to_stage
+        self.endpoint = endpoint
+        self.data_lock = threading.Lock()
+        self.data_sock: Any = None
+        self.ctl_sock: Any = None
+        self.ping_no = 0
+        self.next_seq = 0
+        self.low = 0  # smallest seq still retained (or next_seq): the receiver forgets dedup state below it
+        self.retained: dict[int, _Out] = {}
+        self.unarrived: dict[int, _Out] = {}
+        self.incarnation: str | None = None
+        self.old_incarnations: deque[str] = deque(maxlen=16)
+        self.last_heard = 0.0
+        self.suspect = False
+
+    def advance_low(self) -> None:
+        while self.low < self.next_seq and self.low not in self.retained:
+            self.low += 1
+
+
+class PushSender:
+    """The sending half of push mode: a bounded window of unconsumed puts, resends and deadlines."""
+
+    def __init__(
+        self,
+        loop: IoLoop,
+        endpoints: EndpointMap,
+        *,
+        sid: str,
+        put_timeout_s: float,
+        delivery_timeout_s: float,
+        heartbeat_s: float,
+        peer_timeout_s: float,
+        max_unacked: int,
+        max_unacked_bytes: int,
+        hwm: int,
+        counters: Counters,
+        on_failure: FailureCallback,
+    ) -> None:
+        self._loop = loop
+        self._endpoints = endpoints
+        self.sid = sid
+        self._put_timeout = put_timeout_s
+        self._delivery_timeout = delivery_timeout_s
+        self._peer_timeout = peer_timeout_s
+        self._max_count = max_unacked
+        self._max_bytes = max_unacked_bytes
+        self._hwm = hwm
+        self._counters = counters
+        self._on_failure = on_failure
+        self._cv = threading.Condition()
+        self._peers: dict[str, _Peer] = {}
+        self._count = 0
+        self._bytes = 0
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._closed = False
+        loop.every(heartbeat_s, self._heartbeat)
+        loop.every(min(0.05, heartbeat_s), self._expire)
+        loop.on_stop(self._close_sockets)
+
+    # -- put threads ----------------------------------------------------------------
+    def send(self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int) -> None:
+        """Admit one put into the window and hand it to ZeroMQ, waiting at most ``put_timeout_s``.
+
+        Raises:
+            TransportTimeoutError: no window room or ZeroMQ queue room in time.
+            ClosedResourceError: the sender was closed.
+            ConfigError: ``to_stage`` has no endpoint.
+        """
+        deadline = time.monotonic() + self._put_timeout
+        with self._cv:
+            peer = self._peer(to_stage)
+            while (
+                not self._closed
+                and self._count
+                and (self._count >= self._max_count or self._bytes + nbytes > self._max_bytes)
+            ):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportTimeoutError(
+                        f"send window full ({self._count} puts, {self._bytes} bytes unconsumed)",
+                        endpoint=peer.endpoint,
+                    )
+                self._cv.wait(remaining)
+            if self._closed:
+                raise ClosedResourceError("connector closed", endpoint=peer.endpoint)
+            out = _Out(peer.next_seq, from_stage, key, frames, nbytes, time.monotonic() + self._delivery_timeout)
+            peer.next_seq += 1
+            peer.retained[out.seq] = out
+            peer.unarrived[out.seq] = out
+            self._count += 1
+            self._bytes += nbytes
+            heapq.heappush(self._deadlines, (out.deadline, out.seq, to_stage))
+        try:
+            self._send_data(peer, out, deadline)
+        except BaseException:
+            with self._cv:
+                if peer.retained.pop(out.seq, None) is not None:
+                    peer.unarrived.pop(out.seq, None)
+                    self._count -= 1
+                    self._bytes -= nbytes
+                    peer.advance_low()
+                    self._cv.notify_all()
+            raise
+
+    def _peer(self, to_stage: str) -> _Peer:
+        peer = self._peers.get(to_stage)
+        if peer is None:
+            peer = self._peers[to_stage] = _Peer(to_stage, self._endpoints.require(to_stage))
+            self._loop.call_soon(lambda: self._open_ctl(peer))
+        return peer
+
+    def _send_data(self, peer: _Peer, out: _Out, deadline: float) -> None:
+        if not peer.data_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TransportTimeoutError("another put held the socket past put_timeout_s", endpoint=peer.endpoint)
+        try:
+            if self._closed:
+                raise ClosedResourceError("connector closed", endpoint=peer.endpoint)
+            sock = peer.data_sock or self._open_data(peer)
+            while True:
+                try:
+                    self._transmit(sock, peer, out)
+                    return
+                except zmq.Again as exc:
+                    # At the high-water mark: wait for room in short slices so close() is never held up.
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._closed:
+                        raise (
+                            ClosedResourceError("connector closed", endpoint=peer.endpoint)
+                            if self._closed
+                            else TransportTimeoutError(
+                                f"ZeroMQ send queue full for {self._put_timeout}s", endpoint=peer.endpoint
+                            )
+                        ) from exc
+                    sock.poll(int(min(remaining, _SEND_SLICE_S) * 1000) + 1, zmq.POLLOUT)
+                except zmq.ZMQError as exc:
+                    raise from_zmq_error(exc, endpoint=peer.endpoint, op="send") from exc
+        finally:
+            peer.data_lock.release()
+
+    def _transmit(self, sock: Any, peer: _Peer, out: _Out) -> None:
+        """Send one DATA message without blocking (caller holds ``data_lock``)."""
+        head = pack(
+            Kind.DATA, (self.sid, out.seq, peer.low, out.from_stage, peer.to_stage, out.key, None), out.frames[0]
+        )
+        if len(out.frames) == 1:
+            sock.send(head, zmq.NOBLOCK)
+        else:
+            sock.send_multipart([head, *out.frames[1:]], zmq.NOBLOCK, copy=False)
+        out.sent_ping = peer.ping_no
+
+    def _open_data(self, peer: _Peer) -> Any:
+        sock = make_socket(zmq.DEALER, hwm=self._hwm, identity=b"d" + self.sid.encode())
+        sock.connect(peer.endpoint)
+        peer.data_sock = sock
+        return sock
+
+    def forget(self, match: Callable[[str], bool]) -> int:
+        """Stop retaining puts whose key matches (the request is finished); return how many."""
+        dropped = 0
+        with self._cv:
+            for peer in self._peers.values():
+                for seq in [s for s, out in peer.retained.items() if match(out.key)]:
+                    out = peer.retained.pop(seq)
+                    peer.unarrived.pop(seq, None)
+                    self._count -= 1
+                    self._bytes -= out.nbytes
+                    dropped += 1
+                peer.advance_low()
+            if dropped:
+                self._cv.notify_all()
+        return dropped
+
+    def stats(self) -> dict[str, Any]:
+        """Window occupancy and per-peer state."""
+        with self._cv:
+            return {
+                "pending": self._count,
+                "pending_bytes": self._bytes,
+                "undelivered": sum(len(p.unarrived) for p in self._peers.values()),
+                "peers": {
+                    p.to_stage: {"endpoint": p.endpoint, "incarnation": p.incarnation, "pending": len(p.retained)}
+                    for p in self._peers.values()
+                },
+            }
+
+    def close(self) -> None:
+        """Fail waiting and future puts; sockets close on the loop thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    # -- I/O thread ---------------------------------------------------------------
+    def _open_ctl(self, peer: _Peer) -> None:
+        if self._closed or peer.ctl_sock is not None:
+            return
+        sock = make_socket(zmq.DEALER, hwm=self._hwm, identity=b"c" + self.sid.encode())
+        sock.connect(peer.endpoint)
+        peer.ctl_sock = sock
+        self._loop.add_reader(sock, lambda: self._on_ctl(peer))
+
+    def _on_ctl(self, peer: _Peer) -> None:
+        for _ in range(_MAX_DRAIN):
+            try:
+                frames = peer.ctl_sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                kind, header, _ = unpack(frames[0])
+                if kind is not Kind.REPLY or len(frames) != 1:
+                    raise DecodeError(f"unexpected {kind.name} message on the control socket")
+                check_types(header, (str, int, list, list), "REPLY")
+                limit = 4 * self._max_count + 1024
+                self._on_reply(peer, header[0], header[1], from_ranges(header[2], limit), from_ranges(header[3], limit))
+            except DecodeError as exc:
+                self._counters.add("rejected_frames")
+                log.warning("rejected a reply from %s: %s", peer.endpoint, exc)
+
+    def _on_reply(self, peer: _Peer, incarnation: str, ping: int, arrived: list[int], consumed: list[int]) -> None:
+        now = time.monotonic()
+        resend: list[_Out] = []
+        with self._cv:
+            peer.last_heard = now
+            peer.suspect = False
+            stale = incarnation in peer.old_incarnations
+            renewed = False
+            if not stale and incarnation != peer.incarnation:
+                if peer.incarnation is not None:
+                    # A new receiver holds nothing of ours: everything unconsumed goes again.
+                    log.info(
+                        "receiver %s restarted (%s); resending %d puts", peer.endpoint, incarnation, len(peer.retained)
+                    )
+                    peer.old_incarnations.append(peer.incarnation)
+                    self._unarrive(peer, peer.retained.values(), now)
+                    renewed = True
+                peer.incarnation = incarnation
+            freed = 0
+            for seq in consumed:  # consumption is final whichever incarnation reports it
+                out = peer.retained.pop(seq, None)
+                if out is not None:
+                    peer.unarrived.pop(seq, None)
+                    self._count -= 1
+                    self._bytes -= out.nbytes
+                    freed += 1
+            if not stale:
+                for seq in arrived:
+                    out = peer.unarrived.pop(seq, None)
+                    if out is not None:
+                        out.arrived = True
+                if renewed:
+                    resend = [o for o in peer.unarrived.values() if o.sent_ping is not None]
+                elif ping >= 0:
+                    resend = [o for o in peer.unarrived.values() if o.sent_ping is not None and o.sent_ping < ping]
+            if freed:
+                peer.advance_low()
+                self._cv.notify_all()
+        if resend:
+            self._resend(peer, resend)
+
+    def _unarrive(self, peer: _Peer, outs: Iterable[_Out], now: float) -> None:
+        """Mark puts undelivered again with a fresh deadline (caller holds ``_cv``)."""
+        for out in outs:
+            if out.arrived:
+                out.arrived = False
+                peer.unarrived[out.seq] = out
+            out.deadline = now + self._delivery_timeout
+            heapq.heappush(self._deadlines, (out.deadline, out.seq, peer.to_stage))
+
+    def _resend(self, peer: _Peer, outs: list[_Out]) -> None:
+        # Never wait for a put thread blocked at the high-water mark: the next pong retries.
+        if not peer.data_lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed:
+                return
+            sock = peer.data_sock or self._open_data(peer)
+            for out in outs:
+                if out.seq not in peer.unarrived:
+                    continue
+                try:
+                    self._transmit(sock, peer, out)
+                except zmq.ZMQError:
+                    return
+                self._counters.add("resends")
+        finally:
+            peer.data_lock.release()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            peers = list(self._peers.values())
+            for peer in peers:
+                silent = peer.last_heard and now - peer.last_heard > self._peer_timeout
+                if silent and not peer.suspect:
+                    peer.suspect = True
+                    held = [o for o in peer.retained.values() if o.arrived]
+                    if held:
+                        log.warning(
+                            "receiver %s silent for %.1fs; %d delivered puts at risk",
+                            peer.endpoint,
+                            now - peer.last_heard,
+                            len(held),
+                        )
+                        self._unarrive(peer, held, now)
+        for peer in peers:
+            if not peer.data_lock.acquire(blocking=False):
+                continue
+            try:
+                if self._closed:
+                    return
+                sock = peer.data_sock or self._open_data(peer)
+                try:
+                    sock.send(pack(Kind.PING, (self.sid, peer.ping_no + 1, peer.low)), zmq.NOBLOCK)
+                    peer.ping_no += 1
+                except zmq.ZMQError:  # queue full while the receiver is away: the next beat tries again
+                    pass
+            finally:
+                peer.data_lock.release()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        failed: list[tuple[_Peer, _Out]] = []
+        later: list[tuple[float, int, str]] = []
+        with self._cv:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, seq, to_stage = heapq.heappop(self._deadlines)
+                peer = self._peers[to_stage]
+                out = peer.unarrived.get(seq)
+                if out is None or out.deadline != deadline:
+                    continue  # delivered, consumed, or re-armed since
+                if out.sent_ping is None:
+                    # Its put is still waiting for ZeroMQ; that put reports its own timeout.
+                    out.deadline = now + _SEND_SLICE_S
+                    later.append((out.deadline, seq, to_stage))
+                    continue
+                del peer.unarrived[seq]
+                del peer.retained[seq]
+                self._count -= 1
+                self._bytes -= out.nbytes
+                failed.append((peer, out))
+            for entry in later:
+                heapq.heappush(self._deadlines, entry)
+            if failed:
+                for peer in {p for p, _ in failed}:
+                    peer.advance_low()
+                self._cv.notify_all()
+        for peer in {p for p, _ in failed}:
+            self._reset_data_socket(peer)
+        for peer, out in failed:
+            self._counters.add("delivery_failures")
+            reason = (
+                f"delivery to stage {peer.to_stage!r} not confirmed within {self._delivery_timeout}s "
+                f"(receiver {'never answered' if peer.incarnation is None else 'gone or not acknowledging'})"
+            )
+            self._on_failure(
+                "put",
+                out.from_stage,
+                peer.to_stage,
+                out.key,
+                reason,
+                DeliveryError(reason, key=out.key, endpoint=peer.endpoint),
+            )
+
+    def _reset_data_socket(self, peer: _Peer) -> None:
+        # Drop what ZeroMQ still queues for this peer, so a put reported failed is never delivered later.
+        if peer.data_lock.acquire(blocking=False):
+            try:
+                close_socket(peer.data_sock)
+                peer.data_sock = None
+            finally:
+                peer.data_lock.release()
+
+    def _close_sockets(self) -> None:
+        for peer in list(self._peers.values()):
+            if peer.ctl_sock is not None:
+                self._loop.remove_reader(peer.ctl_sock)
+                close_socket(peer.ctl_sock)
+            # A put thread notices close() within one send slice and lets go.
+            got = peer.data_lock.acquire(timeout=0.5)
+            try:
+                close_socket(peer.data_sock)
+                peer.data_sock = None
+            finally:
+                if got:
+                    peer.data_lock.release()
+
+
+class _Source:
+    """Receiver-side state of one sender: dedup window and acks not yet sent."""
+
+    __slots__ = ("arrived", "consumed", "ctl", "last_heard", "low", "pruned_low", "reported", "seen")
+
+    def __init__(self, sid: str, now: float) -> None:
+        self.ctl = b"c" + sid.encode()
+        self.low = 0
+        self.pruned_low = 0
+        self.seen: set[int] = set()
+        self.arrived: list[int] = []
+        self.consumed: list[int] = []
+        self.reported: set[int] = set()  # consumed seqs >= low: repeated in every pong until the sender forgets them
+        self.last_heard = now
+
+
+class _Item:
+    __slots__ = ("nbytes", "obj", "seq", "sid")
+
+    def __init__(self, obj: Any, nbytes: int, sid: str, seq: int) -> None:
+        self.obj = obj
+        self.nbytes = nbytes
+        self.sid = sid
+        self.seq = seq
+
+
+class PushReceiver:
+    """The receiving half of push mode: a bound ROUTER feeding a keyed mailbox."""
+
+    def __init__(
+        self,
+        loop: IoLoop,
+        bind_endpoint: str,
+        *,
+        incarnation: str,
+        decode: Callable[[list[Any]], Any],
+        hwm: int,
+        max_message_bytes: int,
+        max_frames: int,
+        source_ttl_s: float,
+        counters: Counters,
+        health: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._loop = loop
+        self.incarnation = incarnation
+        self._decode = decode
+        self._max_message = max_message_bytes
+        self._max_frames = max_frames
+        self._source_ttl = source_ttl_s
+        self._counters = counters
+        self._health = health
+        self._cv = threading.Condition()
+        self._box: dict[tuple[str, str, str], _Item] = {}
+        self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
+        self._sources: dict[str, _Source] = {}
+        self._dirty: set[str] = set()
+        self._closed = False
+        self._sock = make_socket(zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
+        try:
+            self.endpoint = bind(self._sock, bind_endpoint)
+        except BaseException:
+            close_socket(self._sock)
+            raise
+        loop.add_reader(self._sock, self._on_readable)
+        loop.every(max(1.0, source_ttl_s / 10), self._expire_sources)
+        loop.on_stop(self._shutdown)
+
+    # -- application threads -------------------------------------------------------
+    def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
+        """Remove and return ``(obj, nbytes)`` for the key, or None (never blocks on I/O)."""
+        with self._cv:
+            item = self._box.pop((from_stage, to_stage, key), None)
+            if item is None:
+                return None
+            self._ack_taken(item)
+        return item.obj, item.nbytes
+
+    def take_by(self, from_stage: str, to_stage: str, key: str, deadline: float) -> tuple[Any, int] | None:
+        """Like :meth:`take`, waiting on a condition until ``time.monotonic() >= deadline``."""
+        slot = (from_stage, to_stage, key)
+        with self._cv:
+            while slot not in self._box:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return None
+                self._cv.wait(remaining)
+            item = self._box.pop(slot)
+            self._ack_taken(item)
+        return item.obj, item.nbytes
+
+    def forget(self, match: Callable[[str], bool]) -> int:
+        """Drop mailbox items whose key matches (acknowledged as consumed); return how many."""
+        with self._cv:
+            slots = [slot for slot in self._box if match(slot[2])]
+            for slot in slots:
+                self._ack_taken(self._box.pop(slot))
+        return len(slots)
+
+    def _ack_taken(self, item: _Item) -> None:
+        # Caller holds _cv. Wake the I/O thread once per batch, not once per get.
+        self._taken.append((item.sid, item.seq))
+        if len(self._taken) == 1:
+            self._loop.call_soon(self._flush_all)
+
+    def mailbox_size(self) -> int:
+        """Items waiting for ``get``."""
+        with self._cv:
+            return len(self._box)
+
+    def close(self) -> None:
+        """Wake every waiting ``get``; the socket closes on the loop thread after a last ack flush."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    # -- I/O thread ---------------------------------------------------------------
+    def _on_readable(self) -> None:
+        for _ in range(_MAX_DRAIN):
+            message = recv_routed(self._sock, self._max_frames)
+            if message is None:
+                break
+            identity, frames, ok = message
+            try:
+                if not ok:
+                    raise DecodeError(f"message with no frames or more than {self._max_frames}")
+                self._on_message(identity, frames)
+            except (DecodeError, MessageTooLargeError) as exc:
+                self._counters.add("rejected_frames")
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("rejected a message on %s: %s", self.endpoint, exc)
+        self._flush_all()
+
+    def _on_message(self, identity: bytes, frames: list[Any]) -> None:
+        kind, header, payload = unpack(frames[0])
+        if kind is Kind.DATA:
+            check_types(header, (str, int, int, str, str, str, type(None)), "DATA")
+            self._on_data(header, payload, frames)
+        elif kind is Kind.PING:
+            check_types(header, (str, int, int), "PING")
+            self._on_ping(header[0], header[1], header[2])
+        elif kind is Kind.HEALTH:
+            self._reply(identity, pack(Kind.HEALTH_REPLY, (self._health(),)))
+        else:
+            raise DecodeError(f"unexpected {kind.name} message")
+
+    def _source(self, sid: str) -> _Source:
+        source = self._sources.get(sid)
+        if source is None:
+            if not sid or len(sid) > _MAX_SID:
+                raise DecodeError(f"sender id of {len(sid)} characters")
+            source = self._sources[sid] = _Source(sid, time.monotonic())
+        return source
+
+    def _on_data(self, header: list[Any], payload: memoryview, frames: list[Any]) -> None:
+        sid, seq, low, from_stage, to_stage, key, _loc = header
+        size = payload.nbytes + sum(f.buffer.nbytes for f in frames[1:])
+        if size > self._max_message:
+            raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+        source = self._source(sid)
+        source.last_heard = time.monotonic()
+        source.low = max(source.low, low)
+        self._dirty.add(sid)
+        if seq < source.low or seq in source.seen:
+            # A resend of something we already have (or consumed): acknowledge again, keep one copy.
+            self._counters.add("duplicates_dropped")
+            source.arrived.append(seq)
+            return
+        obj = self._decode([payload, *frames[1:]])
+        item = _Item(obj, size, sid, seq)
+        with self._cv:
+            old = self._box.get((from_stage, to_stage, key))
+            self._box[(from_stage, to_stage, key)] = item
+            if old is not None:  # a re-put replaces; the replaced one counts as consumed
+                self._taken.append((old.sid, old.seq))
+            self._cv.notify_all()
+        source.seen.add(seq)
+        source.arrived.append(seq)
+
+    def _on_ping(self, sid: str, ping: int, low: int) -> None:
+        source = self._source(sid)
+        source.last_heard = time.monotonic()
+        source.low = max(source.low, low)
+        if source.low > source.pruned_low:
+            source.pruned_low = source.low
+            source.seen = {s for s in source.seen if s >= source.low}
+            source.reported = {s for s in source.reported if s >= source.low}
+        self._flush_taken()
+        source.reported.update(source.consumed)
+        source.consumed.clear()
+        self._reply(
+            source.ctl,
+            pack(Kind.REPLY, (self.incarnation, ping, to_ranges(source.arrived), to_ranges(source.reported))),
+        )
+        source.arrived.clear()
+
+    def _flush_all(self) -> None:
+        self._flush_taken()
+        self._flush_acks()
+
+    def _flush_taken(self) -> None:
+        with self._cv:
+            taken, self._taken = self._taken, []
+        for sid, seq in taken:
+            source = self._sources.get(sid)
+            if source is not None:
+                source.consumed.append(seq)
+                self._dirty.add(sid)
+
+    def _flush_acks(self) -> None:
+        for sid in self._dirty:
+            source = self._sources.get(sid)
+            if source is None or not (source.arrived or source.consumed):
+                continue
+            self._reply(
+                source.ctl,
+                pack(Kind.REPLY, (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.consumed))),
+            )
+            source.arrived.clear()
+            source.reported.update(source.consumed)
+            source.consumed.clear()
+        self._dirty.clear()
+
+    def _reply(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            # Unroutable or full: acks are repeated (pongs carry every unconfirmed consumption,
+            # and unacknowledged arrivals are resent and acknowledged again), so dropping is safe.
+            self._counters.add("acks_dropped")
+
+    def _expire_sources(self) -> None:
+        cutoff = time.monotonic() - self._source_ttl
+        for sid in [sid for sid, s in self._sources.items() if s.last_heard < cutoff]:
+            del self._sources[sid]
+
+    def _shutdown(self) -> None:
+        # Last chance to tell senders what was consumed, so a reopened receiver gets no duplicates.
+        self._flush_all()
+        self._loop.remove_reader(self._sock)
+        close_socket(self._sock, linger_ms=200)

@@ -1,0 +1,117 @@
+"""The process's ZeroMQ context, socket options, and the malloc tuning for large receives.
+
+libzmq allocates every received message with ``malloc``. glibc serves a
+64-256 MiB request with a fresh ``mmap``, so the receiver page-faults on every
+page of every large message and streams at ~1.4 GB/s although memcpy runs at
+10+ GB/s. :func:`tune_malloc` keeps large blocks on the heap (no mmap, no trim,
+one arena) so freed message memory is reused without faults. It must run
+before libzmq's I/O threads first allocate, so zmq_omni uses its own context,
+created after the tuning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import threading
+from typing import Any
+
+import zmq
+
+from ..errors import from_zmq_error
+
+__all__ = ["bind", "close_socket", "context", "make_socket", "tune_malloc"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+
+_lock = threading.Lock()
+_context: zmq.Context[Any] | None = None
+_tuned: bool | None = None
+
+
+def tune_malloc() -> bool:
+    """Make glibc reuse heap memory for large blocks (once per process); True when applied.
+
+    Trade-off: freed memory stays in the process (its peak RSS is kept) instead
+    of going back to the OS; opt out with ``malloc_tuning: false``.
+    """
+    global _tuned
+    with _lock:
+        if _tuned is None:
+            _tuned = False
+            name = ctypes.util.find_library("c")
+            try:
+                libc = ctypes.CDLL(name)
+                # mallopt parameters are glibc's; musl has no gnu_get_libc_version and other meanings.
+                if name and hasattr(libc, "gnu_get_libc_version"):
+                    _tuned = bool(
+                        libc.mallopt(_M_ARENA_MAX, 1)
+                        and libc.mallopt(_M_MMAP_MAX, 0)
+                        and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+                    )
+            except OSError:  # no C library to load: nothing to tune
+                _tuned = False
+            if _tuned and _context is not None:
+                log.warning("malloc tuned after the ZeroMQ context started; large receives may not benefit")
+        return _tuned
+
+
+def context() -> zmq.Context[Any]:
+    """zmq_omni's own context (never terminated; sockets are closed explicitly with a linger)."""
+    global _context
+    with _lock:
+        if _context is None:
+            _context = zmq.Context()
+        return _context
+
+
+def make_socket(kind: int, *, hwm: int, max_message_bytes: int | None = None, identity: bytes | None = None) -> Any:
+    """A socket with zmq_omni's defaults: finite HWM, linger 0 until close, no IPv6 surprises."""
+    sock = context().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if max_message_bytes is not None:
+        # libzmq drops the connection of a peer that sends a bigger frame: a cheap DoS guard.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if identity is not None:
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+    if kind == zmq.ROUTER:
+        # Unroutable replies raise instead of vanishing; a reconnecting identity takes over its route.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if kind in (zmq.DEALER, zmq.PUSH):
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    return sock
+
+
+def bind(sock: Any, endpoint: str) -> str:
+    """Bind ``sock``; return the endpoint actually bound (port 0/``*`` resolved).
+
+    Raises:
+        TransportError: naming the endpoint (address in use, no such interface, ...).
+    """
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise from_zmq_error(exc, endpoint=endpoint, op="bind") from exc
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return last.decode() if isinstance(last, bytes) else str(last)
+
+
+def close_socket(sock: Any, linger_ms: int = 0) -> None:
+    """Close with an explicit linger (never the blocking default); ignore an already-closed socket."""
+    if sock is None or sock.closed:
+        return
+    with contextlib.suppress(zmq.ZMQError):  # closed twice or after context teardown: nothing to release
+        sock.close(linger=linger_ms)

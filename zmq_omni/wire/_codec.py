@@ -1,0 +1,668 @@
+"""Encode objects to ``[header, buffer, ...]`` frames and back, without copying large arrays.
+
+The byte layout is specified in ``docs/wire-format.md``; the constants below
+are the ones that document names. In short: frame 0 is a 9-byte preamble
+followed by one msgpack object; arrays, tensors, numpy scalars, tuples, big
+ints and (opt-in) pickles are msgpack extension types; an array whose size is
+at or above the inline threshold is carried by its own frame, referenced by
+index, and that frame is a view of the array's memory.
+
+Speed matters on two paths. Small metadata dicts (hundreds of bytes, at 100k+
+messages/s) go through msgpack's C packer and unpacker untouched: the Python
+hooks only run for the few types msgpack cannot carry natively, and a preamble
+flag lets the decoder skip them altogether when the header holds none. Large
+arrays are never copied, so their cost is a constant per array.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+
+from ..errors import DecodeError, EncodeError
+from . import _dtypes
+from ._limits import DecodeLimits
+
+__all__ = [
+    "DEFAULT_INLINE_THRESHOLD",
+    "WIRE_VERSION",
+    "decode",
+    "encode",
+    "frames_nbytes",
+]
+
+#: The version byte of the preamble; a decoder rejects every other version.
+WIRE_VERSION: Final = 1
+#: The first three bytes of frame 0.
+MAGIC: Final = b"ZOM"
+
+#: Arrays of at least this many bytes travel as their own zero-copy frame;
+#: smaller ones are copied into the header. Measured with
+#: ``python benchmarks/codec.py --threshold`` (see docs/wire-format.md): below
+#: this size the fixed cost of an extra ZeroMQ frame outweighs copying the bytes.
+DEFAULT_INLINE_THRESHOLD: Final = 16 * 1024
+
+# Preamble flags (byte 4): what the header holds, so the decoder can skip
+# work (and refuse pickles) before parsing anything.
+FLAG_EXT: Final = 0x01  # extension types present: arrays, tensors, scalars, tuples, big ints, pickles
+FLAG_TUPLE: Final = 0x02  # tuple markers present
+FLAG_PICKLE: Final = 0x04  # pickled objects present
+_KNOWN_FLAGS: Final = FLAG_EXT | FLAG_TUPLE | FLAG_PICKLE
+
+# msgpack extension type codes.
+EXT_ARRAY: Final = 1
+EXT_TENSOR: Final = 2
+EXT_SCALAR: Final = 3
+EXT_TUPLE: Final = 4
+EXT_BIGINT: Final = 5
+EXT_PICKLE: Final = 6
+
+# Array descriptor layout bits (first byte of an EXT_ARRAY / EXT_TENSOR payload).
+LAYOUT_FORTRAN: Final = 0x01
+LAYOUT_OUT_OF_BAND: Final = 0x02
+_KNOWN_LAYOUT: Final = LAYOUT_FORTRAN | LAYOUT_OUT_OF_BAND
+
+_PREAMBLE = struct.Struct("<3sBBI")  # magic, version, flags, number of out-of-band frames
+PREAMBLE_SIZE: Final = _PREAMBLE.size
+_ARRAY_HEAD = struct.Struct("<BBB")  # layout, ndim, dtype name length
+_FRAME_REF = struct.Struct("<IQ")  # frame index, nbytes
+_SHAPES = tuple(struct.Struct(f"<{ndim}Q") for ndim in range(65))
+_SHAPE_AND_REF = tuple(struct.Struct(f"<{ndim}QIQ") for ndim in range(65))
+_MAX_DTYPE_NAME = 16
+
+_N_CACHED_PREAMBLES = 64
+_PREAMBLES = tuple(
+    tuple(_PREAMBLE.pack(MAGIC, WIRE_VERSION, flags, n) for n in range(_N_CACHED_PREAMBLES))
+    for flags in range(_KNOWN_FLAGS + 1)
+)
+
+_INT64_MIN: Final = -(1 << 63)
+_UINT64_END: Final = 1 << 64
+
+_TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
+_ExtType = msgpack.ExtType
+# ExtType.__new__ re-validates its arguments in Python; ours are valid by
+# construction, and this path runs once per array.
+_new_ext = tuple.__new__
+_NAME_OF_NUMPY = _dtypes.NAME_OF_NUMPY
+_DEFAULT_LIMITS = DecodeLimits()
+_unpackb = msgpack.unpackb
+
+
+class _TupleMark:
+    """Decoded form of the tuple marker; only ever seen by ``_Decoding.list_hook``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<tuple marker>"
+
+
+_TUPLE_MARK = _TupleMark()
+
+
+def _type_name(obj: object) -> str:
+    cls = type(obj)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+# ---------------------------------------------------------------- encoding
+
+
+class _Encoder:
+    """One msgpack packer plus the state of the ``encode`` call it serves.
+
+    Each thread keeps one, so the hot path allocates no packer; a re-entrant
+    call (a ``__reduce__`` that encodes, under ``allow_pickle``) gets a fresh one.
+    """
+
+    __slots__ = ("_pack", "allow_pickle", "buffers", "busy", "flags", "threshold")
+
+    def __init__(self) -> None:
+        # strict_types routes tuples, numpy scalars (np.float64 is a float
+        # subclass) and other subclasses to _default instead of letting
+        # msgpack flatten them silently; datetime=False keeps datetimes out.
+        packer = msgpack.Packer(default=self._default, strict_types=True, use_bin_type=True, datetime=False)
+        self._pack = packer.pack
+        self.buffers: list[memoryview] = []
+        self.flags = 0
+        self.threshold = DEFAULT_INLINE_THRESHOLD
+        self.allow_pickle = False
+        self.busy = False
+
+    def encode(self, obj: object, threshold: int, allow_pickle: bool) -> list[bytes | memoryview]:
+        buffers: list[memoryview] = []
+        self.buffers = buffers
+        self.flags = 0
+        self.threshold = threshold
+        self.allow_pickle = allow_pickle
+        self.busy = True
+        try:
+            body = self._pack(obj)
+        except EncodeError:
+            raise
+        except Exception as exc:
+            raise EncodeError(f"cannot encode {_type_name(obj)}: {exc}") from exc
+        finally:
+            self.busy = False
+            # Drop the references so this thread's encoder does not pin the arrays.
+            self.buffers = []
+        n_oob = len(buffers)
+        if n_oob < _N_CACHED_PREAMBLES:
+            return [_PREAMBLES[self.flags][n_oob] + body, *buffers]
+        if n_oob > 0xFFFFFFFF:
+            raise EncodeError(f"too many out-of-band arrays ({n_oob})")
+        return [_PREAMBLE.pack(MAGIC, WIRE_VERSION, self.flags, n_oob) + body, *buffers]
+
+    def _default(self, obj: Any) -> Any:
+        """Hook msgpack calls for every object it cannot pack natively."""
+        cls = type(obj)
+        if cls is np.ndarray:
+            # Fast path for the common large array: allowed dtype, C-contiguous,
+            # out of band. Everything else takes the general path in _array.
+            name = _NAME_OF_NUMPY.get(obj.dtype)
+            if name is not None:
+                view = memoryview(obj)
+                nbytes = view.nbytes
+                if nbytes >= self.threshold and nbytes and view.c_contiguous:
+                    self.flags |= FLAG_EXT
+                    buffers = self.buffers
+                    buffers.append(view.cast("B"))
+                    shape = view.shape or ()
+                    ndim = len(shape)
+                    return _new_ext(
+                        _ExtType,
+                        (
+                            EXT_ARRAY,
+                            _OOB_PREFIXES[name][ndim] + _SHAPE_AND_REF[ndim].pack(*shape, len(buffers), nbytes),
+                        ),
+                    )
+            return self._array(obj)
+        if cls is tuple:
+            self.flags |= FLAG_EXT | FLAG_TUPLE
+            return [_TUPLE_EXT, *obj]
+        if isinstance(obj, np.generic):
+            return self._scalar(obj)
+        if cls is int:  # msgpack calls back only when the int does not fit in 64 bits
+            return self._bigint(obj)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._tensor(torch, obj)
+        return self._subclass(obj)
+
+    def _subclass(self, obj: Any) -> Any:
+        """Subclasses of supported types travel as their base type (a namedtuple comes back a tuple)."""
+        if isinstance(obj, np.ndarray):
+            masked = sys.modules.get("numpy.ma")
+            if masked is not None and isinstance(obj, masked.MaskedArray):
+                return self._unsupported(obj, "a masked array would lose its mask")
+            return self._array(np.asarray(obj))
+        if isinstance(obj, tuple):
+            self.flags |= FLAG_EXT | FLAG_TUPLE
+            return [_TUPLE_EXT, *obj]
+        if isinstance(obj, dict):
+            return dict(obj)
+        if isinstance(obj, list):
+            return list(obj)
+        if isinstance(obj, int):  # IntEnum, IntFlag, ...
+            value = int(obj)
+            return value if _INT64_MIN <= value < _UINT64_END else self._bigint(value)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, str):
+            return str(obj)
+        if isinstance(obj, (bytes, bytearray)):
+            return bytes(obj)
+        return self._unsupported(obj, "")
+
+    def _unsupported(self, obj: object, why: str) -> msgpack.ExtType:
+        if not self.allow_pickle:
+            detail = f" ({why})" if why else ""
+            raise EncodeError(
+                f"cannot encode object of type {_type_name(obj)}{detail}; "
+                "supported: None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays and "
+                "scalars, torch CPU tensors (pass allow_pickle=True on both ends for anything else)"
+            )
+        self.flags |= FLAG_EXT | FLAG_PICKLE
+        return msgpack.ExtType(EXT_PICKLE, pickle.dumps(obj, protocol=5))
+
+    def _bigint(self, value: int) -> msgpack.ExtType:
+        self.flags |= FLAG_EXT
+        return _new_ext(_ExtType, (EXT_BIGINT, value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True)))
+
+    def _scalar(self, obj: np.generic) -> Any:
+        name = _dtypes.wire_name_of_numpy(obj.dtype)
+        if name is None:
+            if isinstance(obj, str):  # np.str_
+                return str(obj)
+            if isinstance(obj, bytes):  # np.bytes_
+                return bytes(obj)
+            return self._unsupported(obj, f"numpy scalar of dtype {obj.dtype}")
+        self.flags |= FLAG_EXT
+        return _new_ext(_ExtType, (EXT_SCALAR, _scalar_prefix(name) + obj.tobytes()))
+
+    def _array(self, arr: np.ndarray[Any, Any]) -> msgpack.ExtType:
+        name = _dtypes.wire_name_of_numpy(arr.dtype)
+        if name is None:
+            return self._unsupported(arr, f"numpy array of dtype {arr.dtype}")
+        flags = arr.flags
+        if flags.c_contiguous:
+            layout = 0
+        elif flags.f_contiguous:
+            layout = LAYOUT_FORTRAN
+        else:
+            # The one copy this codec makes of a large array: strided views
+            # have no single buffer a frame could expose.
+            arr = np.ascontiguousarray(arr)
+            layout = 0
+        return self._descriptor(EXT_ARRAY, name, arr.shape, layout, arr)
+
+    def _tensor(self, torch: Any, tensor: Any) -> msgpack.ExtType:
+        if tensor.device.type != "cpu":
+            raise EncodeError(f"cannot encode a torch tensor on device {tensor.device}; move it to the CPU first")
+        name = _dtypes.wire_name_of_torch(torch, tensor.dtype) if tensor.layout == torch.strided else None
+        if name is None:
+            return self._unsupported(tensor, f"torch tensor of dtype {tensor.dtype}, layout {tensor.layout}")
+        tensor = tensor.detach()
+        if tensor.is_conj():
+            tensor = tensor.resolve_conj()
+        if tensor.is_neg():
+            tensor = tensor.resolve_neg()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        # A uint8 numpy view of the storage: no copy, and it works for
+        # bfloat16, which numpy cannot represent.
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        return self._descriptor(EXT_TENSOR, name, tuple(tensor.shape), 0, raw)
+
+    def _descriptor(
+        self, code: int, name: str, shape: tuple[int, ...], layout: int, data: np.ndarray[Any, Any]
+    ) -> msgpack.ExtType:
+        """Build an array/tensor extension; ``data`` is contiguous in ``layout`` order."""
+        self.flags |= FLAG_EXT
+        nbytes = data.nbytes
+        ndim = len(shape)
+        if ndim > 64:
+            raise EncodeError(f"cannot encode an array of {ndim} dimensions (at most 64)")
+        if nbytes >= self.threshold:
+            flat = data.reshape(-1, order="F" if layout else "C").view(np.uint8)
+            self.buffers.append(flat.data)
+            return _new_ext(
+                _ExtType,
+                (
+                    code,
+                    _descriptor_prefix(layout | LAYOUT_OUT_OF_BAND, ndim, name)
+                    + _SHAPE_AND_REF[ndim].pack(*shape, len(self.buffers), nbytes),
+                ),
+            )
+        # tobytes(order="A") keeps Fortran order for F-contiguous data.
+        return _new_ext(
+            _ExtType,
+            (code, _descriptor_prefix(layout, ndim, name) + _SHAPES[ndim].pack(*shape) + data.tobytes(order="A")),
+        )
+
+
+def _descriptor_prefix(layout: int, ndim: int, name: str) -> bytes:
+    """Layout byte, ndim byte, dtype name length and dtype name of an array descriptor."""
+    encoded = name.encode("ascii")
+    return _ARRAY_HEAD.pack(layout, ndim, len(encoded)) + encoded
+
+
+_scalar_prefix_cache: dict[str, bytes] = {}
+# Precomputed descriptor prefixes for the encoder's fast path, by dtype name then ndim.
+_OOB_PREFIXES: dict[str, tuple[bytes, ...]] = {
+    name: tuple(_descriptor_prefix(LAYOUT_OUT_OF_BAND, ndim, name) for ndim in range(65))
+    for name in _dtypes.WIRE_DTYPES
+}
+
+
+def _scalar_prefix(name: str) -> bytes:
+    prefix = _scalar_prefix_cache.get(name)
+    if prefix is None:
+        encoded = name.encode("ascii")
+        prefix = _scalar_prefix_cache[name] = bytes((len(encoded),)) + encoded
+    return prefix
+
+
+_local = threading.local()
+
+
+def encode(
+    obj: object, *, inline_threshold: int = DEFAULT_INLINE_THRESHOLD, allow_pickle: bool = False
+) -> list[bytes | memoryview]:
+    """Encode ``obj`` into frames: ``[header, buffer_1, ..., buffer_n]``.
+
+    ``header`` (``bytes``) is the preamble plus a msgpack description of the
+    object tree. Every numpy array or torch CPU tensor of at least
+    ``inline_threshold`` bytes becomes one of the following frames, in the
+    order the arrays appear in the tree: a flat ``uint8`` ``memoryview`` over
+    the array's own memory (C- or Fortran-contiguous arrays are not copied;
+    other strided arrays are copied once into a C-contiguous buffer).
+    Smaller arrays are copied into the header.
+
+    The frames alias the caller's arrays: do not modify those arrays until
+    the frames have been sent (with ``copy=False``, until ZeroMQ released
+    them) or dropped.
+
+    Args:
+        obj: None, bool, int (any size), float, str, bytes, bytearray,
+            memoryview, list, tuple, dict (str or int keys), numpy arrays and
+            scalars of the allowed dtypes, torch CPU tensors; subclasses of
+            these travel as their base type.
+        inline_threshold: size in bytes from which an array gets its own frame.
+        allow_pickle: pickle objects of any other type instead of raising.
+            The receiver must opt in too. Only for trusted peers.
+
+    Returns:
+        The frames, ready for ``socket.send_multipart(frames, copy=False)``.
+
+    Raises:
+        EncodeError: an object (named in the message) cannot be encoded.
+    """
+    try:
+        encoder: _Encoder = _local.encoder
+    except AttributeError:
+        encoder = _local.encoder = _Encoder()
+    if encoder.busy:
+        encoder = _Encoder()
+    if inline_threshold < 0:
+        raise EncodeError(f"inline_threshold must be >= 0, got {inline_threshold}")
+    return encoder.encode(obj, inline_threshold, allow_pickle)
+
+
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    """Total size in bytes of a frame set (any buffer-protocol objects)."""
+    total = 0
+    for frame in frames:
+        cls = type(frame)
+        if cls is bytes or cls is bytearray:
+            total += len(frame)
+        elif cls is memoryview:
+            total += frame.nbytes
+        else:
+            total += memoryview(frame).nbytes
+    return total
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise DecodeError(f"extension type {code} in a header whose preamble declares none")
+
+
+# Array descriptor prefixes (layout, ndim, dtype name) that passed validation,
+# parsed. Only valid prefixes enter, so the memo holds at most
+# 4 layouts x 65 ndims x len(WIRE_DTYPES) entries whatever peers send.
+_prefix_memo: dict[bytes, tuple[int, int, np.dtype[Any]]] = {}
+
+
+def _parse_prefix(prefix: bytes) -> tuple[int, int, np.dtype[Any]]:
+    layout, ndim, name_len = _ARRAY_HEAD.unpack_from(prefix)
+    if layout & ~_KNOWN_LAYOUT:
+        raise DecodeError(f"unknown array layout bits {layout:#04x}")
+    if ndim > 64:
+        raise DecodeError(f"array has {ndim} dimensions, more than numpy's 64")
+    name = prefix[_ARRAY_HEAD.size :]
+    dtype = _dtypes.numpy_dtype_for(name) if len(name) == name_len <= _MAX_DTYPE_NAME else None
+    if dtype is None:
+        raise DecodeError(f"dtype {name!r} is not in the wire format's allow-list")
+    entry = _prefix_memo[prefix] = (layout, ndim, dtype)
+    return entry
+
+
+class _Decoding:
+    """State of one ``decode`` call, reached from msgpack's hooks."""
+
+    __slots__ = ("allow_pickle", "flags", "frames", "limits", "next_frame", "open_tuples", "total")
+
+    def __init__(self, frames: Sequence[Any], flags: int, allow_pickle: bool, limits: DecodeLimits, total: int) -> None:
+        self.frames = frames
+        self.flags = flags
+        self.allow_pickle = allow_pickle
+        self.limits = limits
+        self.next_frame = 1
+        self.open_tuples = 0
+        self.total = total
+
+    def ext_hook(self, code: int, data: bytes) -> object:
+        if code == EXT_ARRAY:
+            # Inlined fast path for a C-order out-of-band array (one per large
+            # array; this is most of the codec's cost at >= 1 MiB).
+            pos = _ARRAY_HEAD.size + data[2]
+            entry = _prefix_memo.get(data[:pos])
+            if entry is not None and entry[0] == LAYOUT_OUT_OF_BAND:
+                ndim = entry[1]
+                ref = _SHAPE_AND_REF[ndim]
+                if len(data) == pos + ref.size and ndim <= self.limits.max_ndim:
+                    fields = ref.unpack_from(data, pos)
+                    shape = fields[:ndim]
+                    dtype = entry[2]
+                    nbytes = math.prod(shape) * dtype.itemsize
+                    index = fields[ndim]
+                    if index == self.next_frame and fields[ndim + 1] == nbytes and index < len(self.frames):
+                        buf = memoryview(self.frames[index])
+                        total = self.total + nbytes
+                        if buf.nbytes == nbytes and total <= self.limits.max_total_bytes:
+                            self.total = total
+                            self.next_frame = index + 1
+                            if ndim == 1:
+                                return np.frombuffer(buf, dtype)
+                            return np.ndarray(shape, dtype, buf)
+            # Anything else, including every error, takes the general path.
+            return self._array(code, data)
+        if code == EXT_TENSOR:
+            return self._array(code, data)
+        if code == EXT_TUPLE:
+            if data or not self.flags & FLAG_TUPLE:
+                raise DecodeError("malformed tuple marker")
+            self.open_tuples += 1
+            return _TUPLE_MARK
+        if code == EXT_SCALAR:
+            return self._scalar(data)
+        if code == EXT_BIGINT:
+            if not data:
+                raise DecodeError("empty big-int extension")
+            return int.from_bytes(data, "big", signed=True)
+        if code == EXT_PICKLE:
+            if not self.allow_pickle or not self.flags & FLAG_PICKLE:
+                raise DecodeError("pickled content rejected: this decoder has not opted in (allow_pickle=False)")
+            return pickle.loads(data)
+        raise DecodeError(f"unknown extension type code {code}")
+
+    def list_hook(self, items: list[Any]) -> list[Any] | tuple[Any, ...]:
+        if items and items[0] is _TUPLE_MARK:
+            self.open_tuples -= 1
+            return tuple(items[1:])
+        return items
+
+    def _scalar(self, data: bytes) -> object:
+        if not data:
+            raise DecodeError("empty scalar extension")
+        name_len = data[0]
+        name = data[1 : 1 + name_len]
+        dtype = _dtypes.numpy_dtype_for(name) if len(name) == name_len <= _MAX_DTYPE_NAME else None
+        if dtype is None:
+            raise DecodeError(f"dtype {name!r} is not in the wire format's allow-list")
+        raw = data[1 + name_len :]
+        if len(raw) != dtype.itemsize:
+            raise DecodeError(f"scalar of dtype {dtype} needs {dtype.itemsize} bytes, got {len(raw)}")
+        return np.frombuffer(raw, dtype=dtype)[0]
+
+    def _array(self, code: int, data: bytes) -> object:
+        # Everything is checked against the bytes actually present before an
+        # array is built; building one allocates nothing but the view.
+        pos = _ARRAY_HEAD.size + data[2]
+        prefix = data[:pos]
+        entry = _prefix_memo.get(prefix)
+        layout, ndim, dtype = _parse_prefix(prefix) if entry is None else entry
+        if ndim > self.limits.max_ndim:
+            raise DecodeError(f"array has {ndim} dimensions, limit is {self.limits.max_ndim}")
+        buf: memoryview | bytearray
+        if layout & LAYOUT_OUT_OF_BAND:
+            if len(data) != pos + _SHAPE_AND_REF[ndim].size:
+                raise DecodeError(f"array descriptor of {len(data)} bytes, expected {pos + _SHAPE_AND_REF[ndim].size}")
+            fields = _SHAPE_AND_REF[ndim].unpack_from(data, pos)
+            shape = fields[:ndim]
+            index = fields[ndim]
+            declared = fields[ndim + 1]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if index != self.next_frame or index >= len(self.frames):
+                raise DecodeError(
+                    f"array refers to frame {index}; expected frame {self.next_frame} "
+                    f"of {len(self.frames) - 1} (each frame is used once, in order)"
+                )
+            if declared != nbytes:
+                raise DecodeError(f"array declares {declared} bytes but shape {shape} x {dtype} is {nbytes}")
+            buf = memoryview(self.frames[index])
+            if buf.nbytes != nbytes:
+                raise DecodeError(f"frame {index} holds {buf.nbytes} bytes, its array needs {nbytes}")
+            self.total += nbytes
+            if self.total > self.limits.max_total_bytes:
+                raise DecodeError(f"frames hold more than the limit of {self.limits.max_total_bytes} bytes")
+            self.next_frame = index + 1
+        else:
+            shape = _SHAPES[ndim].unpack_from(data, pos)
+            pos += 8 * ndim
+            nbytes = math.prod(shape) * dtype.itemsize
+            if len(data) - pos != nbytes:
+                raise DecodeError(f"inline array needs {nbytes} bytes, got {len(data) - pos}")
+            # A private, writable copy; inline arrays are small by definition.
+            buf = bytearray(memoryview(data)[pos:])
+        if code == EXT_TENSOR:
+            return self._tensor(data[_ARRAY_HEAD.size : _ARRAY_HEAD.size + data[2]], dtype, shape, layout, buf)
+        return np.ndarray(shape, dtype, buf, order="F" if layout & LAYOUT_FORTRAN else "C")
+
+    def _tensor(self, name: bytes, dtype: np.dtype[Any], shape: tuple[int, ...], layout: int, buf: Any) -> object:
+        if layout & LAYOUT_FORTRAN:
+            raise DecodeError("tensor descriptors are always C order")
+        torch = _dtypes.torch_module()
+        if torch is None:
+            # No torch on this side: the same bytes as a numpy array.
+            return np.ndarray(shape, dtype, buf)
+        tdtype = _dtypes.torch_dtype_for(torch, name)
+        if tdtype is None:
+            raise DecodeError(f"dtype {name!r} is not a torch tensor dtype")
+        if len(buf) == 0:
+            return torch.empty(shape, dtype=tdtype)
+        if isinstance(buf, memoryview) and buf.readonly:
+            # torch has no read-only tensors; aliasing an immutable buffer
+            # would let a write corrupt it, so copy once.
+            buf = bytearray(buf)
+        return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+
+
+_PREAMBLE_CHECK = struct.Struct("<4sBI")
+_MAGIC_AND_VERSION: Final = MAGIC + bytes((WIRE_VERSION,))
+
+
+def _reject_preamble(head: Any, flags: int, n_oob: int, count: int, size: int, lim: DecodeLimits) -> None:
+    """Raise the DecodeError that says what is wrong with a preamble that failed the quick check."""
+    magic, version = bytes(memoryview(head)[:3]), memoryview(head)[3]
+    if magic != MAGIC:
+        raise DecodeError(f"frame 0 starts with {magic!r}, not the zmq_omni magic {MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise DecodeError(f"wire version {version} is not supported (this decoder speaks {WIRE_VERSION})")
+    if flags & ~_KNOWN_FLAGS:
+        raise DecodeError(f"unknown preamble flags {flags:#04x}")
+    if n_oob != count - 1:
+        raise DecodeError(f"preamble declares {n_oob} out-of-band frames, got {count - 1}")
+    if n_oob and not flags & FLAG_EXT:
+        raise DecodeError(f"{n_oob} out-of-band frames but no extension types to refer to them")
+    if n_oob > lim.max_frames:
+        raise DecodeError(f"{n_oob} out-of-band frames, limit is {lim.max_frames}")
+    if size > lim.max_header_bytes:
+        raise DecodeError(f"header of {size} bytes, limit is {lim.max_header_bytes}")
+    if size + PREAMBLE_SIZE > lim.max_total_bytes:
+        raise DecodeError(f"frame 0 of {size + PREAMBLE_SIZE} bytes, limit is {lim.max_total_bytes}")
+    if flags & FLAG_PICKLE:
+        raise DecodeError("pickled content rejected: this decoder has not opted in (allow_pickle=False)")
+    raise DecodeError("invalid preamble")  # pragma: no cover - the quick check and this list agree
+
+
+def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeLimits | None = None) -> Any:
+    """Decode a frame set produced by :func:`encode`.
+
+    Large arrays come back as numpy arrays (torch tensors for encoded
+    tensors, when torch is installed) that view the given frames' memory:
+    writable when the frame buffer is writable (``zmq.Frame``, shared
+    memory), read-only over ``bytes``. Each view keeps its frame alive.
+    Inline arrays are private, writable copies.
+
+    Args:
+        frames: frame 0 and every out-of-band frame, in order; each any
+            buffer-protocol object (``bytes``, ``memoryview``, ``zmq.Frame``).
+        allow_pickle: accept pickled objects (trusted peers only).
+        limits: bounds on the frame set; defaults to ``DecodeLimits()``.
+
+    Returns:
+        The decoded object.
+
+    Raises:
+        DecodeError: the frames are not a valid encoding, violate ``limits``,
+            or carry pickles without ``allow_pickle``. Nothing else is raised.
+    """
+    lim = _DEFAULT_LIMITS if limits is None else limits
+    try:
+        count = len(frames)
+        head = frames[0]
+        magic, flags, n_oob = _PREAMBLE_CHECK.unpack_from(head)
+        body = memoryview(head)[PREAMBLE_SIZE:]
+    except Exception as exc:
+        raise DecodeError(f"frame 0 is not a zmq_omni preamble: {exc!r}") from exc
+    size = body.nbytes
+    if (
+        magic != _MAGIC_AND_VERSION
+        or flags & ~_KNOWN_FLAGS
+        or n_oob != count - 1
+        or (n_oob and not flags & FLAG_EXT)
+        or n_oob > lim.max_frames
+        or size > lim.max_header_bytes
+        or size + PREAMBLE_SIZE > lim.max_total_bytes
+        or (flags & FLAG_PICKLE and not allow_pickle)
+    ):
+        _reject_preamble(head, flags, n_oob, count, size, lim)
+    try:
+        if not flags:
+            # Plain msgpack: the metadata-only hot path.
+            return _unpackb(
+                body,
+                ext_hook=_reject_ext,
+                raw=False,
+                strict_map_key=False,
+                max_str_len=size,
+                max_bin_len=size,
+                max_array_len=size,
+                max_map_len=size,
+                max_ext_len=size,
+            )
+        state = _Decoding(frames, flags, allow_pickle, lim, size + PREAMBLE_SIZE)
+        obj = _unpackb(
+            body,
+            ext_hook=state.ext_hook,
+            list_hook=state.list_hook if flags & FLAG_TUPLE else None,
+            raw=False,
+            strict_map_key=False,
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=size,
+            max_map_len=size,
+            max_ext_len=size,
+        )
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"invalid header: {exc!r}") from exc
+    if state.open_tuples:
+        raise DecodeError("tuple marker outside the first slot of a list")
+    if state.next_frame != count:
+        raise DecodeError(f"header refers to {state.next_frame - 1} of {count - 1} out-of-band frames")
+    return obj
