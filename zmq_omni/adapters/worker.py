@@ -194,17 +194,28 @@ class PipelineConfig:
         """``(inbound, outbound)`` connector specs of a stage, ready for the factory.
 
         Each is the spec chosen for the edge in ``stage_args`` / ``runtime``
-        with ``stage_id`` and ``role`` filled in (as vllm-omni does); ZeroMQ
+        (``ZmqConnector`` when neither configures the edge and the receiving
+        stage has an endpoint) with ``stage_id`` and ``role`` filled in (as
+        vllm-omni does); ZeroMQ
         connectors also get ``endpoints`` from the pipeline section and, on the
         inbound side, ``bind``.
         """
         upstream, downstream = self.neighbours(spec)
-        inbound = self.transfer.get_connector_for_edge(upstream.stage_id, spec.stage_id)
-        outbound = self.transfer.get_connector_for_edge(spec.stage_id, downstream.stage_id)
+        inbound = self._edge(upstream, spec)
+        outbound = self._edge(spec, downstream)
         return (
             self._fill(inbound, spec, "receiver", spec),
             self._fill(outbound, spec, "sender", downstream),
         )
+
+    def _edge(self, sender: StageSpec, receiver: StageSpec) -> ConnectorSpec:
+        """The edge's spec; an edge nobody configured between stages with endpoints uses ZmqConnector."""
+        try:
+            return self.transfer.get_connector_for_edge(sender.stage_id, receiver.stage_id)
+        except ConfigError:
+            if receiver.endpoint:
+                return ConnectorSpec("ZmqConnector")
+            raise
 
     def _fill(self, base: ConnectorSpec, me: StageSpec, role: str, peer: StageSpec) -> ConnectorSpec:
         extra = dict(base.extra)
@@ -646,9 +657,11 @@ class StageWorker:
         spec = pipeline.stage(stage)
         if spec == pipeline.driver:
             raise ConfigError(f"{stage!r} is the pipeline's driver, not a stage")
+        # The function first: a bad path fails before any socket is bound.
+        fn = fn if fn is not None else spec.load_function()
         upstream, downstream = pipeline.neighbours(spec)
         inbound, outbound = pipeline.edge_specs(spec)
-        return cls(fn if fn is not None else spec.load_function(), stage_id=spec.stage_id,
+        return cls(fn, stage_id=spec.stage_id,
                    upstream_stage_id=upstream.stage_id, downstream_stage_id=downstream.stage_id,
                    inbound=inbound, outbound=outbound, stall_timeout_s=pipeline.stall_timeout_s,
                    retry=pipeline.retry, name=spec.name, trace=trace)

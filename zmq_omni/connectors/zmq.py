@@ -130,6 +130,7 @@ class ZmqConnector(OmniConnectorBase):
                 )
             if cfg.mode == "pull" and receives:
                 self._client = PullClient(
+                    loop.ctx,
                     hwm=cfg.hwm,
                     max_message_bytes=cfg.max_message_bytes,
                     decode=self._decode,
@@ -310,7 +311,7 @@ class ZmqConnector(OmniConnectorBase):
             self._closed = True
             for part in (self._sender, self._receiver, self._server, self._client):
                 if part is not None:
-                    part.close()
+                    part.close()  # wakes waiting puts/gets; the client also gives back its sockets
             if not self._loop.stop(timeout=1.0):
                 log.warning("I/O thread of stage %s did not stop within 1s", self.stage_id)
             self._loop = None

@@ -11,7 +11,7 @@ from ._loop import IoLoop
 from ._probe import probe
 from ._pull import PullClient, PullServer
 from ._push import FailureCallback, PushReceiver, PushSender
-from ._sockets import context, tune_malloc
+from ._sockets import tune_malloc
 
 __all__ = [
     "ENV_BIND",
@@ -24,7 +24,6 @@ __all__ = [
     "PushReceiver",
     "PushSender",
     "check_endpoint",
-    "context",
     "env_name",
     "probe",
     "tune_malloc",

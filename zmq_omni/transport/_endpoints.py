@@ -28,7 +28,7 @@ def env_name(stage: str) -> str:
 
 
 def check_endpoint(endpoint: str, what: str) -> str:
-    """Return ``endpoint`` if it is a usable ``tcp://``, ``ipc://`` or ``inproc://`` address.
+    """Return ``endpoint`` if it is a usable ``tcp://`` or ``ipc://`` address.
 
     Raises:
         ConfigError: naming ``what`` (the config key or variable) and the bad value.
@@ -46,9 +46,8 @@ def check_endpoint(endpoint: str, what: str) -> str:
         if not path or len(path.encode()) > 107:
             raise ConfigError(f"{what}: ipc path of {endpoint!r} must be 1..107 bytes")
         return endpoint
-    if endpoint.startswith("inproc://") and len(endpoint) > len("inproc://"):
-        return endpoint
-    raise ConfigError(f"{what}: {endpoint!r} must start with tcp://, ipc:// or inproc://")
+    # inproc:// is refused: each connector has its own context, so inproc peers could never meet.
+    raise ConfigError(f"{what}: {endpoint!r} must start with tcp:// or ipc://")
 
 
 class EndpointMap:

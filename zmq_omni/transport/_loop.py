@@ -18,6 +18,8 @@ from typing import Any
 
 import zmq
 
+from ._sockets import new_context
+
 __all__ = ["IoLoop"]
 
 log = logging.getLogger("zmq_omni.transport")
@@ -37,6 +39,7 @@ class IoLoop:
 
     def __init__(self, name: str) -> None:
         self._name = name
+        self.ctx = new_context()
         self._poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[], None]] = {}
         self._calls: deque[Callable[[], None]] = deque()
@@ -70,7 +73,11 @@ class IoLoop:
         return threading.current_thread() is self._thread
 
     def stop(self, timeout: float = 1.0) -> bool:
-        """Run the on-stop callbacks on the loop thread, end it; True when it ended within ``timeout``."""
+        """Run the on-stop callbacks on the loop thread, end it, terminate the context.
+
+        Returns:
+            True when the thread ended within ``timeout`` (the context is then terminated).
+        """
         self._stopping = True
         if not self._started:
             # Never started (a constructor failed half-way): release what was set up, here.
@@ -84,6 +91,8 @@ class IoLoop:
         if not alive:
             with contextlib.suppress(OSError):
                 os.close(self._wake_fd)
+            # Every socket is closed by now; term() waits at most their linger for last acks to leave.
+            self.ctx.destroy()
         return not alive
 
     # -- loop thread (or before start) ---------------------------------------

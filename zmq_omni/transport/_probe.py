@@ -10,7 +10,7 @@ import zmq
 from ..errors import DecodeError, PeerGoneError, TransportError, TransportTimeoutError
 from ._endpoints import check_endpoint
 from ._envelope import Kind, pack, unpack
-from ._sockets import close_socket, context
+from ._sockets import close_socket, new_context
 
 __all__ = ["probe"]
 
@@ -27,7 +27,8 @@ def probe(endpoint: str, *, timeout_s: float = 2.0) -> dict[str, Any]:
         ConfigError: ``endpoint`` is malformed.
     """
     check_endpoint(endpoint, "endpoint")
-    sock = context().socket(zmq.DEALER)
+    ctx = new_context()
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
     monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
@@ -59,3 +60,4 @@ def probe(endpoint: str, *, timeout_s: float = 2.0) -> dict[str, Any]:
         sock.disable_monitor()
         close_socket(monitor)
         close_socket(sock)
+        ctx.term()

@@ -87,7 +87,7 @@ class PullServer:
         self._waiters: dict[Slot, list[tuple[bytes, int, float]]] = {}
         self._closed = False
         # FETCH requests are tiny; a peer sending more is hostile.
-        self._sock = make_socket(zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
+        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
         try:
             bound = bind(self._sock, bind_endpoint)
         except BaseException:
@@ -267,17 +267,19 @@ class PullClient:
 
     def __init__(
         self,
+        ctx: zmq.Context[Any],
         *,
         hwm: int,
         max_message_bytes: int,
         decode: Callable[[list[Any]], Any],
         counters: Counters,
     ) -> None:
+        self._ctx = ctx
         self._hwm = hwm
         self._max_message = max_message_bytes
         self._decode = decode
         self._counters = counters
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._idle: dict[str, list[Any]] = {}
         self._busy: set[Any] = set()
         self._ids = itertools.count(1)
@@ -336,7 +338,7 @@ class PullClient:
             idle = self._idle.get(endpoint)
             sock = idle.pop() if idle else None
             if sock is None:
-                sock = make_socket(zmq.DEALER, hwm=self._hwm, max_message_bytes=self._max_message)
+                sock = make_socket(self._ctx, zmq.DEALER, hwm=self._hwm, max_message_bytes=self._max_message)
                 sock.connect(endpoint)
             self._busy.add(sock)
             return sock
@@ -344,6 +346,7 @@ class PullClient:
     def _checkin(self, endpoint: str, sock: Any, reusable: bool) -> None:
         with self._lock:
             self._busy.discard(sock)
+            self._lock.notify_all()
             # After a timeout the socket may still receive the old answer: replace it (Lazy Pirate).
             if reusable and not self._closed:
                 self._idle.setdefault(endpoint, []).append(sock)
@@ -351,10 +354,11 @@ class PullClient:
         close_socket(sock)
 
     def close(self) -> None:
-        """Close idle sockets now; busy ones close when their fetch returns (within one poll slice)."""
+        """Close idle sockets; wait (one poll slice or so) for busy fetches to give theirs back."""
         with self._lock:
             self._closed = True
             idle = [sock for socks in self._idle.values() for sock in socks]
             self._idle.clear()
+            self._lock.wait_for(lambda: not self._busy, timeout=4 * _POLL_SLICE_S)
         for sock in idle:
             close_socket(sock)

@@ -250,7 +250,7 @@ class PushSender:
         out.sent_ping = peer.ping_no
 
     def _open_data(self, peer: _Peer) -> Any:
-        sock = make_socket(zmq.DEALER, hwm=self._hwm, identity=b"d" + self.sid.encode())
+        sock = make_socket(self._loop.ctx, zmq.DEALER, hwm=self._hwm, identity=b"d" + self.sid.encode())
         sock.connect(peer.endpoint)
         peer.data_sock = sock
         return sock
@@ -294,7 +294,7 @@ class PushSender:
     def _open_ctl(self, peer: _Peer) -> None:
         if self._closed or peer.ctl_sock is not None:
             return
-        sock = make_socket(zmq.DEALER, hwm=self._hwm, identity=b"c" + self.sid.encode())
+        sock = make_socket(self._loop.ctx, zmq.DEALER, hwm=self._hwm, identity=b"c" + self.sid.encode())
         sock.connect(peer.endpoint)
         peer.ctl_sock = sock
         self._loop.add_reader(sock, lambda: self._on_ctl(peer))
@@ -542,7 +542,7 @@ class PushReceiver:
         self._sources: dict[str, _Source] = {}
         self._dirty: set[str] = set()
         self._closed = False
-        self._sock = make_socket(zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
+        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
         try:
             self.endpoint = bind(self._sock, bind_endpoint)
         except BaseException:

@@ -5,8 +5,9 @@ libzmq allocates every received message with ``malloc``. glibc serves a
 page of every large message and streams at ~1.4 GB/s although memcpy runs at
 10+ GB/s. :func:`tune_malloc` keeps large blocks on the heap (no mmap, no trim,
 one arena) so freed message memory is reused without faults. It must run
-before libzmq's I/O threads first allocate, so zmq_omni uses its own context,
-created after the tuning.
+before libzmq's I/O threads first allocate, so each connector creates its own
+context after the tuning (and terminates it at close, which is also what
+flushes its last acknowledgements within their linger).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zmq
 
 from ..errors import from_zmq_error
 
-__all__ = ["bind", "close_socket", "context", "make_socket", "tune_malloc"]
+__all__ = ["bind", "close_socket", "make_socket", "new_context", "tune_malloc"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -32,8 +33,8 @@ _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
 _lock = threading.Lock()
-_context: zmq.Context[Any] | None = None
 _tuned: bool | None = None
+_contexts_made = 0
 
 
 def tune_malloc() -> bool:
@@ -58,23 +59,29 @@ def tune_malloc() -> bool:
                     )
             except OSError:  # no C library to load: nothing to tune
                 _tuned = False
-            if _tuned and _context is not None:
+            if _tuned and _contexts_made:
                 log.warning("malloc tuned after the ZeroMQ context started; large receives may not benefit")
         return _tuned
 
 
-def context() -> zmq.Context[Any]:
-    """zmq_omni's own context (never terminated; sockets are closed explicitly with a linger)."""
-    global _context
+def new_context() -> zmq.Context[Any]:
+    """A fresh context with one I/O thread (its owner terminates it)."""
+    global _contexts_made
     with _lock:
-        if _context is None:
-            _context = zmq.Context()
-        return _context
+        _contexts_made += 1
+    return zmq.Context(io_threads=1)
 
 
-def make_socket(kind: int, *, hwm: int, max_message_bytes: int | None = None, identity: bytes | None = None) -> Any:
-    """A socket with zmq_omni's defaults: finite HWM, linger 0 until close, no IPv6 surprises."""
-    sock = context().socket(kind)
+def make_socket(
+    ctx: zmq.Context[Any],
+    kind: int,
+    *,
+    hwm: int,
+    max_message_bytes: int | None = None,
+    identity: bytes | None = None,
+) -> Any:
+    """A socket with zmq_omni's defaults: finite HWM, linger 0 unless closed with one, bounded size."""
+    sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)

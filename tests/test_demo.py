@@ -1,0 +1,137 @@
+"""``zmq-omni demo`` run as users run it: a subprocess with its own stage processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zmq_omni.cli.demo_stages import GROUP, HIDDEN, SAMPLE_RATE, SAMPLES_PER_CODE
+
+CLI = [sys.executable, "-m", "zmq_omni.cli"]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")}
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The second field (comm) may contain spaces; the ppid is the 2nd field after its ')'.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        left = [pid for pid in pids if _alive(pid)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_demo_completes_every_request_and_writes_valid_wavs(short_tmp: Path, transport: str) -> None:
+    out = short_tmp / "wavs"
+    chunks, payload = 3, 32 * 1024
+    result = subprocess.run(
+        [*CLI, "demo", "--requests", "3", "--chunks", str(chunks), "--payload-size", str(payload), "--out", str(out),
+         "--transport", transport],
+        capture_output=True, text=True, timeout=100, env=_env(), check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 / 3 completed" in result.stdout
+    assert [line.split()[-1] for line in result.stdout.splitlines() if line.strip().startswith("failures")] == ["0"]
+    for hop in ("driver -> thinker", "thinker -> talker", "talker -> vocoder", "vocoder -> driver"):
+        assert hop in result.stdout
+    assert "time to first audio  p50 " in result.stdout
+    frames = payload // (HIDDEN * 4)
+    expected_samples = chunks * (frames // GROUP) * SAMPLES_PER_CODE
+    wavs = sorted(out.glob("*.wav"))
+    assert [p.name for p in wavs] == ["req-000.wav", "req-001.wav", "req-002.wav"]
+    signals = []
+    for path in wavs:
+        with wave.open(str(path), "rb") as wav:
+            assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, SAMPLE_RATE)
+            assert wav.getnframes() == expected_samples
+            pcm = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
+        assert np.abs(pcm).max() > 1000  # not silent
+        assert np.sqrt(np.mean(pcm.astype(np.float64) ** 2)) > 300
+        signals.append(pcm)
+    assert not np.array_equal(signals[0], signals[1])  # each request has its own audio
+
+
+def _start_long_demo(out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*CLI, "demo", "--requests", "4", "--chunks", "5000", "--payload-size", "65536", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    )
+
+
+def _wait_children(proc: subprocess.Popen[str], count: int = 3, timeout: float = 30.0) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        kids = _children(proc.pid)
+        if len(kids) >= count:
+            return kids
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError("the demo did not start its stage processes")
+
+
+def test_ctrl_c_leaves_no_stage_process_behind(short_tmp: Path) -> None:
+    proc = _start_long_demo(short_tmp / "out")
+    try:
+        kids = _wait_children(proc)
+        time.sleep(1.0)  # let requests flow
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert _wait_gone(kids) == []
+
+
+def test_crashed_stage_fails_requests_and_leaves_nothing_behind(short_tmp: Path) -> None:
+    proc = _start_long_demo(short_tmp / "out")
+    try:
+        kids = _wait_children(proc)
+        time.sleep(1.0)
+        os.kill(kids[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, out + err
+        assert "FAILED req-000: stage" in out and "exited with status -9" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert _wait_gone(kids) == []
