@@ -150,8 +150,9 @@ ensure_debootstrap() {
     command -v debootstrap >/dev/null 2>&1 && return
     [[ $(id -u) -eq 0 ]] || die "debootstrap is missing and we are not root: apt-get install debootstrap"
     log "installing debootstrap (apt-get update && apt-get install debootstrap)"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap; } \
+        >"$CACHE_DIR/apt-debootstrap.log" 2>&1 \
+        || { cat "$CACHE_DIR/apt-debootstrap.log" >&2; die "could not install debootstrap"; }
 }
 
 make_rootfs_tarball() {
@@ -298,7 +299,8 @@ build_project_wheel() {  # always rebuilt: the project changes every commit
     mkdir -p "$out"
     if ! "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps \
             --wheel-dir "$out" "$REPO_DIR" >"$CACHE_DIR/project-wheel.log" 2>&1; then
-        tail -n 25 "$CACHE_DIR/project-wheel.log" >&2
+        # pip's own summary hides the cause: show the build backend's error lines.
+        grep -E 'Error|error:' "$CACHE_DIR/project-wheel.log" | grep -v 'subprocess-exited-with-error' | head -n 15 >&2 || true
         return 1
     fi
     record "project wheel" "$(since "$t0")"

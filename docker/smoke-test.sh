@@ -73,14 +73,15 @@ print("ready", flush=True)
 time.sleep(600)
 ' >/dev/null
 for _ in $(seq 50); do
-    docker logs "$NAME-term" 2>&1 | grep -q ready && break
+    [[ "$(docker logs "$NAME-term" 2>&1)" == *ready* ]] && break
     sleep 0.2
 done
 start=$(date +%s)
 docker stop -t 20 "$NAME-term" >/dev/null
 took=$(( $(date +%s) - start ))
 code="$(docker inspect -f '{{.State.ExitCode}}' "$NAME-term")"
-docker logs "$NAME-term" 2>&1 | grep -q "SIGTERM received" && [[ "$code" == 0 && $took -lt 15 ]] \
-    || die "stop took ${took}s, exit code $code (SIGTERM not delivered?)"
+if [[ "$(docker logs "$NAME-term" 2>&1)" != *"SIGTERM received"* || "$code" != 0 || $took -ge 15 ]]; then
+    die "stop took ${took}s, exit code $code (SIGTERM not delivered?)"
+fi
 log "   stopped in ${took}s with exit code 0"
 echo "smoke-test: ok (imports, TCP between containers, SIGTERM)"

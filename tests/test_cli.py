@@ -47,7 +47,8 @@ def write_pipeline(path: Path, *, stall: float = 5.0, request_timeout: float = 3
                         "endpoint": endpoints[name]} for name, sid in STAGES],
         },
         "stage_args": [
-            {"stage_id": 0, "input_connectors": {"from_stage_driver": "tcp"}, "output_connectors": {"to_stage_1": "tcp"}},
+            {"stage_id": 0, "input_connectors": {"from_stage_driver": "tcp"},
+             "output_connectors": {"to_stage_1": "tcp"}},
             {"stage_id": 1, "input_connectors": {"from_stage_0": "tcp"}, "output_connectors": {"to_stage_2": "tcp"}},
             {"stage_id": 2, "input_connectors": {"from_stage_1": "tcp"},
              "output_connectors": {"to_stage_driver": "tcp"}},

@@ -446,6 +446,7 @@ def array_ext(dtype: bytes, shape: tuple[int, ...], *, index: int, nbytes: int, 
         ([b"ZOM\x01\x00\x00\x00\x00\x00\xc0\xc0"], "header"),
         ([b"ZOM\x01\x00\x01\x00\x00\x00\xc0", b"x"], "no extension"),
         ([b"ZOM\x01\x00\x00\x00\x00\x00\xc0", b"x"], "declares 0"),
+        ([b"ZOM\x01\x02\x00\x00\x00\x00\xc0"], "without EXT"),
         ([header(msgpack.ExtType(1, b""), flags=0)], "declares none"),
         ([header(msgpack.ExtType(99, b""))], "unknown extension"),
         ([b"ZOM\x01\x01\x00\x00\x00\x00\xd4\xff\x00"], "header"),  # malformed msgpack timestamp

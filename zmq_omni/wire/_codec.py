@@ -577,6 +577,8 @@ def _reject_preamble(head: Any, flags: int, n_oob: int, count: int, size: int, l
         raise DecodeError(f"preamble declares {n_oob} out-of-band frames, got {count - 1}")
     if n_oob and not flags & FLAG_EXT:
         raise DecodeError(f"{n_oob} out-of-band frames but no extension types to refer to them")
+    if flags & (FLAG_TUPLE | FLAG_PICKLE) and not flags & FLAG_EXT:
+        raise DecodeError(f"preamble flags {flags:#04x} set TUPLE or PICKLE without EXT")
     if n_oob > lim.max_frames:
         raise DecodeError(f"{n_oob} out-of-band frames, limit is {lim.max_frames}")
     if size > lim.max_header_bytes:
@@ -623,7 +625,7 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
         magic != _MAGIC_AND_VERSION
         or flags & ~_KNOWN_FLAGS
         or n_oob != count - 1
-        or (n_oob and not flags & FLAG_EXT)
+        or ((n_oob or flags & (FLAG_TUPLE | FLAG_PICKLE)) and not flags & FLAG_EXT)
         or n_oob > lim.max_frames
         or size > lim.max_header_bytes
         or size + PREAMBLE_SIZE > lim.max_total_bytes
