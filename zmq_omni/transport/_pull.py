@@ -259,7 +259,8 @@ class PullServer:
 
     def _shutdown(self) -> None:
         self._loop.remove_reader(self._sock)
-        close_socket(self._sock)
+        # A reply handed to ZeroMQ just before close may still be streaming out: give it a bounded moment.
+        close_socket(self._sock, linger_ms=500)
 
 
 class PullClient:
