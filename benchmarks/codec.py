@@ -5,15 +5,19 @@ Run as a script (not a test)::
     python benchmarks/codec.py              # the codec table (~30-60 s)
     python benchmarks/codec.py --threshold  # the inline-threshold crossover over a real socket
 
-Every figure is the best of a few repeats of encode+decode, measured in the
-same run, so the ratios hold on a busy machine even when the absolute times do not.
+Every figure is the median per-call time over many timed batches of
+encode+decode (after a warm-up call). The contenders of a row are measured
+interleaved, batch by batch, so a noisy neighbour slows all of them alike and
+the ratios hold on a busy machine even when the absolute times do not.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pickle
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,20 +44,30 @@ SMALL_META = {
 }
 
 
-def best_seconds(fn: Callable[[], Any], budget: float = 0.25, repeats: int = 3) -> float:
-    """Best per-call time over ``repeats`` batches, each batch lasting about ``budget`` seconds."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    number = max(1, min(200_000, int(budget / once)))
-    best = float("inf")
-    for _ in range(repeats):
+def median_seconds(fns: dict[str, Callable[[], Any]], budget: float, repeats: int) -> dict[str, float]:
+    """Median per-call seconds of each function over ``repeats`` batches, interleaved.
+
+    Each function is warmed up, then timed in batches of ``number`` calls, with
+    ``number`` chosen so one batch lasts about ``budget / repeats`` seconds
+    (at least one call): fast functions get many calls per batch, so timer
+    resolution and call jitter average out.
+    """
+    numbers = {}
+    for name, fn in fns.items():
+        fn()  # warm-up: first-touch page faults, caches, lazy imports
         start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.perf_counter() - start) / number)
-    return best
+        fn()
+        once = max(time.perf_counter() - start, 1e-7)
+        numbers[name] = max(1, min(1_000_000, int(budget / repeats / once)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            number = numbers[name]
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples[name].append((time.perf_counter() - start) / number)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def ours(payload: Any) -> Callable[[], Any]:
@@ -106,25 +120,55 @@ def codec_table() -> None:
         arr = np.random.default_rng(0).standard_normal(size // 4).astype(np.float32)
         payload = {"request_id": "chatcmpl-4f9a2c1e-0001", "hidden_states": arr}
         dst = np.empty_like(arr)
-        budget = 0.25 if size <= 16 * MIB else 0.6
-        t_ours = best_seconds(ours(payload), budget)
-        t_pickle = best_seconds(pickle5(payload), budget)
-        t_msgpack = best_seconds(msgpack_copy(payload), budget)
-        t_copy = best_seconds(memcpy(dst, arr), budget)
+        # More, shorter batches for small sizes; the large rows are few calls per batch anyway.
+        budget, repeats = (0.5, 21) if size <= 16 * MIB else (1.0, 7)
+        times = median_seconds(
+            {
+                "ours": ours(payload),
+                "pickle": pickle5(payload),
+                "msgpack": msgpack_copy(payload),
+                "copy": memcpy(dst, arr),
+            },
+            budget,
+            repeats,
+        )
+        t_ours, t_pickle, t_msgpack, t_copy = times["ours"], times["pickle"], times["msgpack"], times["copy"]
         label = f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
         print(
             f"{label:>10} {fmt_us(t_ours)} {fmt_us(t_pickle)} {fmt_us(t_msgpack)} {fmt_us(t_copy)} "
             f"{t_ours / t_copy:11.2%} {t_pickle / t_ours:11.2f}x {t_msgpack / t_ours:12.2f}x"
         )
         del arr, dst, payload
+    fresh_shapes()
     packed = msgpack.packb(SMALL_META)
-    t_ours = best_seconds(ours(SMALL_META))
-    t_plain = best_seconds(lambda: msgpack.unpackb(msgpack.packb(SMALL_META)))
-    t_pickle = best_seconds(pickle5(SMALL_META))
+    times = median_seconds(
+        {
+            "ours": ours(SMALL_META),
+            "plain": lambda: msgpack.unpackb(msgpack.packb(SMALL_META)),
+            "pickle": pickle5(SMALL_META),
+        },
+        0.5,
+        21,
+    )
+    t_ours, t_plain, t_pickle = times["ours"], times["plain"], times["pickle"]
     print(
         f"\nmetadata-only dict ({len(packed)} B as msgpack): zmq_omni {t_ours * 1e6:.2f} us, "
         f"msgpack packb+unpackb {t_plain * 1e6:.2f} us, pickle5 {t_pickle * 1e6:.2f} us; "
         f"zmq_omni/msgpack = {t_ours / t_plain:.2f}x"
+    )
+
+
+def fresh_shapes() -> None:
+    """The 1 MiB row again with a shape the codec has not seen: its descriptor memos miss on every call."""
+    base = np.zeros(MIB // 4, np.float32)
+    # More distinct shapes than the memos hold, visited in a cycle, so every call misses.
+    payloads = [{"request_id": "chatcmpl-4f9a2c1e-0001", "hidden_states": base[: base.size - i]} for i in range(4096)]
+    cycle = itertools.cycle(payloads)
+    dst = np.empty_like(base)
+    times = median_seconds({"ours": lambda: decode(encode(next(cycle))), "copy": memcpy(dst, base)}, 0.5, 21)
+    print(
+        f"\n~1 MiB array with a new shape every call (descriptor memos miss): zmq_omni {times['ours'] * 1e6:.2f} us, "
+        f"memcpy {times['copy'] * 1e6:.2f} us, ours/memcpy = {times['ours'] / times['copy']:.2%}"
     )
 
 
@@ -151,8 +195,8 @@ def threshold_sweep() -> None:
             rows = []
             for size in [256, 1 * KIB, 4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 128 * KIB, 256 * KIB]:
                 payload = {"request_id": "r-1", "x": np.ones(size, np.uint8)}
-                t_inline = best_seconds(trip(payload, size + 1), 0.2, 5)
-                t_frame = best_seconds(trip(payload, 0), 0.2, 5)
+                times = median_seconds({"inline": trip(payload, size + 1), "frame": trip(payload, 0)}, 0.4, 9)
+                t_inline, t_frame = times["inline"], times["frame"]
                 rows.append((size, t_frame < t_inline))
                 print(f"{size:>12} {t_inline * 1e6:10.2f} {t_frame * 1e6:10.2f} {t_inline / t_frame:10.2f}x")
             # The crossover is the smallest size from which the own frame wins at every larger size,

@@ -34,9 +34,10 @@ def inproc_pair(tmp: Path) -> Iterator[Pair]:
     from zmq_omni.connectors.inproc import InProcConnector
 
     namespace = f"contract-{uuid.uuid4().hex}"
-    with InProcConnector({"namespace": namespace, "stage_id": "0"}) as sender, InProcConnector(
-        {"namespace": namespace, "stage_id": "1"}
-    ) as receiver:
+    with (
+        InProcConnector({"namespace": namespace, "stage_id": "0"}) as sender,
+        InProcConnector({"namespace": namespace, "stage_id": "1"}) as receiver,
+    ):
         yield sender, receiver, ("0", "1")
 
 
@@ -46,7 +47,34 @@ def shm_pair(tmp: Path) -> Iterator[Pair]:
     from zmq_omni.connectors.shm import SharedMemoryConnector
 
     config = {"namespace": f"contract-{uuid.uuid4().hex}", "spill_dir": str(tmp)}
-    with SharedMemoryConnector({**config, "stage_id": "0"}) as sender, SharedMemoryConnector(
-        {**config, "stage_id": "1"}
-    ) as receiver:
+    with (
+        SharedMemoryConnector({**config, "stage_id": "0"}) as sender,
+        SharedMemoryConnector({**config, "stage_id": "1"}) as receiver,
+    ):
+        yield sender, receiver, ("0", "1")
+
+
+@kind("zmq")
+@contextmanager
+def zmq_push_pair(tmp: Path) -> Iterator[Pair]:
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoints = {"1": f"ipc://{tmp}/zmq-contract-1.sock"}
+    with (
+        ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": endpoints}) as receiver,
+        ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": endpoints}) as sender,
+    ):
+        yield sender, receiver, ("0", "1")
+
+
+@kind("zmq-pull")
+@contextmanager
+def zmq_pull_pair(tmp: Path) -> Iterator[Pair]:
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoints = {"0": f"ipc://{tmp}/zmq-contract-0.sock"}
+    with (
+        ZmqConnector({"stage_id": "0", "role": "sender", "mode": "pull", "endpoints": endpoints}) as sender,
+        ZmqConnector({"stage_id": "1", "role": "receiver", "mode": "pull", "endpoints": endpoints}) as receiver,
+    ):
         yield sender, receiver, ("0", "1")

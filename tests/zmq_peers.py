@@ -83,6 +83,7 @@ def get_main(
     to_stage: str = "1",
     timeout_s: float = 60.0,
     log_path: str | None = None,
+    pace_s: float = 0.0,
 ) -> None:
     """Get every wanted key (waiting up to ``timeout_s`` in all), reporting digests (None = missing)."""
     from zmq_omni.connectors.zmq import ZmqConnector
@@ -98,13 +99,15 @@ def get_main(
                 results[key] = None if got is None else digest(got[0])
                 if got is not None and log is not None:
                     log.write(key + "\n")
+                if pace_s:
+                    time.sleep(pace_s)  # a deliberately slow consumer
         finally:
             if log is not None:
                 log.close()
         out.put(("done", results, conn.health()))
 
 
-def resume_main(config: dict[str, Any], keys: Sequence[str], seen_before: Sequence[str], out: Any) -> None:
+def resume_main(config: dict[str, Any], keys: Sequence[str], out: Any, seen_before: Sequence[str]) -> None:
     """A restarted receiver: collect keys in any order until all not seen before arrived, plus a grace period."""
     from zmq_omni.connectors.zmq import ZmqConnector
 

@@ -55,6 +55,12 @@ class ZmqConnectorConfig:
         malloc_tuning: tune glibc malloc so large receives reuse heap pages.
         shm: shared-memory fast path policy (``auto``/``on``/``off``); accepted
             now, used once the same-host fast path lands (frames only until then).
+        curve_secret_key: this connector's CURVE secret key (Z85); turns CURVE on.
+        curve_public_key: this connector's CURVE public key (Z85).
+        curve_server_key: public key of the server a connecting socket talks to:
+            one key, or a map stage id -> key.
+        curve_allowed_clients: public keys allowed to connect to this stage's
+            bound socket (none: any client that knows the server key).
     """
 
     stage_id: str
@@ -79,6 +85,10 @@ class ZmqConnectorConfig:
     allow_pickle: bool = False
     malloc_tuning: bool = True
     shm: ShmPolicy = "auto"
+    curve_secret_key: str | None = field(default=None, repr=False)
+    curve_public_key: str | None = None
+    curve_server_key: str | Mapping[str, str] | None = None
+    curve_allowed_clients: tuple[str, ...] | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -118,6 +128,10 @@ class ZmqConnectorConfig:
             allow_pickle=read_bool(extra, "allow_pickle", False, _PATH),
             malloc_tuning=read_bool(extra, "malloc_tuning", True, _PATH),
             shm=read_choice(extra, "shm", ("auto", "on", "off"), "auto", _PATH),
+            curve_secret_key=read_str(extra, "curve_secret_key", None, _PATH),
+            curve_public_key=read_str(extra, "curve_public_key", None, _PATH),
+            curve_server_key=_read_server_key(extra.get("curve_server_key")),
+            curve_allowed_clients=_read_key_list(extra.get("curve_allowed_clients")),
         )
         if config.peer_timeout_s < config.heartbeat_s:
             raise ConfigError(
@@ -125,3 +139,19 @@ class ZmqConnectorConfig:
                 f"heartbeat_s ({config.heartbeat_s})"
             )
         return config
+
+
+def _read_server_key(value: Any) -> str | Mapping[str, str] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values()):
+        return MappingProxyType({str(k): v for k, v in value.items()})
+    raise ConfigError(f"config key '{_PATH}.curve_server_key' must be a key or a map of stage id -> key")
+
+
+def _read_key_list(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"config key '{_PATH}.curve_allowed_clients' must be a list of public keys")

@@ -25,7 +25,7 @@ from ..errors import (
     TransportError,
     ZmqOmniError,
 )
-from ..transport import EndpointMap, IoLoop, PullClient, PullServer, PushReceiver, PushSender, tune_malloc
+from ..transport import Curve, EndpointMap, IoLoop, PullClient, PullServer, PushReceiver, PushSender, tune_malloc
 from ..wire import DecodeLimits, decode, encode, frames_nbytes
 from .base import OmniConnectorBase, key_matches_prefix
 
@@ -60,6 +60,9 @@ class ZmqConnector(OmniConnectorBase):
         self.config = cfg
         self.stage_id = cfg.stage_id
         self._endpoints = EndpointMap(cfg.endpoints)
+        self._curve = Curve.from_config(
+            cfg.curve_secret_key, cfg.curve_public_key, cfg.curve_server_key, cfg.curve_allowed_clients
+        )
         self.sid = uuid.uuid4().hex[:16]
         self._limits = DecodeLimits(
             max_header_bytes=min(cfg.max_message_bytes, 64 << 20),
@@ -75,6 +78,10 @@ class ZmqConnector(OmniConnectorBase):
         loop = self._loop = IoLoop(f"zmq-omni-{cfg.stage_id}")
         self._closed = False
         try:
+            if binds and self._curve is not None:
+                auth = self._curve.start_authenticator(loop.ctx)
+                if auth is not None:
+                    loop.on_term(auth.stop)
             if binds:
                 advertised = self._endpoints.get(cfg.stage_id)
                 bind_at = self._endpoints.env_bind or cfg.bind or advertised
@@ -94,6 +101,7 @@ class ZmqConnector(OmniConnectorBase):
                         source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
                         counters=self._counters,
                         health=self.health,
+                        curve=self._curve,
                     )
                     self.endpoint = self._receiver.endpoint
                 else:
@@ -111,6 +119,7 @@ class ZmqConnector(OmniConnectorBase):
                         counters=self._counters,
                         on_failure=self._on_failure,
                         health=self.health,
+                        curve=self._curve,
                     )
                     self.endpoint = self._server.endpoint
             if cfg.mode == "push" and sends:
@@ -127,6 +136,7 @@ class ZmqConnector(OmniConnectorBase):
                     hwm=cfg.hwm,
                     counters=self._counters,
                     on_failure=self._on_failure,
+                    curve=self._curve,
                 )
             if cfg.mode == "pull" and receives:
                 self._client = PullClient(
@@ -135,6 +145,7 @@ class ZmqConnector(OmniConnectorBase):
                     max_message_bytes=cfg.max_message_bytes,
                     decode=self._decode,
                     counters=self._counters,
+                    curve=self._curve,
                 )
             loop.start()
         except BaseException:
@@ -193,8 +204,6 @@ class ZmqConnector(OmniConnectorBase):
                 metadata = self._server.store(from_stage, to_stage, key, frames, nbytes)
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
-        self._counters.add("puts")
-        self._counters.add("bytes_sent", nbytes)
         return True, nbytes, metadata
 
     def get(
@@ -233,7 +242,7 @@ class ZmqConnector(OmniConnectorBase):
             got = self._fetch(from_stage, to_stage, key, metadata, deadline)
         else:
             raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot get")
-        if got is not None:
+        if got is not None and self._client is not None:  # push-mode gets are counted by the mailbox
             self._counters.add("gets")
             self._counters.add("bytes_received", got[1])
         return got
@@ -254,8 +263,11 @@ class ZmqConnector(OmniConnectorBase):
             # The server answers "not found" a little before the deadline, so the reply is in by then.
             wait_s = max(0.0, (deadline - now) * 0.8)
             reply_by = deadline
+        server_key = None if self._curve is None else self._curve.server_key_for(from_stage)
         try:
-            return self._client.fetch(endpoint, from_stage, to_stage, key, wait_s=wait_s, deadline=reply_by)
+            return self._client.fetch(
+                endpoint, from_stage, to_stage, key, wait_s=wait_s, deadline=reply_by, server_key=server_key
+            )
         except TransportError as exc:
             if not isinstance(exc, ClosedResourceError):
                 self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
@@ -275,31 +287,40 @@ class ZmqConnector(OmniConnectorBase):
 
     def _forget(self, match: Callable[[str], bool]) -> int:
         dropped = 0
-        for part in (self._receiver, self._sender, self._server):
+        for part in (self._receiver, self._server):
             if part is not None:
                 dropped += part.forget(match)
+        if self._sender is not None:
+            # A push sender's copies only serve redelivery: release them, but they are not items
+            # anyone could still get, so they do not count (the receiver's cleanup counts those).
+            self._sender.forget(match)
         return dropped
 
     def health(self) -> dict[str, Any]:
         """Status, counters (puts, gets, bytes, errors, timeouts, resends, rejected_frames, ...) and state."""
+        # Hot-path counts live under the locks the transport already holds; fold them in here.
+        sending = self._sender.stats() if self._sender else self._server.stats() if self._server else None
+        receiving = self._receiver.stats() if self._receiver else None
+        if sending is not None:
+            self._counters.set("puts", sending["puts"])
+            self._counters.set("bytes_sent", sending["bytes_sent"])
+        if receiving is not None:
+            self._counters.set("gets", receiving["gets"])
+            self._counters.set("bytes_received", receiving["bytes_received"])
         base = super().health()
         for name in ("resends", "rejected_frames", "duplicates_dropped", "delivery_failures"):
             base.setdefault(name, 0)
         base.update(
             {"stage_id": self.stage_id, "role": self.config.role, "mode": self.config.mode, "endpoint": self.endpoint}
         )
-        pending = 0
-        if self._sender is not None:
-            stats = self._sender.stats()
-            pending += stats["pending"]
-            base.update(pending_bytes=stats["pending_bytes"], undelivered=stats["undelivered"], peers=stats["peers"])
-        if self._server is not None:
-            stats = self._server.stats()
-            pending += stats["pending"]
-            base["pending_bytes"] = stats["pending_bytes"]
-        base["pending"] = pending
-        if self._receiver is not None:
-            base["mailbox"] = self._receiver.mailbox_size()
+        base["pending"] = 0 if sending is None else sending["pending"]
+        if sending is not None:
+            base["pending_bytes"] = sending["pending_bytes"]
+            for name in ("undelivered", "peers"):
+                if name in sending:
+                    base[name] = sending[name]
+        if receiving is not None and self._receiver is not None:
+            base["mailbox"] = receiving["mailbox"]
             base["incarnation"] = self._receiver.incarnation
         return base
 

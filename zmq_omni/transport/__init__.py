@@ -11,11 +11,13 @@ from ._loop import IoLoop
 from ._probe import probe
 from ._pull import PullClient, PullServer
 from ._push import FailureCallback, PushReceiver, PushSender
+from ._security import Curve
 from ._sockets import tune_malloc
 
 __all__ = [
     "ENV_BIND",
     "ENV_ENDPOINT_PREFIX",
+    "Curve",
     "EndpointMap",
     "FailureCallback",
     "IoLoop",

@@ -113,13 +113,15 @@ def unpack(frame: bytes | memoryview) -> tuple[Kind, list[Any], memoryview]:
     return kind, header, view[end:]
 
 
-def check_types(header: Sequence[Any], types: Sequence[type | tuple[type, ...]], what: str) -> None:
-    """Raise ``DecodeError`` unless each header field has its expected type (bool is not an int)."""
-    for index, (value, expected) in enumerate(zip(header, types, strict=True)):
-        if isinstance(value, bool) and expected is not bool:
-            raise DecodeError(f"{what} header field {index} has type bool")
-        if not isinstance(value, expected):
-            raise DecodeError(f"{what} header field {index} has type {type(value).__name__}")
+def check_types(header: Sequence[Any], types: tuple[type, ...], what: str) -> None:
+    """Raise ``DecodeError`` unless each header field has exactly its expected type.
+
+    Exact types (msgpack only produces these), so ``bool`` never passes for ``int``.
+    """
+    if tuple(map(type, header)) != types:
+        got = ", ".join(type(value).__name__ for value in header)
+        want = ", ".join(t.__name__ for t in types)
+        raise DecodeError(f"{what} header has types ({got}), expected ({want})")
 
 
 def to_ranges(seqs: Iterable[int]) -> list[list[int]]:

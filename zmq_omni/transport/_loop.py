@@ -8,7 +8,9 @@ state), which writes to an eventfd the poller watches. Nothing sleep-polls.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
+import math
 import os
 import threading
 import time
@@ -44,7 +46,10 @@ class IoLoop:
         self._handlers: dict[Any, Callable[[], None]] = {}
         self._calls: deque[Callable[[], None]] = deque()
         self._timers: list[_Periodic] = []
+        self._later: list[tuple[float, int, Callable[[], None]]] = []
+        self._later_ids = 0
         self._on_stop: list[Callable[[], None]] = []
+        self._on_term: list[Callable[[], None]] = []
         self._stopping = False
         self._started = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -91,6 +96,8 @@ class IoLoop:
         if not alive:
             with contextlib.suppress(OSError):
                 os.close(self._wake_fd)
+            for fn in self._on_term:
+                self._guard(fn)
             # Every socket is closed by now; term() waits at most their linger for last acks to leave.
             self.ctx.destroy()
         return not alive
@@ -106,6 +113,11 @@ class IoLoop:
         if self._handlers.pop(sock, None) is not None:
             self._poller.unregister(sock)
 
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once, ``delay`` seconds from now (loop thread only)."""
+        self._later_ids += 1
+        heapq.heappush(self._later, (time.monotonic() + delay, self._later_ids, fn))
+
     def every(self, interval: float, fn: Callable[[], None]) -> None:
         """Call ``fn`` every ``interval`` seconds."""
         self._timers.append(_Periodic(interval, fn))
@@ -113,6 +125,10 @@ class IoLoop:
     def on_stop(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` on the loop thread just before it ends (flush, close sockets)."""
         self._on_stop.append(fn)
+
+    def on_term(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` in the stopping thread after the loop ended, before the context terminates."""
+        self._on_term.append(fn)
 
     def _guard(self, fn: Callable[[], None]) -> None:
         # A bug in one handler must not kill the thread that every transfer depends on.
@@ -128,9 +144,11 @@ class IoLoop:
                 timeout_ms = 1000.0
                 for timer in self._timers:
                     timeout_ms = min(timeout_ms, max(0.0, (timer.due - now) * 1000.0))
+                if self._later:
+                    timeout_ms = min(timeout_ms, max(0.0, (self._later[0][0] - now) * 1000.0))
                 if self._calls:
                     timeout_ms = 0.0
-                for sock, _ in self._poller.poll(int(timeout_ms)):
+                for sock, _ in self._poller.poll(math.ceil(timeout_ms)):
                     if sock == self._wake_fd:
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(self._wake_fd)
@@ -141,6 +159,8 @@ class IoLoop:
                 while self._calls:
                     self._guard(self._calls.popleft())
                 now = time.monotonic()
+                while self._later and self._later[0][0] <= now:
+                    self._guard(heapq.heappop(self._later)[2])
                 for timer in self._timers:
                     if timer.due <= now:
                         timer.due = now + timer.interval

@@ -15,10 +15,12 @@ from ._sockets import close_socket, new_context
 __all__ = ["probe"]
 
 
-def probe(endpoint: str, *, timeout_s: float = 2.0) -> dict[str, Any]:
+def probe(endpoint: str, *, timeout_s: float = 2.0, server_key: str | None = None) -> dict[str, Any]:
     """Send a HEALTH request to the stage bound at ``endpoint`` and return its health dict.
 
     Works against a push-mode receiver and a pull-mode sender (whichever side binds).
+    For a CURVE server pass its public ``server_key``; the probe uses a throwaway
+    key pair, so a server with an allow-list refuses it (a timeout).
 
     Raises:
         PeerGoneError: nothing accepted the connection within ``timeout_s``.
@@ -31,6 +33,11 @@ def probe(endpoint: str, *, timeout_s: float = 2.0) -> dict[str, Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+    if server_key is not None:
+        public, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_key.encode("ascii"))
     monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
     try:
         sock.connect(endpoint)

@@ -33,6 +33,7 @@ from ._envelope import Kind, check_types, pack, unpack
 from ._loop import IoLoop
 from ._push import FailureCallback
 from ._router import recv_routed
+from ._security import Curve
 from ._sockets import bind, close_socket, make_socket
 
 __all__ = ["PullClient", "PullServer"]
@@ -71,6 +72,7 @@ class PullServer:
         counters: Counters,
         on_failure: FailureCallback,
         health: Callable[[], dict[str, Any]],
+        curve: Curve | None = None,
     ) -> None:
         self._loop = loop
         self._put_timeout = put_timeout_s
@@ -84,10 +86,14 @@ class PullServer:
         self._cv = threading.Condition()
         self._store: dict[Slot, _Stored] = {}
         self._bytes = 0
+        self._puts = 0
+        self._bytes_sent = 0
         self._waiters: dict[Slot, list[tuple[bytes, int, float]]] = {}
         self._closed = False
         # FETCH requests are tiny; a peer sending more is hostile.
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
+        if curve is not None:
+            curve.make_server(self._sock)
         try:
             bound = bind(self._sock, bind_endpoint)
         except BaseException:
@@ -129,6 +135,8 @@ class PullServer:
                 self._bytes -= old.nbytes
             self._store[slot] = _Stored(frames, nbytes, time.monotonic() + self._ttl)
             self._bytes += nbytes
+            self._puts += 1
+            self._bytes_sent += nbytes
             if slot in self._waiters:
                 self._loop.call_soon(lambda: self._serve_waiter(slot))
         return {"endpoint": self.endpoint, "from_stage": from_stage, "to_stage": to_stage, "key": key, "size": nbytes}
@@ -146,7 +154,13 @@ class PullServer:
     def stats(self) -> dict[str, Any]:
         """Store occupancy."""
         with self._cv:
-            return {"pending": len(self._store), "pending_bytes": self._bytes, "endpoint": self.endpoint}
+            return {
+                "puts": self._puts,
+                "bytes_sent": self._bytes_sent,
+                "pending": len(self._store),
+                "pending_bytes": self._bytes,
+                "endpoint": self.endpoint,
+            }
 
     def close(self) -> None:
         """Fail waiting and future puts; the socket closes on the loop thread."""
@@ -274,8 +288,10 @@ class PullClient:
         max_message_bytes: int,
         decode: Callable[[list[Any]], Any],
         counters: Counters,
+        curve: Curve | None = None,
     ) -> None:
         self._ctx = ctx
+        self._curve = curve
         self._hwm = hwm
         self._max_message = max_message_bytes
         self._decode = decode
@@ -287,7 +303,15 @@ class PullClient:
         self._closed = False
 
     def fetch(
-        self, endpoint: str, from_stage: str, to_stage: str, key: str, *, wait_s: float, deadline: float
+        self,
+        endpoint: str,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        *,
+        wait_s: float,
+        deadline: float,
+        server_key: bytes | None = None,
     ) -> tuple[Any, int] | None:
         """Ask ``endpoint`` for the payload; ``(obj, nbytes)``, or None when the server has none.
 
@@ -299,7 +323,7 @@ class PullClient:
             ClosedResourceError: the client was closed.
             DecodeError, MessageTooLargeError: the reply is malformed or too big.
         """
-        sock = self._checkout(endpoint)
+        sock = self._checkout(endpoint, server_key)
         reusable = False
         try:
             req_id = next(self._ids)
@@ -332,7 +356,7 @@ class PullClient:
         finally:
             self._checkin(endpoint, sock, reusable)
 
-    def _checkout(self, endpoint: str) -> Any:
+    def _checkout(self, endpoint: str, server_key: bytes | None) -> Any:
         with self._lock:
             if self._closed:
                 raise ClosedResourceError("connector closed", endpoint=endpoint)
@@ -340,6 +364,8 @@ class PullClient:
             sock = idle.pop() if idle else None
             if sock is None:
                 sock = make_socket(self._ctx, zmq.DEALER, hwm=self._hwm, max_message_bytes=self._max_message)
+                if self._curve is not None and server_key is not None:
+                    self._curve.make_client(sock, server_key)
                 sock.connect(endpoint)
             self._busy.add(sock)
             return sock

@@ -64,6 +64,7 @@ from ._endpoints import EndpointMap
 from ._envelope import Kind, check_types, from_ranges, pack, to_ranges, unpack
 from ._loop import IoLoop
 from ._router import recv_routed
+from ._security import Curve
 from ._sockets import bind, close_socket, make_socket
 
 __all__ = ["FailureCallback", "PushReceiver", "PushSender"]
@@ -73,8 +74,12 @@ log = logging.getLogger("zmq_omni.transport")
 #: ``(op, from_stage, to_stage, key, reason, error)`` -- how the transport reports a failure for good.
 FailureCallback = Callable[[str, str, str, str, str, ZmqOmniError], None]
 
-_MAX_DRAIN = 512  # messages handled per wake-up before acks are flushed
+_MAX_DRAIN = 512  # messages handled per wake-up
+_ACK_DELAY_S = 0.005  # acks wait this long to be batched: one REPLY covers hundreds of puts under load
+_ACK_BATCH = 1024  # ...or until this many are pending
 _MAX_SID = 64
+_DATA_TYPES = (str, int, int, str, str, str, type(None))
+_PING_TYPES = (str, int, int)
 _SEND_SLICE_S = 0.05  # a blocked send re-checks close() this often
 
 
@@ -97,9 +102,10 @@ class _Out:
 class _Peer:
     """Sender-side state of one receiving stage."""
 
-    def __init__(self, to_stage: str, endpoint: str) -> None:
+    def __init__(self, to_stage: str, endpoint: str, server_key: bytes | None) -> None:
         self.to_stage = to_stage
         self.endpoint = endpoint
+        self.server_key = server_key
         self.data_lock = threading.Lock()
         self.data_sock: Any = None
         self.ctl_sock: Any = None
@@ -136,8 +142,10 @@ class PushSender:
         hwm: int,
         counters: Counters,
         on_failure: FailureCallback,
+        curve: Curve | None = None,
     ) -> None:
         self._loop = loop
+        self._curve = curve
         self._endpoints = endpoints
         self.sid = sid
         self._put_timeout = put_timeout_s
@@ -152,6 +160,8 @@ class PushSender:
         self._peers: dict[str, _Peer] = {}
         self._count = 0
         self._bytes = 0
+        self._puts = 0
+        self._bytes_sent = 0
         self._deadlines: list[tuple[float, int, str]] = []
         self._closed = False
         loop.every(heartbeat_s, self._heartbeat)
@@ -190,11 +200,15 @@ class PushSender:
             peer.unarrived[out.seq] = out
             self._count += 1
             self._bytes += nbytes
+            self._puts += 1
+            self._bytes_sent += nbytes
             heapq.heappush(self._deadlines, (out.deadline, out.seq, to_stage))
         try:
             self._send_data(peer, out, deadline)
         except BaseException:
             with self._cv:
+                self._puts -= 1
+                self._bytes_sent -= nbytes
                 if peer.retained.pop(out.seq, None) is not None:
                     peer.unarrived.pop(out.seq, None)
                     self._count -= 1
@@ -206,12 +220,15 @@ class PushSender:
     def _peer(self, to_stage: str) -> _Peer:
         peer = self._peers.get(to_stage)
         if peer is None:
-            peer = self._peers[to_stage] = _Peer(to_stage, self._endpoints.require(to_stage))
+            endpoint = self._endpoints.require(to_stage)
+            server_key = None if self._curve is None else self._curve.server_key_for(to_stage)
+            peer = self._peers[to_stage] = _Peer(to_stage, endpoint, server_key)
             self._loop.call_soon(lambda: self._open_ctl(peer))
         return peer
 
     def _send_data(self, peer: _Peer, out: _Out, deadline: float) -> None:
-        if not peer.data_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        lock = peer.data_lock
+        if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TransportTimeoutError("another put held the socket past put_timeout_s", endpoint=peer.endpoint)
         try:
             if self._closed:
@@ -251,6 +268,8 @@ class PushSender:
 
     def _open_data(self, peer: _Peer) -> Any:
         sock = make_socket(self._loop.ctx, zmq.DEALER, hwm=self._hwm, identity=b"d" + self.sid.encode())
+        if self._curve is not None and peer.server_key is not None:
+            self._curve.make_client(sock, peer.server_key)
         sock.connect(peer.endpoint)
         peer.data_sock = sock
         return sock
@@ -275,6 +294,8 @@ class PushSender:
         """Window occupancy and per-peer state."""
         with self._cv:
             return {
+                "puts": self._puts,
+                "bytes_sent": self._bytes_sent,
                 "pending": self._count,
                 "pending_bytes": self._bytes,
                 "undelivered": sum(len(p.unarrived) for p in self._peers.values()),
@@ -295,6 +316,8 @@ class PushSender:
         if self._closed or peer.ctl_sock is not None:
             return
         sock = make_socket(self._loop.ctx, zmq.DEALER, hwm=self._hwm, identity=b"c" + self.sid.encode())
+        if self._curve is not None and peer.server_key is not None:
+            self._curve.make_client(sock, peer.server_key)
         sock.connect(peer.endpoint)
         peer.ctl_sock = sock
         self._loop.add_reader(sock, lambda: self._on_ctl(peer))
@@ -331,8 +354,7 @@ class PushSender:
                         "receiver %s restarted (%s); resending %d puts", peer.endpoint, incarnation, len(peer.retained)
                     )
                     peer.old_incarnations.append(peer.incarnation)
-                    self._unarrive(peer, peer.retained.values(), now)
-                    renewed = True
+                    renewed = False
                 peer.incarnation = incarnation
             freed = 0
             for seq in consumed:  # consumption is final whichever incarnation reports it
@@ -527,6 +549,7 @@ class PushReceiver:
         source_ttl_s: float,
         counters: Counters,
         health: Callable[[], dict[str, Any]],
+        curve: Curve | None = None,
     ) -> None:
         self._loop = loop
         self.incarnation = incarnation
@@ -541,8 +564,15 @@ class PushReceiver:
         self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
         self._sources: dict[str, _Source] = {}
         self._dirty: set[str] = set()
+        self._pending_acks = 0
+        self._now = time.monotonic()
+        self._flush_armed = False
+        self._gets = 0
+        self._bytes_received = 0
         self._closed = False
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
+        if curve is not None:
+            curve.make_server(self._sock)
         try:
             self.endpoint = bind(self._sock, bind_endpoint)
         except BaseException:
@@ -586,13 +616,15 @@ class PushReceiver:
     def _ack_taken(self, item: _Item) -> None:
         # Caller holds _cv. Wake the I/O thread once per batch, not once per get.
         self._taken.append((item.sid, item.seq))
+        self._gets += 1
+        self._bytes_received += item.nbytes
         if len(self._taken) == 1:
-            self._loop.call_soon(self._flush_all)
+            self._loop.call_soon(self._arm_flush)
 
-    def mailbox_size(self) -> int:
-        """Items waiting for ``get``."""
+    def stats(self) -> dict[str, Any]:
+        """Gets, bytes taken, and items waiting for ``get``."""
         with self._cv:
-            return len(self._box)
+            return {"gets": self._gets, "bytes_received": self._bytes_received, "mailbox": len(self._box)}
 
     def close(self) -> None:
         """Wake every waiting ``get``; the socket closes on the loop thread after a last ack flush."""
@@ -602,49 +634,59 @@ class PushReceiver:
 
     # -- I/O thread ---------------------------------------------------------------
     def _on_readable(self) -> None:
+        sock, max_frames = self._sock, self._max_frames
+        self._now = time.monotonic()
         for _ in range(_MAX_DRAIN):
-            message = recv_routed(self._sock, self._max_frames)
+            message = recv_routed(sock, max_frames)
             if message is None:
                 break
+            self._pending_acks += 1
             identity, frames, ok = message
             try:
                 if not ok:
-                    raise DecodeError(f"message with no frames or more than {self._max_frames}")
-                self._on_message(identity, frames)
+                    raise DecodeError(f"message with more than {max_frames} frames")
+                kind, header, payload = unpack(frames[0])
+                if kind is Kind.DATA:
+                    check_types(header, _DATA_TYPES, "DATA")
+                    self._on_data(header, payload, frames)
+                elif kind is Kind.PING:
+                    check_types(header, _PING_TYPES, "PING")
+                    self._on_ping(header[0], header[1], header[2])
+                elif kind is Kind.HEALTH:
+                    self._reply(identity, pack(Kind.HEALTH_REPLY, (self._health(),)))
+                else:
+                    raise DecodeError(f"unexpected {kind.name} message")
             except (DecodeError, MessageTooLargeError) as exc:
                 self._counters.add("rejected_frames")
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rejected a message on %s: %s", self.endpoint, exc)
-        self._flush_all()
-
-    def _on_message(self, identity: bytes, frames: list[Any]) -> None:
-        kind, header, payload = unpack(frames[0])
-        if kind is Kind.DATA:
-            check_types(header, (str, int, int, str, str, str, type(None)), "DATA")
-            self._on_data(header, payload, frames)
-        elif kind is Kind.PING:
-            check_types(header, (str, int, int), "PING")
-            self._on_ping(header[0], header[1], header[2])
-        elif kind is Kind.HEALTH:
-            self._reply(identity, pack(Kind.HEALTH_REPLY, (self._health(),)))
+        with self._cv:  # one wake-up for the whole drain, not one per message
+            self._cv.notify_all()
+        if self._pending_acks >= _ACK_BATCH:
+            self._flush_all()
         else:
-            raise DecodeError(f"unexpected {kind.name} message")
+            self._arm_flush()
 
     def _source(self, sid: str) -> _Source:
         source = self._sources.get(sid)
         if source is None:
             if not sid or len(sid) > _MAX_SID:
                 raise DecodeError(f"sender id of {len(sid)} characters")
-            source = self._sources[sid] = _Source(sid, time.monotonic())
+            source = self._sources[sid] = _Source(sid, self._now)
         return source
 
     def _on_data(self, header: list[Any], payload: memoryview, frames: list[Any]) -> None:
         sid, seq, low, from_stage, to_stage, key, _loc = header
-        size = payload.nbytes + sum(f.buffer.nbytes for f in frames[1:])
-        if size > self._max_message:
-            raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
-        source = self._source(sid)
-        source.last_heard = time.monotonic()
+        size = payload.nbytes
+        if len(frames) > 1:
+            size += sum(f.buffer.nbytes for f in frames[1:])
+            if size > self._max_message:
+                raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+            parts = [payload, *frames[1:]]
+        else:
+            parts = [payload]
+        source = self._sources.get(sid) or self._source(sid)
+        source.last_heard = self._now
         source.low = max(source.low, low)
         self._dirty.add(sid)
         if seq < source.low or seq in source.seen:
@@ -652,20 +694,19 @@ class PushReceiver:
             self._counters.add("duplicates_dropped")
             source.arrived.append(seq)
             return
-        obj = self._decode([payload, *frames[1:]])
-        item = _Item(obj, size, sid, seq)
+        item = _Item(self._decode(parts), size, sid, seq)
+        slot = (from_stage, to_stage, key)
         with self._cv:
-            old = self._box.get((from_stage, to_stage, key))
-            self._box[(from_stage, to_stage, key)] = item
+            old = self._box.get(slot)
+            self._box[slot] = item
             if old is not None:  # a re-put replaces; the replaced one counts as consumed
                 self._taken.append((old.sid, old.seq))
-            self._cv.notify_all()
         source.seen.add(seq)
         source.arrived.append(seq)
 
     def _on_ping(self, sid: str, ping: int, low: int) -> None:
         source = self._source(sid)
-        source.last_heard = time.monotonic()
+        source.last_heard = self._now
         source.low = max(source.low, low)
         if source.low > source.pruned_low:
             source.pruned_low = source.low
@@ -680,7 +721,14 @@ class PushReceiver:
         )
         source.arrived.clear()
 
+    def _arm_flush(self) -> None:
+        if not self._flush_armed:
+            self._flush_armed = True
+            self._loop.call_later(_ACK_DELAY_S, self._flush_all)
+
     def _flush_all(self) -> None:
+        self._flush_armed = False
+        self._pending_acks = 0
         self._flush_taken()
         self._flush_acks()
 
@@ -721,7 +769,16 @@ class PushReceiver:
             del self._sources[sid]
 
     def _shutdown(self) -> None:
-        # Last chance to tell senders what was consumed, so a reopened receiver gets no duplicates.
-        self._flush_all()
+        # Last chance to tell senders what was consumed, so a reopened receiver gets no duplicates:
+        # repeat every consumption not yet confirmed, since early acks may have found no route.
+        self._flush_taken()
+        for source in self._sources.values():
+            source.reported.update(source.consumed)
+            source.consumed.clear()
+            if source.reported or source.arrived:
+                self._reply(
+                    source.ctl,
+                    pack(Kind.REPLY, (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.reported))),
+                )
         self._loop.remove_reader(self._sock)
         close_socket(self._sock, linger_ms=200)

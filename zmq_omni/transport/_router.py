@@ -21,14 +21,13 @@ def recv_routed(sock: Any, max_frames: int) -> tuple[bytes, list[Any], bool] | N
         identity = sock.recv(zmq.NOBLOCK)
     except zmq.Again:
         return None
-    frames: list[Any] = []
+    # A routed message always has a frame after the identity; getsockopt is cheaper than .rcvmore.
+    frames: list[Any] = [sock.recv()]
     ok = True
-    while sock.rcvmore:
+    while sock.getsockopt(zmq.RCVMORE):
         if len(frames) > max_frames:
             sock.recv(copy=False)
             ok = False
-        elif frames:
-            frames.append(sock.recv(copy=False))
         else:
-            frames.append(sock.recv())
-    return identity, frames, ok and bool(frames)
+            frames.append(sock.recv(copy=False))
+    return identity, frames, ok

@@ -11,7 +11,9 @@ Speed matters on two paths. Small metadata dicts (hundreds of bytes, at 100k+
 messages/s) go through msgpack's C packer and unpacker untouched: the Python
 hooks only run for the few types msgpack cannot carry natively, and a preamble
 flag lets the decoder skip them altogether when the header holds none. Large
-arrays are never copied, so their cost is a constant per array.
+arrays are never copied, so their cost is a constant per array; bounded memos
+of out-of-band descriptors (by dtype, shape and frame index) keep that
+constant small for the shapes a pipeline sends again and again.
 """
 
 from __future__ import annotations
@@ -88,11 +90,12 @@ _INT64_MIN: Final = -(1 << 63)
 _UINT64_END: Final = 1 << 64
 
 _TUPLE_EXT = msgpack.ExtType(EXT_TUPLE, b"")
+# What an idle encoder's frame list points to; only a call in progress appends.
+_NO_FRAMES: list[bytes | memoryview] = []
 _ExtType = msgpack.ExtType
 # ExtType.__new__ re-validates its arguments in Python; ours are valid by
 # construction, and this path runs once per array.
 _new_ext = tuple.__new__
-_NAME_OF_NUMPY = _dtypes.NAME_OF_NUMPY
 _DEFAULT_LIMITS = DecodeLimits()
 _unpackb = msgpack.unpackb
 
@@ -124,43 +127,22 @@ class _Encoder:
     call (a ``__reduce__`` that encodes, under ``allow_pickle``) gets a fresh one.
     """
 
-    __slots__ = ("_pack", "allow_pickle", "buffers", "busy", "flags", "threshold")
+    __slots__ = ("allow_pickle", "busy", "flags", "frames", "pack", "threshold")
 
     def __init__(self) -> None:
         # strict_types routes tuples, numpy scalars (np.float64 is a float
         # subclass) and other subclasses to _default instead of letting
         # msgpack flatten them silently; datetime=False keeps datetimes out.
         packer = msgpack.Packer(default=self._default, strict_types=True, use_bin_type=True, datetime=False)
-        self._pack = packer.pack
-        self.buffers: list[memoryview] = []
+        self.pack = packer.pack
+        # The frame list of the call in progress: a placeholder for the
+        # header, then one buffer per out-of-band array, so an array's frame
+        # index is its position here.
+        self.frames: list[bytes | memoryview] = _NO_FRAMES
         self.flags = 0
         self.threshold = DEFAULT_INLINE_THRESHOLD
         self.allow_pickle = False
         self.busy = False
-
-    def encode(self, obj: object, threshold: int, allow_pickle: bool) -> list[bytes | memoryview]:
-        buffers: list[memoryview] = []
-        self.buffers = buffers
-        self.flags = 0
-        self.threshold = threshold
-        self.allow_pickle = allow_pickle
-        self.busy = True
-        try:
-            body = self._pack(obj)
-        except EncodeError:
-            raise
-        except Exception as exc:
-            raise EncodeError(f"cannot encode {_type_name(obj)}: {exc}") from exc
-        finally:
-            self.busy = False
-            # Drop the references so this thread's encoder does not pin the arrays.
-            self.buffers = []
-        n_oob = len(buffers)
-        if n_oob < _N_CACHED_PREAMBLES:
-            return [_PREAMBLES[self.flags][n_oob] + body, *buffers]
-        if n_oob > 0xFFFFFFFF:
-            raise EncodeError(f"too many out-of-band arrays ({n_oob})")
-        return [_PREAMBLE.pack(MAGIC, WIRE_VERSION, self.flags, n_oob) + body, *buffers]
 
     def _default(self, obj: Any) -> Any:
         """Hook msgpack calls for every object it cannot pack natively."""
@@ -168,23 +150,19 @@ class _Encoder:
         if cls is np.ndarray:
             # Fast path for the common large array: allowed dtype, C-contiguous,
             # out of band. Everything else takes the general path in _array.
-            name = _NAME_OF_NUMPY.get(obj.dtype)
-            if name is not None:
+            dtype = obj.dtype
+            if dtype in _OOB_PREFIXES:
                 view = memoryview(obj)
                 nbytes = view.nbytes
                 if nbytes >= self.threshold and nbytes and view.c_contiguous:
                     self.flags |= FLAG_EXT
-                    buffers = self.buffers
-                    buffers.append(view.cast("B"))
-                    shape = view.shape or ()
-                    ndim = len(shape)
-                    return _new_ext(
-                        _ExtType,
-                        (
-                            EXT_ARRAY,
-                            _OOB_PREFIXES[name][ndim] + _SHAPE_AND_REF[ndim].pack(*shape, len(buffers), nbytes),
-                        ),
-                    )
+                    frames = self.frames
+                    index = len(frames)
+                    frames.append(view.cast("B"))
+                    # view.shape is never None for an ndarray's buffer.
+                    key: tuple[np.dtype[Any], tuple[int, ...], int] = (dtype, view.shape, index)  # type: ignore[assignment]
+                    ext = _oob_ext_memo.get(key)
+                    return _oob_ext(key, nbytes) if ext is None else ext
             return self._array(obj)
         if cls is tuple:
             self.flags |= FLAG_EXT | FLAG_TUPLE
@@ -294,13 +272,14 @@ class _Encoder:
             raise EncodeError(f"cannot encode an array of {ndim} dimensions (at most 64)")
         if nbytes >= self.threshold:
             flat = data.reshape(-1, order="F" if layout else "C").view(np.uint8)
-            self.buffers.append(flat.data)
+            index = len(self.frames)
+            self.frames.append(flat.data)
             return _new_ext(
                 _ExtType,
                 (
                     code,
                     _descriptor_prefix(layout | LAYOUT_OUT_OF_BAND, ndim, name)
-                    + _SHAPE_AND_REF[ndim].pack(*shape, len(self.buffers), nbytes),
+                    + _SHAPE_AND_REF[ndim].pack(*shape, index, nbytes),
                 ),
             )
         # tobytes(order="A") keeps Fortran order for F-contiguous data.
@@ -317,11 +296,38 @@ def _descriptor_prefix(layout: int, ndim: int, name: str) -> bytes:
 
 
 _scalar_prefix_cache: dict[str, bytes] = {}
-# Precomputed descriptor prefixes for the encoder's fast path, by dtype name then ndim.
-_OOB_PREFIXES: dict[str, tuple[bytes, ...]] = {
-    name: tuple(_descriptor_prefix(LAYOUT_OUT_OF_BAND, ndim, name) for ndim in range(65))
-    for name in _dtypes.WIRE_DTYPES
+# Precomputed out-of-band descriptor prefixes for the encoder's fast path, by
+# numpy dtype then ndim. Only dtypes whose buffer format memoryview can cast
+# to bytes are here (bfloat16 takes the general path).
+_OOB_PREFIXES: dict[np.dtype[Any], tuple[bytes, ...]] = {
+    dtype: tuple(_descriptor_prefix(LAYOUT_OUT_OF_BAND, ndim, name) for ndim in range(65))
+    for dtype, name in _dtypes.NAME_OF_NUMPY.items()
 }
+
+
+# Out-of-band array extensions by (dtype, shape, frame index): pipelines send
+# the same shapes over and over, and building the extension is most of the
+# encoder's per-array cost. Bounded; cleared when full.
+_oob_ext_memo: dict[tuple[np.dtype[Any], tuple[int, ...], int], msgpack.ExtType] = {}
+_MEMO_SIZE: Final = 1024
+
+
+def _oob_ext(key: tuple[np.dtype[Any], tuple[int, ...], int], nbytes: int) -> msgpack.ExtType:
+    """The ARRAY extension of a C-contiguous out-of-band array (the encoder's fast path), memoized."""
+    dtype, shape, index = key
+    ndim = len(shape)
+    # Spelled-out arguments for the common ranks: pack(*shape, ...) costs twice as much.
+    if ndim == 1:
+        ref = _SHAPE_AND_REF[1].pack(shape[0], index, nbytes)
+    elif ndim == 2:
+        ref = _SHAPE_AND_REF[2].pack(shape[0], shape[1], index, nbytes)
+    else:
+        ref = _SHAPE_AND_REF[ndim].pack(*shape, index, nbytes)
+    ext: msgpack.ExtType = _new_ext(_ExtType, (EXT_ARRAY, _OOB_PREFIXES[dtype][ndim] + ref))
+    if len(_oob_ext_memo) >= _MEMO_SIZE:
+        _oob_ext_memo.clear()
+    _oob_ext_memo[key] = ext
+    return ext
 
 
 def _scalar_prefix(name: str) -> bytes:
@@ -375,7 +381,30 @@ def encode(
         encoder = _Encoder()
     if inline_threshold < 0:
         raise EncodeError(f"inline_threshold must be >= 0, got {inline_threshold}")
-    return encoder.encode(obj, inline_threshold, allow_pickle)
+    frames: list[bytes | memoryview] = [b""]
+    encoder.frames = frames
+    encoder.flags = 0
+    encoder.threshold = inline_threshold
+    encoder.allow_pickle = allow_pickle
+    encoder.busy = True
+    try:
+        body = encoder.pack(obj)
+    except EncodeError:
+        raise
+    except Exception as exc:
+        raise EncodeError(f"cannot encode {_type_name(obj)}: {exc}") from exc
+    finally:
+        encoder.busy = False
+        # Drop the references so this thread's encoder does not pin the arrays.
+        encoder.frames = _NO_FRAMES
+    n_oob = len(frames) - 1
+    if n_oob < _N_CACHED_PREAMBLES:
+        frames[0] = _PREAMBLES[encoder.flags][n_oob] + body
+    elif n_oob > 0xFFFFFFFF:
+        raise EncodeError(f"too many out-of-band arrays ({n_oob})")
+    else:
+        frames[0] = _PREAMBLE.pack(MAGIC, WIRE_VERSION, encoder.flags, n_oob) + body
+    return frames
 
 
 def frames_nbytes(frames: Sequence[Any]) -> int:
@@ -403,6 +432,11 @@ def _reject_ext(code: int, data: bytes) -> object:
 # parsed. Only valid prefixes enter, so the memo holds at most
 # 4 layouts x 65 ndims x len(WIRE_DTYPES) entries whatever peers send.
 _prefix_memo: dict[bytes, tuple[int, int, np.dtype[Any]]] = {}
+# Whole C-order out-of-band descriptors that passed the checks that do not
+# depend on the frames (dtype, layout, length, declared size), parsed into
+# ndim, shape, dtype, frame index and size, for the decoder's fast path.
+# Bounded like the encoder's memo.
+_oob_descriptors: dict[bytes, tuple[int, tuple[int, ...], np.dtype[Any], int, int]] = {}
 
 
 def _parse_prefix(prefix: bytes) -> tuple[int, int, np.dtype[Any]]:
@@ -419,13 +453,48 @@ def _parse_prefix(prefix: bytes) -> tuple[int, int, np.dtype[Any]]:
     return entry
 
 
+def _parse_oob(data: bytes) -> tuple[int, tuple[int, ...], np.dtype[Any], int, int] | None:
+    """Parse and memoize a valid C-order out-of-band descriptor; ``None`` for anything else.
+
+    ``None`` sends the descriptor down ``_Decoding._array``, which makes every
+    check again and raises the precise error.
+    """
+    if len(data) < _ARRAY_HEAD.size or data[0] != LAYOUT_OUT_OF_BAND:
+        return None
+    pos = _ARRAY_HEAD.size + data[2]
+    prefix = data[:pos]
+    entry = _prefix_memo.get(prefix)
+    if entry is None:
+        try:
+            entry = _parse_prefix(prefix)
+        except DecodeError:
+            return None
+    ndim, dtype = entry[1], entry[2]
+    ref = _SHAPE_AND_REF[ndim]
+    if len(data) != pos + ref.size:
+        return None
+    fields = ref.unpack_from(data, pos)
+    shape = fields[:ndim]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if fields[ndim + 1] != nbytes:
+        return None
+    parsed = (ndim, shape, dtype, fields[ndim], nbytes)
+    if len(_oob_descriptors) >= _MEMO_SIZE:
+        _oob_descriptors.clear()
+    _oob_descriptors[data] = parsed
+    return parsed
+
+
 class _Decoding:
     """State of one ``decode`` call, reached from msgpack's hooks."""
 
-    __slots__ = ("allow_pickle", "flags", "frames", "limits", "next_frame", "open_tuples", "total")
+    __slots__ = ("allow_pickle", "count", "flags", "frames", "limits", "next_frame", "open_tuples", "total")
 
-    def __init__(self, frames: Sequence[Any], flags: int, allow_pickle: bool, limits: DecodeLimits, total: int) -> None:
+    def __init__(
+        self, frames: Sequence[Any], count: int, flags: int, allow_pickle: bool, limits: DecodeLimits, total: int
+    ) -> None:
         self.frames = frames
+        self.count = count
         self.flags = flags
         self.allow_pickle = allow_pickle
         self.limits = limits
@@ -436,27 +505,30 @@ class _Decoding:
     def ext_hook(self, code: int, data: bytes) -> object:
         if code == EXT_ARRAY:
             # Inlined fast path for a C-order out-of-band array (one per large
-            # array; this is most of the codec's cost at >= 1 MiB).
-            pos = _ARRAY_HEAD.size + data[2]
-            entry = _prefix_memo.get(data[:pos])
-            if entry is not None and entry[0] == LAYOUT_OUT_OF_BAND:
-                ndim = entry[1]
-                ref = _SHAPE_AND_REF[ndim]
-                if len(data) == pos + ref.size and ndim <= self.limits.max_ndim:
-                    fields = ref.unpack_from(data, pos)
-                    shape = fields[:ndim]
-                    dtype = entry[2]
-                    nbytes = math.prod(shape) * dtype.itemsize
-                    index = fields[ndim]
-                    if index == self.next_frame and fields[ndim + 1] == nbytes and index < len(self.frames):
-                        buf = memoryview(self.frames[index])
-                        total = self.total + nbytes
-                        if buf.nbytes == nbytes and total <= self.limits.max_total_bytes:
-                            self.total = total
-                            self.next_frame = index + 1
-                            if ndim == 1:
-                                return np.frombuffer(buf, dtype)
-                            return np.ndarray(shape, dtype, buf)
+            # array; this is most of the codec's cost at >= 1 MiB). It makes
+            # the same checks as _array, which handles everything else and
+            # raises the errors.
+            fast = _oob_descriptors.get(data)
+            if fast is None:
+                fast = _parse_oob(data)
+            if fast is not None:
+                ndim, shape, dtype, index, nbytes = fast
+                if index == self.next_frame and index < self.count and ndim <= self.limits.max_ndim:
+                    frame = self.frames[index]
+                    cls = type(frame)
+                    if cls is bytes:
+                        size = len(frame)
+                    else:
+                        if cls is not memoryview:
+                            frame = memoryview(frame)
+                        size = frame.nbytes
+                    total = self.total + nbytes
+                    if size == nbytes and total <= self.limits.max_total_bytes:
+                        self.total = total
+                        self.next_frame = index + 1
+                        if ndim == 1:
+                            return np.frombuffer(frame, dtype)
+                        return np.ndarray(shape, dtype, frame)
             # Anything else, including every error, takes the general path.
             return self._array(code, data)
         if code == EXT_TENSOR:
@@ -562,6 +634,7 @@ class _Decoding:
 
 _PREAMBLE_CHECK = struct.Struct("<4sBI")
 _MAGIC_AND_VERSION: Final = MAGIC + bytes((WIRE_VERSION,))
+_SLICE_HEADER_MAX: Final = 4096
 
 
 def _reject_preamble(head: Any, flags: int, n_oob: int, count: int, size: int, lim: DecodeLimits) -> None:
@@ -617,10 +690,15 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
         count = len(frames)
         head = frames[0]
         magic, flags, n_oob = _PREAMBLE_CHECK.unpack_from(head)
-        body = memoryview(head)[PREAMBLE_SIZE:]
+        if type(head) is bytes and len(head) <= _SLICE_HEADER_MAX:
+            # Copying a small header is cheaper than a memoryview slice.
+            body: bytes | memoryview = head[PREAMBLE_SIZE:]
+            size = len(body)
+        else:
+            body = memoryview(head)[PREAMBLE_SIZE:]
+            size = body.nbytes
     except Exception as exc:
         raise DecodeError(f"frame 0 is not a zmq_omni preamble: {exc!r}") from exc
-    size = body.nbytes
     if (
         magic != _MAGIC_AND_VERSION
         or flags & ~_KNOWN_FLAGS
@@ -646,7 +724,7 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
                 max_map_len=size,
                 max_ext_len=size,
             )
-        state = _Decoding(frames, flags, allow_pickle, lim, size + PREAMBLE_SIZE)
+        state = _Decoding(frames, count, flags, allow_pickle, lim, size + PREAMBLE_SIZE)
         obj = _unpackb(
             body,
             ext_hook=state.ext_hook,

@@ -1,0 +1,263 @@
+"""ZmqConnector failure modes: killed and restarted receivers, gone peers, slow peers, hostile and oversized frames."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.errors import DeliveryError, MessageTooLargeError, PeerGoneError, TransportTimeoutError
+from zmq_omni.transport import probe
+from zmq_omni.wire import encode
+
+from .zmq_peers import Item, expect, expected_digest, get_main, put_main, resume_main, spawned
+
+FAST = {"heartbeat_s": 0.1, "peer_timeout_s": 0.5}
+
+
+def zmq_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("zmq-omni")]
+
+
+@pytest.fixture
+def connectors() -> Iterator[list[ZmqConnector]]:
+    """Connectors made by a test; all closed at teardown, and no I/O thread may survive."""
+    made: list[ZmqConnector] = []
+    try:
+        yield made
+    finally:
+        for conn in made:
+            conn.close()
+        assert zmq_threads() == []
+
+
+def make(made: list[ZmqConnector], **config: Any) -> ZmqConnector:
+    conn = ZmqConnector(config)
+    made.append(conn)
+    return conn
+
+
+def wait_until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_receiver_killed_mid_stream_and_restarted_loses_nothing(short_tmp: Path) -> None:
+    keys = [f"m{i}" for i in range(1000)]
+    items: list[Item] = [("1", key, 2048, i) for i, key in enumerate(keys)]
+    log_path = short_tmp / "consumed.log"
+    recv_cfg = {"stage_id": "1", "role": "receiver", "endpoints": {"1": "tcp://127.0.0.1:0"}}
+    wants = [("0", key, None) for key in keys]
+    with spawned(get_main, recv_cfg, wants, "1", 60.0, str(log_path), 0.002) as (victim, rq):
+        (endpoint,) = expect(rq, "ready")
+        send_cfg = {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, "delivery_timeout_s": 30.0, **FAST}
+        with spawned(put_main, send_cfg, items, 1, "0", 45.0) as (_, sq):
+            expect(sq, "ready")
+            assert wait_until(lambda: log_path.exists() and len(log_path.read_text().split()) >= 300, 30)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(10)
+            before = log_path.read_text().split()
+            assert 300 <= len(before) < len(keys), "the kill must land mid-stream"
+            restart_cfg = {**recv_cfg, "endpoints": {"1": endpoint}}
+            with spawned(resume_main, restart_cfg, keys, before) as (_, rq2):
+                expect(rq2, "ready")
+                got, rhealth = expect(rq2, "done", timeout=90)
+            assert rhealth["rejected_frames"] == 0
+            (sent,) = expect(sq, "sent")
+            failures, shealth = expect(sq, "done", timeout=90)
+    assert all(ok for ok, _, _ in sent.values())
+    assert set(got) | set(before) == set(keys), "every message arrives"
+    for key, value in got.items():
+        assert value == expected_digest(2048, int(key[1:]))
+    duplicates = set(got) & set(before)
+    # Only items the old receiver consumed in the instant before the kill may come twice.
+    assert duplicates <= set(before[-50:]), sorted(duplicates)
+    assert failures == [] and shealth["pending"] == 0
+    assert shealth["resends"] > 0
+
+
+def test_receiver_closed_and_reopened_in_process_gets_each_message_once(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    endpoint = f"ipc://{short_tmp}/r.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, **FAST)
+    keys = [f"k{i}" for i in range(200)]
+    for i, key in enumerate(keys):
+        assert sender.put("0", "1", key, {"i": i, "blob": np.full(100, i, dtype=np.int32)})[0]
+    first = {}
+    for key in keys[:100]:
+        got = receiver.get_with_deadline("0", "1", key, deadline=time.monotonic() + 10)
+        assert got is not None, key
+        first[key] = got[0]["i"]
+    receiver.close()
+    reopened = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    second: dict[str, int] = {}
+
+    def collect() -> bool:
+        for key in keys:
+            got = reopened.get("0", "1", key)
+            if got is not None:
+                assert key not in second, f"{key} delivered twice to the reopened receiver"
+                second[key] = got[0]["i"]
+        return set(second) >= set(keys[100:])
+
+    assert wait_until(collect, 15), sorted(set(keys[100:]) - set(second))
+    time.sleep(0.5)  # several heartbeats: a wrong resend of a consumed item would show up now
+    collect()
+    assert not set(second) & set(first), "consumed before close, delivered again after reopen"
+    assert {**first, **second} == {key: i for i, key in enumerate(keys)}
+    assert wait_until(lambda: sender.health()["pending"] == 0, 5)
+    assert sender.drain_failures() == []
+
+
+def test_receiver_that_never_comes_back_fails_every_outstanding_put(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    endpoint = f"ipc://{short_tmp}/gone.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, delivery_timeout_s=1.0, **FAST)
+    keys = [f"k{i}" for i in range(20)]
+    for key in keys:
+        assert sender.put("0", "1", key, key)[0]
+    for key in keys[:5]:
+        assert receiver.get_with_deadline("0", "1", key, deadline=time.monotonic() + 5) is not None
+    assert wait_until(lambda: sender.health()["pending"] == 15, 5)
+    receiver.close()  # gone for good, holding 15 unconsumed items
+    start = time.monotonic()
+    late = [f"late{i}" for i in range(5)]  # put while nobody listens
+    for key in late:
+        assert sender.put("0", "1", key, key)[0]
+    failures: list[Any] = []
+    bound = FAST["peer_timeout_s"] + 1.0 + 1.0  # silence detection + delivery_timeout_s + slack
+    assert wait_until(lambda: bool(failures.extend(sender.drain_failures())) or len(failures) >= 20, bound + 2)
+    elapsed = time.monotonic() - start
+    assert sorted(f.key for f in failures) == sorted(keys[5:] + late)
+    assert all(isinstance(f.error, DeliveryError) and f.op == "put" and f.to_stage == "1" for f in failures)
+    assert elapsed <= bound + 1.0
+    health = sender.health()
+    assert health["pending"] == 0 and health["delivery_failures"] == 20 and health["errors"] == 20
+
+
+def test_slow_receiver_bounds_the_window_and_put_times_out(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoint = f"ipc://{short_tmp}/slow.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    sender = make(
+        connectors,
+        stage_id="0",
+        role="sender",
+        endpoints={"1": endpoint},
+        max_unacked=1000,
+        max_unacked_bytes=8 << 20,
+        put_timeout_s=0.3,
+    )
+    block = np.ones(1 << 20, dtype=np.uint8)
+    results = [sender.put("0", "1", f"b{i}", {"block": block}) for i in range(12)]
+    accepted = [r for r in results if r[0]]
+    assert 1 <= len(accepted) <= 8, "the byte window admits at most 8 MiB of unconsumed puts"
+    assert all(r == (False, 0, None) for r in results[len(accepted) :])
+    health = sender.health()
+    assert health["pending_bytes"] <= 8 << 20 + 4096
+    assert health["timeouts"] == 12 - len(accepted) and health["errors"] == 0
+    assert all(isinstance(f.error, TransportTimeoutError) for f in sender.drain_failures())
+    # Consuming frees the window: the next put goes through.
+    assert receiver.get_with_deadline("0", "1", "b0", deadline=time.monotonic() + 5) is not None
+    assert wait_until(lambda: sender.put("0", "1", "again", {"block": block})[0], 5)
+
+
+def test_close_with_peer_gone_is_prompt_and_leaves_no_thread(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    sender = ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"1": f"ipc://{short_tmp}/nobody.sock"}})
+    for i in range(50):
+        assert sender.put("0", "1", f"k{i}", np.zeros(100_000))[0]
+    receiver = ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": "tcp://127.0.0.1:0"}})
+    waiter_result: list[Any] = ["unset"]
+    waiter = threading.Thread(
+        target=lambda: waiter_result.__setitem__(
+            0, receiver.get_with_deadline("0", "1", "never", deadline=time.monotonic() + 30)
+        )
+    )
+    waiter.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    sender.close()
+    receiver.close()
+    waiter.join(2)
+    assert time.monotonic() - start < 1.0
+    assert not waiter.is_alive() and waiter_result == [None]
+    assert zmq_threads() == []
+
+
+def test_hostile_frames_are_rejected_and_counted(
+    connectors: list[ZmqConnector], short_tmp: Path, zmq_ctx: zmq.Context[Any]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/h.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    from zmq_omni.transport._envelope import Kind, pack
+
+    good_wire = encode({"x": 1})[0]
+    hostile: list[list[bytes]] = [
+        [b""],
+        [b"garbage"],
+        [b"ZT\x01\x01\xff\xff\xff\xff"],  # header length beyond the frame
+        [b"XX" + pack(Kind.PING, ("s", 1, 0))[2:]],  # bad magic
+        [pack(Kind.DATA, ("sid", "not-int", 0, "0", "1", "k", None), good_wire)],  # wrong field type
+        [pack(Kind.DATA, ("sid", 0, 0, "0", "1", "k", None), b"\x00" * 40)],  # not a wire encoding
+        [pack(Kind.DATA, ("sid", 1, 0, "0", "1", "k", {"shm": 1}), good_wire)],  # unknown location table
+        [pack(Kind.DATA, ("x" * 500, 2, 0, "0", "1", "k", None), good_wire)],  # absurd sender id
+        [pack(Kind.REPLY, ("inc", -1, [], []))],  # a kind the receiver never accepts
+        [pack(Kind.DATA, ("sid", 3, 0, "0", "1", "k", None), encode({"a": np.zeros(8192)})[0])],  # frame missing
+    ]
+    attacker = zmq_ctx.socket(zmq.DEALER)
+    attacker.connect(endpoint)
+    for frames in hostile:
+        attacker.send_multipart(frames)
+    attacker.close(linger=1000)
+    assert wait_until(lambda: receiver.health()["rejected_frames"] == len(hostile), 5), receiver.health()
+    assert receiver.get("0", "1", "k") is None
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint})
+    assert sender.put("0", "1", "fine", {"ok": True})[0]
+    got = receiver.get_with_deadline("0", "1", "fine", deadline=time.monotonic() + 5)
+    assert got is not None and got[0] == {"ok": True}
+    assert probe(endpoint)["rejected_frames"] == len(hostile)
+
+
+def test_oversized_messages_are_rejected_and_reported(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoint = f"ipc://{short_tmp}/o.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint}, max_message_bytes=64 << 10)
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, delivery_timeout_s=1.0, **FAST)
+    small = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, max_message_bytes=64 << 10)
+    # The sender's own bound: refused at once.
+    assert small.put("0", "1", "big", np.zeros(1 << 20, dtype=np.uint8)) == (False, 0, None)
+    (failure,) = small.drain_failures()
+    assert isinstance(failure.error, MessageTooLargeError)
+    # The receiver's bound (MAXMSGSIZE): never delivered, reported by the delivery deadline.
+    assert sender.put("0", "1", "big", np.zeros(1 << 20, dtype=np.uint8))[0]
+    failures: list[Any] = []
+    assert wait_until(lambda: bool(failures.extend(sender.drain_failures())) or bool(failures), 5)
+    assert [f.key for f in failures] == ["big"] and isinstance(failures[0].error, DeliveryError)
+    assert receiver.get("0", "1", "big") is None
+    assert sender.put("0", "1", "after", b"small")[0]
+    got = receiver.get_with_deadline("0", "1", "after", deadline=time.monotonic() + 5)
+    assert got is not None and got[0] == b"small"
+
+
+def test_probe_answers_with_health_and_reports_a_missing_stage(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": "tcp://127.0.0.1:0"})
+    assert receiver.endpoint is not None
+    health = probe(receiver.endpoint)
+    assert health["stage_id"] == "1" and health["status"] == "ok"
+    with pytest.raises(PeerGoneError, match="nothing is listening"):
+        probe(f"ipc://{short_tmp}/absent.sock", timeout_s=0.3)
