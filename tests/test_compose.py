@@ -217,5 +217,5 @@ def test_stopped_stage_fails_requests_at_driver(compose: Compose) -> None:
     assert sorted(failed) == [f"cut-{i:03d}" for i in range(4)], _tail(out, 60)
     assert not re.search(r"^cut-\d{3} completed", out, re.MULTILINE)
     # The talker is stage id 1: at least the requests streaming through the vocoder name it.
-    assert any("from stage 1" in reason for reason in failed.values()), failed
+    assert any(re.search(r"\bstage '?1\b|talker", reason) for reason in failed.values()), _tail(out, 60)
     assert took < CUT_TIMEOUT_S + 30, f"driver took {took:.0f}s after the talker stopped"

@@ -528,3 +528,37 @@ def test_encoder_does_not_pin_arrays_after_the_call() -> None:
     del arr, frames
     gc.collect()
     assert ref() is None
+
+
+# --- the codec's memos must never weaken validation or grow without bound ---------------------------------
+
+
+def test_memoized_descriptor_still_rejects_wrong_frames() -> None:
+    from zmq_omni.errors import DecodeError
+    from zmq_omni.wire import decode, encode
+
+    arr = np.arange(1 << 18, dtype=np.float32)  # 1 MiB, out of band
+    frames = [bytes(f) for f in encode({"x": arr})]
+    np.testing.assert_array_equal(decode(frames)["x"], arr)  # primes the memos
+    with pytest.raises(DecodeError):
+        decode([frames[0], frames[1][:-4]])  # short frame, same descriptor
+    with pytest.raises(DecodeError):
+        decode([frames[0]])  # missing frame
+    with pytest.raises(DecodeError):
+        decode([frames[0], frames[1], b"extra"])  # extra frame
+    from zmq_omni.wire import DecodeLimits
+
+    with pytest.raises(DecodeError):
+        decode(frames, limits=DecodeLimits(max_total_bytes=1024))
+    # and the memo did not break a valid decode afterwards
+    np.testing.assert_array_equal(decode(frames)["x"], arr)
+
+
+def test_codec_memos_stay_bounded() -> None:
+    from zmq_omni.wire import _codec, decode, encode
+
+    for n in range(3000):
+        arr = np.zeros(4096 + n, dtype=np.float32)  # a new shape every call
+        decode(encode({"x": arr}))
+    assert len(_codec._oob_ext_memo) <= _codec._MEMO_SIZE
+    assert len(_codec._oob_descriptors) <= _codec._MEMO_SIZE

@@ -354,7 +354,8 @@ class PushSender:
                         "receiver %s restarted (%s); resending %d puts", peer.endpoint, incarnation, len(peer.retained)
                     )
                     peer.old_incarnations.append(peer.incarnation)
-                    renewed = False
+                    self._unarrive(peer, peer.retained.values(), now)
+                    renewed = True
                 peer.incarnation = incarnation
             freed = 0
             for seq in consumed:  # consumption is final whichever incarnation reports it
