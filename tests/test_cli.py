@@ -95,7 +95,7 @@ def stage_procs() -> Iterator[list[StageProcs]]:
 def test_help_on_every_subcommand() -> None:
     top = run_cli("--help")
     assert top.returncode == 0 and "demo" in top.stdout and "shm-sweep" in top.stdout
-    for command in ("demo", "stage", "drive", "health", "bench", "shm-sweep"):
+    for command in ("demo", "stage", "drive", "health", "bench", "keygen", "shm-sweep"):
         result = run_cli(command, "--help")
         assert result.returncode == 0, command
         assert f"usage: zmq-omni {command}" in result.stdout
@@ -193,3 +193,16 @@ def test_shm_sweep_dry_run(short_tmp: Path) -> None:
                             env={**_env(), "ZMQ_OMNI_SHM_DIR": str(short_tmp)}, check=False)
     assert result.returncode == 0, result.stderr
     assert "shm-sweep: would remove 0 objects" in result.stdout
+
+
+def test_keygen_writes_a_usable_private_key_pair(short_tmp: Path) -> None:
+    import zmq
+
+    result = run_cli("keygen", "--out-dir", str(short_tmp), "--name", "talker")
+    assert result.returncode == 0, result.stderr
+    secret = (short_tmp / "talker.key").read_text().strip()
+    public = (short_tmp / "talker.pub").read_text().strip()
+    assert (short_tmp / "talker.key").stat().st_mode & 0o077 == 0
+    assert zmq.curve_public(secret.encode()) == public.encode()  # the pair belongs together
+    printed = run_cli("keygen")
+    assert printed.returncode == 0 and "curve_public_key:" in printed.stdout

@@ -1,4 +1,4 @@
-"""The ``zmq-omni`` command: demo, stage, drive, health, bench, shm-sweep.
+"""The ``zmq-omni`` command: demo, stage, drive, health, bench, keygen, shm-sweep.
 
 Every subcommand has ``--help``. Errors from bad config or unreachable peers
 are printed as one line on stderr (no traceback) with a non-zero exit:
@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", default="zmq-omni-bench.png",
                        help="where to write the plot (needs matplotlib; default zmq-omni-bench.png)")
 
+    keygen = sub.add_parser("keygen", help="make a CURVE key pair for encrypted TCP between hosts",
+                            description="Print a new CURVE key pair (Z85) as YAML-ready lines, or write "
+                                        "NAME.key (secret) and NAME.pub (public) into --out-dir.")
+    keygen.add_argument("--out-dir", metavar="DIR", help="write NAME.key (mode 0600) and NAME.pub here")
+    keygen.add_argument("--name", default="stage", help="file name stem with --out-dir (default 'stage')")
+
     sweep = sub.add_parser("shm-sweep", help="remove shared-memory leftovers of dead processes",
                            description="List and remove zmq_omni shared-memory segments and records whose "
                                        "owner process is dead. Live owners' segments are never touched.")
@@ -122,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import _commands
 
         handler = {"stage": _commands.run_stage, "drive": _commands.run_drive, "health": _commands.run_health,
-                   "shm-sweep": _commands.run_shm_sweep}[command]
+                   "keygen": _commands.run_keygen, "shm-sweep": _commands.run_shm_sweep}[command]
         return handler(args)
     except ConfigError as exc:
         print(f"zmq-omni {command}: configuration error: {exc}", file=sys.stderr)

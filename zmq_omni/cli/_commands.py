@@ -18,7 +18,7 @@ from ..adapters.worker import PipelineConfig, PipelineDriver, StageWorker, load_
 from ..errors import ConfigError, TransportError
 from ._run import Progress, drive_requests, format_table
 
-__all__ = ["run_drive", "run_health", "run_shm_sweep", "run_stage", "wait_ready"]
+__all__ = ["run_drive", "run_health", "run_keygen", "run_shm_sweep", "run_stage", "wait_ready"]
 
 #: Set by ``zmq-omni demo`` for its stage processes: they exit when that process dies.
 PARENT_PID_ENV = "ZMQ_OMNI_PARENT_PID"
@@ -162,3 +162,24 @@ def run_shm_sweep(args: argparse.Namespace) -> int:
     for line in report.errors:
         print(f"shm-sweep: error: {line}", file=sys.stderr)
     return 1 if report.errors else 0
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    """``zmq-omni keygen``: a new CURVE key pair, printed or written to files."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    if not args.out_dir:
+        print(f"curve_public_key: {public.decode()}")
+        print(f"curve_secret_key: {secret.decode()}  # keep this one private")
+        return 0
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    secret_path, public_path = out / f"{args.name}.key", out / f"{args.name}.pub"
+    # Create the secret file 0600 from the start so it is never readable by others, even briefly.
+    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secret.decode() + "\n")
+    public_path.write_text(public.decode() + "\n")
+    print(f"wrote {secret_path} (secret, 0600) and {public_path}")
+    return 0

@@ -234,7 +234,8 @@ def format_table(
     thinker_chunks = len(completed) * chunks_per_request
     rows: list[tuple[str, str]] = [
         ("requests", f"{len(completed)} / {len(results)} completed"),
-        ("chunks", f"{thinker_chunks} thinker chunks in, {audio_chunks} audio chunks out"),
+        ("chunks", f"{thinker_chunks} streamed by the thinker, {audio_chunks} audio chunks received "
+                   "(a stage merges chunks that arrive together)"),
         ("bytes", _size(sum(hop_bytes.values())) + " over all hops" if hop_bytes
          else _size(sum(r.bytes for r in results)) + " of audio received"),
         ("time to first audio", f"p50 {_pct(ttfa, 50)}   p99 {_pct(ttfa, 99)}"),

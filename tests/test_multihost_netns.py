@@ -1,0 +1,142 @@
+"""Two "hosts" made of network namespaces joined by a veth pair: TCP + CURVE across them, and a partition.
+
+The namespaces and addresses are created and removed by the fixture; traffic
+stays inside them. Needs root and iproute2: on CI (``CI=true``) their absence
+fails the test, elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.zmq_peers import expected_digest
+
+pytestmark = pytest.mark.netns
+
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 5601  # a fresh namespace has no other listener, so a fixed port cannot collide
+
+
+def _need(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"multi-host test cannot run: {reason}")
+    pytest.skip(reason)
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    subprocess.run(["ip", *args], check=check, capture_output=True, timeout=10)
+
+
+@dataclass
+class Hosts:
+    a: str
+    b: str
+    addr_a: str
+    addr_b: str
+    link_a: str
+
+    def run(self, ns: str, *args: str) -> subprocess.Popen[str]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.netns_peer", *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        _need("needs root and iproute2 (ip netns) to build two network namespaces")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"zoA{tag}", f"zoB{tag}"
+    link_a, link_b = f"zva{tag}", f"zvb{tag}"
+    # 10.251.x.x/30 lives only inside these namespaces.
+    octet = int(tag[:2], 16)
+    addr_a, addr_b = f"10.251.{octet}.1", f"10.251.{octet}.2"
+    try:
+        _ip("netns", "add", a)
+        _ip("netns", "add", b)
+        _ip("link", "add", link_a, "type", "veth", "peer", "name", link_b)
+        _ip("link", "set", link_a, "netns", a)
+        _ip("link", "set", link_b, "netns", b)
+        for ns, link, addr in ((a, link_a, addr_a), (b, link_b, addr_b)):
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        _ip("netns", "del", a, check=False)
+        _ip("netns", "del", b, check=False)
+        _need(f"cannot create network namespaces: {exc.stderr.decode(errors='replace').strip()}")
+    try:
+        yield Hosts(a, b, addr_a, addr_b, link_a)
+    finally:
+        _ip("netns", "del", a, check=False)  # deleting a namespace removes its veth end and the pair
+        _ip("netns", "del", b, check=False)
+
+
+def _lines(proc: subprocess.Popen[str], timeout: float = 60.0) -> list[dict[str, Any]]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"peer hung; stderr:\n{err}")
+    assert proc.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def _curve() -> tuple[dict[str, Any], dict[str, Any]]:
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    receiver = {
+        "curve_public_key": server_public.decode(),
+        "curve_secret_key": server_secret.decode(),
+        "curve_allowed_clients": [client_public.decode()],
+    }
+    sender = {
+        "curve_public_key": client_public.decode(),
+        "curve_secret_key": client_secret.decode(),
+        "curve_server_key": server_public.decode(),
+    }
+    return receiver, sender
+
+
+def test_curve_transfer_between_two_hosts(hosts: Hosts) -> None:
+    endpoint = f"tcp://{hosts.addr_b}:{PORT}"
+    recv_keys, send_keys = _curve()
+    receiver = hosts.run(hosts.b, "recv", "--count", "12", "--config", json.dumps(
+        {"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **recv_keys}))
+    sender = hosts.run(hosts.a, "send", "--count", "12", "--config", json.dumps(
+        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, **send_keys}))
+    sent, got = _lines(sender), _lines(receiver)
+    assert sent[-1]["failures"] == [] and all(sent[-1]["accepted"])
+    digests = got[-1]["digests"]
+    assert digests == {f"req{i}_0_0": expected_digest(1 << 20, i) for i in range(12)}
+    # both ends are in different network namespaces: nothing went through the shared-memory path
+    assert got[-1]["health"]["bytes_received"] >= 12 << 20
+
+
+def test_partition_reports_every_put_as_failed(hosts: Hosts) -> None:
+    endpoint = f"tcp://{hosts.addr_b}:{PORT}"
+    _ip("-n", hosts.a, "link", "set", hosts.link_a, "down")  # host B is unreachable from host A
+    sender = hosts.run(hosts.a, "send", "--count", "5", "--size", "1000", "--timeout", "20", "--config", json.dumps(
+        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint},
+         "delivery_timeout_s": 2.0, "put_timeout_s": 2.0}))
+    done = _lines(sender)[-1]
+    failed = {f["key"] for f in done["failures"]}
+    # every put is either refused at once or reported later as undelivered: none is lost silently
+    refused = {f"req{i}_0_0" for i, ok in enumerate(done["accepted"]) if not ok}
+    assert failed | refused == {f"req{i}_0_0" for i in range(5)}
+    assert done["health"]["pending"] == 0
