@@ -216,6 +216,7 @@ def test_stopped_stage_fails_requests_at_driver(compose: Compose) -> None:
     failed = dict(re.findall(r"^(cut-\d{3}) FAILED: (.*)$", out, re.MULTILINE))
     assert sorted(failed) == [f"cut-{i:03d}" for i in range(4)], _tail(out, 60)
     assert not re.search(r"^cut-\d{3} completed", out, re.MULTILINE)
-    # The talker is stage id 1: at least the requests streaming through the vocoder name it.
-    assert any(re.search(r"\bstage '?1\b|talker", reason) for reason in failed.values()), _tail(out, 60)
+    # A stream that went silent mid-run (the vocoder's or the driver's stall timer, whichever
+    # fires first): an uninterrupted run never stalls, unlike a merely slow one hitting --timeout.
+    assert any("stalled" in reason for reason in failed.values()), _tail(out, 60)
     assert took < CUT_TIMEOUT_S + 30, f"driver took {took:.0f}s after the talker stopped"
