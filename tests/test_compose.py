@@ -142,7 +142,7 @@ def test_compose_up_completes_every_request(compose: Compose, tmp_path: Path) ->
                          env={"ZMQ_OMNI_REQUESTS": "4", "ZMQ_OMNI_CHUNKS": "64", "ZMQ_OMNI_PAYLOAD_SIZE": "65536"},
                          check=False)
     out = result.stdout
-    assert result.returncode == 0, f"driver exited {result.returncode}:\n{_tail(out, 60)}"
+    assert result.returncode == 0, f"driver exited {result.returncode}:\n{_tail(out, 60)}\n{compose.logs(*STAGES)}"
     completed = sorted(set(re.findall(r"\b(req-\d{3}) completed: ", out)))
     assert completed == [f"req-{i:03d}" for i in range(4)], _tail(out, 60)
     assert "FAILED" not in out, _tail(out, 60)

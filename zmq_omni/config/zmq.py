@@ -53,8 +53,16 @@ class ZmqConnectorConfig:
         inline_threshold: arrays of at least this many bytes get their own frame.
         allow_pickle: let the codec pickle/unpickle unknown types (trusted peers only).
         malloc_tuning: tune glibc malloc so large receives reuse heap pages.
-        shm: shared-memory fast path policy (``auto``/``on``/``off``); accepted
-            now, used once the same-host fast path lands (frames only until then).
+        shm: push mode's same-host fast path: ``auto`` (use it for receivers that
+            prove they read our shared memory), ``on`` (the same, but a large put
+            waits up to ``put_timeout_s`` for that proof instead of sending frames
+            meanwhile, and ``health()`` is degraded when it fails), ``off`` (never).
+        shm_dir: the tmpfs directory of the fast path's segments (default
+            ``$ZMQ_OMNI_SHM_DIR`` or ``/dev/shm``); both ends must see the same one.
+        shm_threshold: payloads of at least this many bytes take the fast path.
+        shm_pool_max_bytes: most shared memory a sender's slot pool may hold.
+        shm_min_free_bytes: never grow the pool if less would stay free in ``shm_dir``.
+        shm_ttl_s: a slot nobody opened is reclaimed after this long (a get then fails).
         curve_secret_key: this connector's CURVE secret key (Z85); turns CURVE on.
         curve_public_key: this connector's CURVE public key (Z85).
         curve_server_key: public key of the server a connecting socket talks to:
@@ -85,6 +93,11 @@ class ZmqConnectorConfig:
     allow_pickle: bool = False
     malloc_tuning: bool = True
     shm: ShmPolicy = "auto"
+    shm_dir: str | None = None
+    shm_threshold: int = 256 << 10
+    shm_pool_max_bytes: int = 1 << 30
+    shm_min_free_bytes: int = 16 << 20
+    shm_ttl_s: float = 300.0
     curve_secret_key: str | None = field(default=None, repr=False)
     curve_public_key: str | None = None
     curve_server_key: str | Mapping[str, str] | None = None
@@ -128,6 +141,11 @@ class ZmqConnectorConfig:
             allow_pickle=read_bool(extra, "allow_pickle", False, _PATH),
             malloc_tuning=read_bool(extra, "malloc_tuning", True, _PATH),
             shm=read_choice(extra, "shm", ("auto", "on", "off"), "auto", _PATH),
+            shm_dir=read_str(extra, "shm_dir", None, _PATH),
+            shm_threshold=read_int(extra, "shm_threshold", 256 << 10, _PATH, minimum=1),
+            shm_pool_max_bytes=read_int(extra, "shm_pool_max_bytes", 1 << 30, _PATH, minimum=1 << 20),
+            shm_min_free_bytes=read_int(extra, "shm_min_free_bytes", 16 << 20, _PATH, minimum=0),
+            shm_ttl_s=read_float(extra, "shm_ttl_s", 300.0, _PATH, minimum=0.001),
             curve_secret_key=read_str(extra, "curve_secret_key", None, _PATH),
             curve_public_key=read_str(extra, "curve_public_key", None, _PATH),
             curve_server_key=_read_server_key(extra.get("curve_server_key")),

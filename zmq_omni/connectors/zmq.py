@@ -6,6 +6,11 @@ receiver restart, so nothing is lost silently. Pull mode: the sending stage
 binds and keeps each payload until a receiver fetches it with the metadata
 ``put`` returned (or by key). The protocol and every config key are described
 in ``docs/zmq-connector.md``.
+
+Same-host fast path (push mode, ``shm: auto`` by default): payloads of at
+least ``shm_threshold`` bytes for a receiver that proved it reads our shared
+memory are written once into a reused slot, and only the slot handle crosses
+ZeroMQ; the receiver's arrays view the slot without a copy.
 """
 
 from __future__ import annotations
@@ -25,7 +30,18 @@ from ..errors import (
     TransportError,
     ZmqOmniError,
 )
-from ..transport import Curve, EndpointMap, IoLoop, PullClient, PullServer, PushReceiver, PushSender, tune_malloc
+from ..transport import (
+    Curve,
+    EndpointMap,
+    IoLoop,
+    PullClient,
+    PullServer,
+    PushReceiver,
+    PushSender,
+    ShmReceive,
+    ShmSend,
+    tune_malloc,
+)
 from ..wire import DecodeLimits, decode, encode, frames_nbytes
 from .base import OmniConnectorBase, key_matches_prefix
 
@@ -55,6 +71,9 @@ class ZmqConnector(OmniConnectorBase):
         self._receiver: PushReceiver | None = None
         self._server: PullServer | None = None
         self._client: PullClient | None = None
+        self._shm_send: ShmSend | None = None
+        self._shm_receive: ShmReceive | None = None
+        self._shm_degraded = False
         self._close_lock = threading.Lock()
         cfg = ZmqConnectorConfig.from_dict(config)
         self.config = cfg
@@ -72,12 +91,24 @@ class ZmqConnector(OmniConnectorBase):
         sends = cfg.role in ("sender", "dual")
         receives = cfg.role in ("receiver", "dual")
         binds = receives if cfg.mode == "push" else sends
+        fast_path = cfg.mode == "push" and cfg.shm != "off"
         if cfg.malloc_tuning and receives:
             tune_malloc()  # before the context's I/O threads first allocate
         self.endpoint: str | None = None
         loop = self._loop = IoLoop(f"zmq-omni-{cfg.stage_id}")
         self._closed = False
         try:
+            if fast_path and receives:
+                self._shm_receive = ShmReceive(directory=cfg.shm_dir)
+            if fast_path and sends:
+                shm_send = self._shm_send = ShmSend(
+                    directory=cfg.shm_dir,
+                    threshold=cfg.shm_threshold,
+                    max_bytes=cfg.shm_pool_max_bytes,
+                    min_free_bytes=cfg.shm_min_free_bytes,
+                    ttl_s=cfg.shm_ttl_s,
+                )
+                loop.every(1.0, shm_send.reap)
             if binds and self._curve is not None:
                 auth = self._curve.start_authenticator(loop.ctx)
                 if auth is not None:
@@ -102,6 +133,7 @@ class ZmqConnector(OmniConnectorBase):
                         counters=self._counters,
                         health=self.health,
                         curve=self._curve,
+                        shm=self._shm_receive,
                     )
                     self.endpoint = self._receiver.endpoint
                 else:
@@ -137,6 +169,7 @@ class ZmqConnector(OmniConnectorBase):
                     counters=self._counters,
                     on_failure=self._on_failure,
                     curve=self._curve,
+                    shm=self._shm_send,
                 )
             if cfg.mode == "pull" and receives:
                 self._client = PullClient(
@@ -172,7 +205,9 @@ class ZmqConnector(OmniConnectorBase):
         ZeroMQ, not when it is acknowledged; a delivery that is never confirmed
         is reported later through :meth:`drain_failures`. Large arrays are sent
         without copying and pinned until the receiver consumed them: do not
-        modify them in place after ``put`` unless ``copy_on_put`` is set.
+        modify them in place after ``put`` unless ``copy_on_put`` is set, or
+        the put took the same-host fast path (its bytes were copied into
+        shared memory; ``health()["shm_puts"]`` counts those).
 
         Raises:
             EncodeError: ``data`` holds an unsupported type (a programming error).
@@ -193,11 +228,17 @@ class ZmqConnector(OmniConnectorBase):
                 key,
                 MessageTooLargeError(f"put of {nbytes} bytes > max_message_bytes {cfg.max_message_bytes}"),
             )
-        if cfg.copy_on_put and len(frames) > 1:
+        loc = self._to_shm(to_stage, frames, nbytes)
+        if loc is None and cfg.copy_on_put and len(frames) > 1:
             frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
         try:
             if self._sender is not None:
-                self._sender.send(from_stage, to_stage, key, frames, nbytes)
+                try:
+                    self._sender.send(from_stage, to_stage, key, frames, nbytes, loc)
+                except BaseException:
+                    if loc is not None and self._shm_send is not None:
+                        self._shm_send.discard(loc)
+                    raise
                 metadata: dict[str, Any] = {"key": key, "size": nbytes}
             else:
                 assert self._server is not None
@@ -205,6 +246,23 @@ class ZmqConnector(OmniConnectorBase):
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
         return True, nbytes, metadata
+
+    def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int) -> bytes | None:
+        """Write a large payload into a slot for a same-host receiver; the packed handle, or None (frames)."""
+        shm, sender = self._shm_send, self._sender
+        if shm is None or sender is None or nbytes < shm.threshold:
+            return None
+        wait_s = self.config.put_timeout_s if self.config.shm == "on" else 0.0
+        if shm.probe is None or not sender.reads_shm(to_stage, wait_s):
+            return None
+        loc = shm.write(frames)
+        if loc is None:
+            self._counters.add("shm_fallbacks")
+            self._shm_degraded = True
+        else:
+            self._counters.add("shm_puts")
+            self._shm_degraded = False
+        return loc
 
     def get(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
@@ -234,10 +292,14 @@ class ZmqConnector(OmniConnectorBase):
         if self._closed:
             return None
         if self._receiver is not None:
-            if deadline is None:
-                got = self._receiver.take(from_stage, to_stage, key)
-            else:
-                got = self._receiver.take_by(from_stage, to_stage, key, deadline)
+            try:
+                if deadline is None:
+                    got = self._receiver.take(from_stage, to_stage, key)
+                else:
+                    got = self._receiver.take_by(from_stage, to_stage, key, deadline)
+            except ZmqOmniError as exc:  # the item's shared-memory payload is gone or malformed
+                self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
+                return None
         elif self._client is not None:
             got = self._fetch(from_stage, to_stage, key, metadata, deadline)
         else:
@@ -322,7 +384,31 @@ class ZmqConnector(OmniConnectorBase):
         if receiving is not None and self._receiver is not None:
             base["mailbox"] = receiving["mailbox"]
             base["incarnation"] = self._receiver.incarnation
+        self._shm_health(base)
         return base
+
+    def _shm_health(self, base: dict[str, Any]) -> None:
+        """The fast path's state: policy, pool, fallbacks; ``degraded`` while large puts cannot use it."""
+        base["shm"] = self.config.shm if self.config.mode == "push" else "off"
+        for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
+            base.setdefault(name, 0)
+        shm = self._shm_send
+        if shm is None:
+            return
+        base.update({f"shm_{k}": v for k, v in shm.stats().items()})
+        problems = []
+        if shm.error is not None:
+            problems.append(shm.error)
+        if self._shm_degraded:
+            problems.append("large puts fall back to frames: no shared-memory slot (shm_dir full or pool at its limit)")
+        if self.config.shm == "on":
+            refused = [stage for stage, p in base.get("peers", {}).items() if p.get("shm") is False]
+            if refused:
+                problems.append(f"receivers of stages {refused} cannot read our shared memory")
+        if problems:
+            base["shm_problems"] = problems
+            if base["status"] == "ok":
+                base["status"] = "degraded"
 
     def close(self) -> None:
         """Stop the I/O thread and close every socket; idempotent, returns in well under a second."""
@@ -336,6 +422,9 @@ class ZmqConnector(OmniConnectorBase):
             if not self._loop.stop(timeout=1.0):
                 log.warning("I/O thread of stage %s did not stop within 1s", self.stage_id)
             self._loop = None
+            for shm in (self._shm_send, self._shm_receive):
+                if shm is not None:
+                    shm.close()
 
     def __repr__(self) -> str:
         cfg = getattr(self, "config", None)

@@ -12,6 +12,7 @@ from ._probe import probe
 from ._pull import PullClient, PullServer
 from ._push import FailureCallback, PushReceiver, PushSender
 from ._security import Curve
+from ._shm import ShmReceive, ShmSend
 from ._sockets import tune_malloc
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "PullServer",
     "PushReceiver",
     "PushSender",
+    "ShmReceive",
+    "ShmSend",
     "check_endpoint",
     "env_name",
     "probe",

@@ -14,10 +14,14 @@ Headers by kind:
 
 * ``DATA``        ``[sid, seq, low, from_stage, to_stage, key, loc]``; ``loc`` is the
   location table of the buffer frames, ``None`` meaning "each buffer is the
-  next ZeroMQ frame" (the same-host fast path will put shared-memory handles here).
-* ``PING``        ``[sid, n, low]``
-* ``REPLY``       ``[incarnation, n, arrived, consumed]``; ``n`` is the answered ping
-  or -1 for a plain acknowledgement; ``arrived``/``consumed`` are ``[[first, last], ...]`` seq ranges.
+  next ZeroMQ frame", or the bytes of a packed :class:`~zmq_omni.shm.SlotHandle`
+  (the same-host fast path: the whole wire encoding lies in the sender's shared
+  memory and the message is this one frame).
+* ``PING``        ``[sid, n, low]`` or ``[sid, n, low, probe]``; ``probe`` is ``[segment, nonce]``,
+  a shared-memory segment the receiver may attach to prove it shares the sender's ``/dev/shm``.
+* ``REPLY``       ``[incarnation, n, arrived, consumed]`` or ``[..., shm]``; ``n`` is the answered ping
+  or -1 for a plain acknowledgement; ``arrived``/``consumed`` are ``[[first, last], ...]`` seq ranges;
+  ``shm`` is the probe verdict (``true``: send handles, ``false``: send frames, ``null``: not probed).
 * ``HEALTH``      ``[]``; ``HEALTH_REPLY`` ``[health dict]``
 * ``FETCH``       ``[req_id, from_stage, to_stage, key, wait_ms]``
 * ``FETCH_REPLY`` ``[req_id, found]``
@@ -65,15 +69,15 @@ class Kind(IntEnum):
     FETCH_REPLY = 7
 
 
-#: Number of header fields each kind must carry.
+#: Numbers of header fields each kind may carry (trailing fields are optional, for older peers).
 _ARITY = {
-    Kind.DATA: 7,
-    Kind.PING: 3,
-    Kind.REPLY: 4,
-    Kind.HEALTH: 0,
-    Kind.HEALTH_REPLY: 1,
-    Kind.FETCH: 5,
-    Kind.FETCH_REPLY: 2,
+    Kind.DATA: (7,),
+    Kind.PING: (3, 4),
+    Kind.REPLY: (4, 5),
+    Kind.HEALTH: (0,),
+    Kind.HEALTH_REPLY: (1,),
+    Kind.FETCH: (5,),
+    Kind.FETCH_REPLY: (2,),
 }
 
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
@@ -108,8 +112,9 @@ def unpack(frame: bytes | memoryview) -> tuple[Kind, list[Any], memoryview]:
         header = msgpack.unpackb(view[PREAMBLE_SIZE:end], raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise DecodeError(f"transport header is not valid msgpack: {exc!r}") from exc
-    if not isinstance(header, list) or len(header) != _ARITY[kind]:
-        raise DecodeError(f"{kind.name} header must be a list of {_ARITY[kind]} fields, got {header!r:.80}")
+    if not isinstance(header, list) or len(header) not in _ARITY[kind]:
+        want = " or ".join(map(str, _ARITY[kind]))
+        raise DecodeError(f"{kind.name} header must be a list of {want} fields, got {header!r:.80}")
     return kind, header, view[end:]
 
 

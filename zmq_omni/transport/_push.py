@@ -55,6 +55,7 @@ from ..errors import (
     DecodeError,
     DeliveryError,
     MessageTooLargeError,
+    ShmError,
     TransportTimeoutError,
     ZmqOmniError,
     from_zmq_error,
@@ -65,6 +66,7 @@ from ._envelope import Kind, check_types, from_ranges, pack, to_ranges, unpack
 from ._loop import IoLoop
 from ._router import recv_routed
 from ._security import Curve
+from ._shm import ShmReceive, ShmSend
 from ._sockets import bind, close_socket, make_socket
 
 __all__ = ["FailureCallback", "PushReceiver", "PushSender"]
@@ -78,21 +80,27 @@ _MAX_DRAIN = 512  # messages handled per wake-up
 _ACK_DELAY_S = 0.005  # acks wait this long to be batched: one REPLY covers hundreds of puts under load
 _ACK_BATCH = 1024  # ...or until this many are pending
 _MAX_SID = 64
-_DATA_TYPES = (str, int, int, str, str, str, type(None))
+_DATA_TYPES = (str, int, int, str, str, str)
+_LOC_TYPES = (type(None), bytes)
 _PING_TYPES = (str, int, int)
+_REPLY_TYPES = (str, int, list, list)
+_VERDICT_TYPES = (type(None), bool)
 _SEND_SLICE_S = 0.05  # a blocked send re-checks close() this often
 
 
 class _Out:
     """One put kept by the sender until the receiver consumed it."""
 
-    __slots__ = ("arrived", "deadline", "frames", "from_stage", "key", "nbytes", "sent_ping", "seq")
+    __slots__ = ("arrived", "deadline", "frames", "from_stage", "key", "loc", "nbytes", "sent_ping", "seq")
 
-    def __init__(self, seq: int, from_stage: str, key: str, frames: list[Any], nbytes: int, deadline: float) -> None:
+    def __init__(
+        self, seq: int, from_stage: str, key: str, frames: list[Any], nbytes: int, deadline: float, loc: bytes | None
+    ) -> None:
         self.seq = seq
         self.from_stage = from_stage
         self.key = key
-        self.frames = frames
+        self.frames = frames  # empty when the payload lies in shared memory (``loc``)
+        self.loc = loc
         self.nbytes = nbytes
         self.deadline = deadline
         self.arrived = False
@@ -118,6 +126,7 @@ class _Peer:
         self.old_incarnations: deque[str] = deque(maxlen=16)
         self.last_heard = 0.0
         self.suspect = False
+        self.shm: bool | None = None  # the receiver's probe verdict; None = not answered yet
 
     def advance_low(self) -> None:
         while self.low < self.next_seq and self.low not in self.retained:
@@ -143,9 +152,12 @@ class PushSender:
         counters: Counters,
         on_failure: FailureCallback,
         curve: Curve | None = None,
+        shm: ShmSend | None = None,
     ) -> None:
         self._loop = loop
         self._curve = curve
+        self._shm = shm
+        self._probe = None if shm is None else shm.probe
         self._endpoints = endpoints
         self.sid = sid
         self._put_timeout = put_timeout_s
@@ -169,8 +181,13 @@ class PushSender:
         loop.on_stop(self._close_sockets)
 
     # -- put threads ----------------------------------------------------------------
-    def send(self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int) -> None:
+    def send(
+        self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int, loc: bytes | None = None
+    ) -> None:
         """Admit one put into the window and hand it to ZeroMQ, waiting at most ``put_timeout_s``.
+
+        With ``loc`` (a packed slot handle) the payload lies in shared memory and
+        ``frames`` is ignored; the caller discards the slot if this raises.
 
         Raises:
             TransportTimeoutError: no window room or ZeroMQ queue room in time.
@@ -194,7 +211,8 @@ class PushSender:
                 self._cv.wait(remaining)
             if self._closed:
                 raise ClosedResourceError("connector closed", endpoint=peer.endpoint)
-            out = _Out(peer.next_seq, from_stage, key, frames, nbytes, time.monotonic() + self._delivery_timeout)
+            deliver_by = time.monotonic() + self._delivery_timeout
+            out = _Out(peer.next_seq, from_stage, key, [] if loc else frames, nbytes, deliver_by, loc)
             peer.next_seq += 1
             peer.retained[out.seq] = out
             peer.unarrived[out.seq] = out
@@ -224,7 +242,23 @@ class PushSender:
             server_key = None if self._curve is None else self._curve.server_key_for(to_stage)
             peer = self._peers[to_stage] = _Peer(to_stage, endpoint, server_key)
             self._loop.call_soon(lambda: self._open_ctl(peer))
+            if self._probe is not None:
+                self._loop.call_soon(lambda: self._ping(peer))  # learn the shm verdict before the first beat
         return peer
+
+    def reads_shm(self, to_stage: str, wait_s: float = 0.0) -> bool:
+        """True once ``to_stage``'s receiver proved it reads our shared memory (waits up to ``wait_s``)."""
+        if self._probe is None:
+            return False
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            peer = self._peers.get(to_stage) or self._peer(to_stage)
+            while peer.shm is None and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            return peer.shm is True
 
     def _send_data(self, peer: _Peer, out: _Out, deadline: float) -> None:
         lock = peer.data_lock
@@ -257,9 +291,12 @@ class PushSender:
 
     def _transmit(self, sock: Any, peer: _Peer, out: _Out) -> None:
         """Send one DATA message without blocking (caller holds ``data_lock``)."""
-        head = pack(
-            Kind.DATA, (self.sid, out.seq, peer.low, out.from_stage, peer.to_stage, out.key, None), out.frames[0]
-        )
+        header = (self.sid, out.seq, peer.low, out.from_stage, peer.to_stage, out.key, out.loc)
+        if out.loc is not None:
+            sock.send(pack(Kind.DATA, header), zmq.NOBLOCK)
+            out.sent_ping = peer.ping_no
+            return
+        head = pack(Kind.DATA, header, out.frames[0])
         if len(out.frames) == 1:
             sock.send(head, zmq.NOBLOCK)
         else:
@@ -276,7 +313,7 @@ class PushSender:
 
     def forget(self, match: Callable[[str], bool]) -> int:
         """Stop retaining puts whose key matches (the request is finished); return how many."""
-        dropped = 0
+        dropped: list[_Out] = []
         with self._cv:
             for peer in self._peers.values():
                 for seq in [s for s, out in peer.retained.items() if match(out.key)]:
@@ -284,11 +321,19 @@ class PushSender:
                     peer.unarrived.pop(seq, None)
                     self._count -= 1
                     self._bytes -= out.nbytes
-                    dropped += 1
+                    dropped.append(out)
                 peer.advance_low()
             if dropped:
                 self._cv.notify_all()
-        return dropped
+        self._discard(dropped)
+        return len(dropped)
+
+    def _discard(self, outs: Iterable[_Out]) -> None:
+        # A slot still READY was never leased: free it now rather than at its ttl.
+        if self._shm is not None:
+            for out in outs:
+                if out.loc is not None:
+                    self._shm.discard(out.loc)
 
     def stats(self) -> dict[str, Any]:
         """Window occupancy and per-peer state."""
@@ -300,7 +345,12 @@ class PushSender:
                 "pending_bytes": self._bytes,
                 "undelivered": sum(len(p.unarrived) for p in self._peers.values()),
                 "peers": {
-                    p.to_stage: {"endpoint": p.endpoint, "incarnation": p.incarnation, "pending": len(p.retained)}
+                    p.to_stage: {
+                        "endpoint": p.endpoint,
+                        "incarnation": p.incarnation,
+                        "pending": len(p.retained),
+                        "shm": p.shm,
+                    }
                     for p in self._peers.values()
                 },
             }
@@ -332,14 +382,20 @@ class PushSender:
                 kind, header, _ = unpack(frames[0])
                 if kind is not Kind.REPLY or len(frames) != 1:
                     raise DecodeError(f"unexpected {kind.name} message on the control socket")
-                check_types(header, (str, int, list, list), "REPLY")
+                check_types(header[:4], _REPLY_TYPES, "REPLY")
+                verdict = header[4] if len(header) > 4 else None
+                if type(verdict) not in _VERDICT_TYPES:
+                    raise DecodeError(f"REPLY shm verdict {verdict!r:.40} is not a bool or null")
                 limit = 4 * self._max_count + 1024
-                self._on_reply(peer, header[0], header[1], from_ranges(header[2], limit), from_ranges(header[3], limit))
+                arrived, consumed = from_ranges(header[2], limit), from_ranges(header[3], limit)
+                self._on_reply(peer, header[0], header[1], arrived, consumed, verdict)
             except DecodeError as exc:
                 self._counters.add("rejected_frames")
                 log.warning("rejected a reply from %s: %s", peer.endpoint, exc)
 
-    def _on_reply(self, peer: _Peer, incarnation: str, ping: int, arrived: list[int], consumed: list[int]) -> None:
+    def _on_reply(
+        self, peer: _Peer, incarnation: str, ping: int, arrived: list[int], consumed: list[int], shm: bool | None
+    ) -> None:
         now = time.monotonic()
         resend: list[_Out] = []
         with self._cv:
@@ -357,6 +413,12 @@ class PushSender:
                     self._unarrive(peer, peer.retained.values(), now)
                     renewed = True
                 peer.incarnation = incarnation
+                peer.shm = None  # a new receiver may not share our /dev/shm: ask again
+                self._cv.notify_all()
+            if not stale and shm is not None and shm != peer.shm:
+                log.info("receiver %s %s our shared memory", peer.endpoint, "reads" if shm else "cannot read")
+                peer.shm = shm
+                self._cv.notify_all()
             freed = 0
             for seq in consumed:  # consumption is final whichever incarnation reports it
                 out = peer.retained.pop(seq, None)
@@ -426,19 +488,25 @@ class PushSender:
                         )
                         self._unarrive(peer, held, now)
         for peer in peers:
-            if not peer.data_lock.acquire(blocking=False):
-                continue
+            self._ping(peer)
+
+    def _ping(self, peer: _Peer) -> None:
+        if not peer.data_lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed:
+                return
+            sock = peer.data_sock or self._open_data(peer)
+            header: tuple[Any, ...] = (self.sid, peer.ping_no + 1, peer.low)
+            if self._probe is not None:
+                header += (self._probe,)
             try:
-                if self._closed:
-                    return
-                sock = peer.data_sock or self._open_data(peer)
-                try:
-                    sock.send(pack(Kind.PING, (self.sid, peer.ping_no + 1, peer.low)), zmq.NOBLOCK)
-                    peer.ping_no += 1
-                except zmq.ZMQError:  # queue full while the receiver is away: the next beat tries again
-                    pass
-            finally:
-                peer.data_lock.release()
+                sock.send(pack(Kind.PING, header), zmq.NOBLOCK)
+                peer.ping_no += 1
+            except zmq.ZMQError:  # queue full while the receiver is away: the next beat tries again
+                pass
+        finally:
+            peer.data_lock.release()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -469,6 +537,7 @@ class PushSender:
                 self._cv.notify_all()
         for peer in {p for p, _ in failed}:
             self._reset_data_socket(peer)
+        self._discard(out for _, out in failed)
         for peer, out in failed:
             self._counters.add("delivery_failures")
             reason = (
@@ -511,7 +580,7 @@ class PushSender:
 class _Source:
     """Receiver-side state of one sender: dedup window and acks not yet sent."""
 
-    __slots__ = ("arrived", "consumed", "ctl", "last_heard", "low", "pruned_low", "reported", "seen")
+    __slots__ = ("arrived", "consumed", "ctl", "last_heard", "low", "probe", "pruned_low", "reported", "seen", "shm")
 
     def __init__(self, sid: str, now: float) -> None:
         self.ctl = b"c" + sid.encode()
@@ -522,16 +591,19 @@ class _Source:
         self.consumed: list[int] = []
         self.reported: set[int] = set()  # consumed seqs >= low: repeated in every pong until the sender forgets them
         self.last_heard = now
+        self.probe: list[Any] | None = None  # the last probe answered
+        self.shm: bool | None = None  # its verdict: may this sender send slot handles?
 
 
 class _Item:
-    __slots__ = ("nbytes", "obj", "seq", "sid")
+    __slots__ = ("loc", "nbytes", "obj", "seq", "sid")
 
-    def __init__(self, obj: Any, nbytes: int, sid: str, seq: int) -> None:
+    def __init__(self, obj: Any, nbytes: int, sid: str, seq: int, loc: bytes | None = None) -> None:
         self.obj = obj
         self.nbytes = nbytes
         self.sid = sid
         self.seq = seq
+        self.loc = loc  # a slot handle, opened by ``take`` (obj is None until then)
 
 
 class PushReceiver:
@@ -551,8 +623,10 @@ class PushReceiver:
         counters: Counters,
         health: Callable[[], dict[str, Any]],
         curve: Curve | None = None,
+        shm: ShmReceive | None = None,
     ) -> None:
         self._loop = loop
+        self._shm = shm
         self.incarnation = incarnation
         self._decode = decode
         self._max_message = max_message_bytes
@@ -585,13 +659,18 @@ class PushReceiver:
 
     # -- application threads -------------------------------------------------------
     def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
-        """Remove and return ``(obj, nbytes)`` for the key, or None (never blocks on I/O)."""
+        """Remove and return ``(obj, nbytes)`` for the key, or None (never blocks on I/O).
+
+        Raises:
+            ShmError: the item's shared-memory payload expired or was withdrawn (the item is gone).
+            DecodeError: the shared-memory payload is not a valid encoding.
+        """
         with self._cv:
             item = self._box.pop((from_stage, to_stage, key), None)
             if item is None:
                 return None
             self._ack_taken(item)
-        return item.obj, item.nbytes
+        return self._open(item)
 
     def take_by(self, from_stage: str, to_stage: str, key: str, deadline: float) -> tuple[Any, int] | None:
         """Like :meth:`take`, waiting on a condition until ``time.monotonic() >= deadline``."""
@@ -604,15 +683,33 @@ class PushReceiver:
                 self._cv.wait(remaining)
             item = self._box.pop(slot)
             self._ack_taken(item)
-        return item.obj, item.nbytes
+        return self._open(item)
+
+    def _open(self, item: _Item) -> tuple[Any, int]:
+        if item.loc is None:
+            return item.obj, item.nbytes
+        assert self._shm is not None
+        views = self._shm.open(item.loc)
+        if views is None:
+            self._counters.add("shm_stale")
+            raise ShmError("its shared-memory payload expired or its sender withdrew it")
+        return self._decode(views), item.nbytes
 
     def forget(self, match: Callable[[str], bool]) -> int:
         """Drop mailbox items whose key matches (acknowledged as consumed); return how many."""
         with self._cv:
             slots = [slot for slot in self._box if match(slot[2])]
-            for slot in slots:
-                self._ack_taken(self._box.pop(slot))
+            items = [self._box.pop(slot) for slot in slots]
+            for item in items:
+                self._ack_taken(item)
+        self._discard(items)
         return len(slots)
+
+    def _discard(self, items: Iterable[_Item]) -> None:
+        if self._shm is not None:
+            for item in items:
+                if item.loc is not None:
+                    self._shm.discard(item.loc)
 
     def _ack_taken(self, item: _Item) -> None:
         # Caller holds _cv. Wake the I/O thread once per batch, not once per get.
@@ -648,11 +745,13 @@ class PushReceiver:
                     raise DecodeError(f"message with more than {max_frames} frames")
                 kind, header, payload = unpack(frames[0])
                 if kind is Kind.DATA:
-                    check_types(header, _DATA_TYPES, "DATA")
+                    check_types(header[:6], _DATA_TYPES, "DATA")
+                    if type(header[6]) not in _LOC_TYPES:
+                        raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
                     self._on_data(header, payload, frames)
                 elif kind is Kind.PING:
-                    check_types(header, _PING_TYPES, "PING")
-                    self._on_ping(header[0], header[1], header[2])
+                    check_types(header[:3], _PING_TYPES, "PING")
+                    self._on_ping(header[0], header[1], header[2], header[3] if len(header) > 3 else None)
                 elif kind is Kind.HEALTH:
                     self._reply(identity, pack(Kind.HEALTH_REPLY, (self._health(),)))
                 else:
@@ -677,7 +776,10 @@ class PushReceiver:
         return source
 
     def _on_data(self, header: list[Any], payload: memoryview, frames: list[Any]) -> None:
-        sid, seq, low, from_stage, to_stage, key, _loc = header
+        sid, seq, low, from_stage, to_stage, key, loc = header
+        if loc is not None:
+            self._on_handle(header, loc, payload.nbytes + len(frames) - 1)
+            return
         size = payload.nbytes
         if len(frames) > 1:
             size += sum(f.buffer.nbytes for f in frames[1:])
@@ -695,20 +797,47 @@ class PushReceiver:
             self._counters.add("duplicates_dropped")
             source.arrived.append(seq)
             return
-        item = _Item(self._decode(parts), size, sid, seq)
-        slot = (from_stage, to_stage, key)
+        self._store(source, (from_stage, to_stage, key), _Item(self._decode(parts), size, sid, seq))
+
+    def _on_handle(self, header: list[Any], loc: bytes, extra: int) -> None:
+        # Checked before any state changes: a handle from a sender we never confirmed is refused.
+        sid, seq, low, from_stage, to_stage, key, _ = header
+        source = self._sources.get(sid)
+        if self._shm is None or source is None or source.shm is not True:
+            raise DecodeError("a shared-memory handle from a sender not confirmed on this host")
+        if extra:
+            raise DecodeError("a shared-memory DATA message must be one frame")
+        size = self._shm.size(loc)
+        if size > self._max_message:
+            raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+        source.last_heard = self._now
+        source.low = max(source.low, low)
+        self._dirty.add(sid)
+        if seq < source.low or seq in source.seen:
+            # Never opened twice: the first arrival's item holds the handle.
+            self._counters.add("duplicates_dropped")
+            source.arrived.append(seq)
+            return
+        self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc))
+
+    def _store(self, source: _Source, slot: tuple[str, str, str], item: _Item) -> None:
         with self._cv:
             old = self._box.get(slot)
             self._box[slot] = item
             if old is not None:  # a re-put replaces; the replaced one counts as consumed
                 self._taken.append((old.sid, old.seq))
-        source.seen.add(seq)
-        source.arrived.append(seq)
+        if old is not None:
+            self._discard((old,))
+        source.seen.add(item.seq)
+        source.arrived.append(item.seq)
 
-    def _on_ping(self, sid: str, ping: int, low: int) -> None:
+    def _on_ping(self, sid: str, ping: int, low: int, probe: Any) -> None:
         source = self._source(sid)
         source.last_heard = self._now
         source.low = max(source.low, low)
+        if probe is not None and probe != source.probe:
+            source.shm = False if self._shm is None else self._shm.probe(probe)
+            source.probe = probe
         if source.low > source.pruned_low:
             source.pruned_low = source.low
             source.seen = {s for s in source.seen if s >= source.low}
@@ -718,7 +847,10 @@ class PushReceiver:
         source.consumed.clear()
         self._reply(
             source.ctl,
-            pack(Kind.REPLY, (self.incarnation, ping, to_ranges(source.arrived), to_ranges(source.reported))),
+            pack(
+                Kind.REPLY,
+                (self.incarnation, ping, to_ranges(source.arrived), to_ranges(source.reported), source.shm),
+            ),
         )
         source.arrived.clear()
 
@@ -749,7 +881,10 @@ class PushReceiver:
                 continue
             self._reply(
                 source.ctl,
-                pack(Kind.REPLY, (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.consumed))),
+                pack(
+                    Kind.REPLY,
+                    (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.consumed), source.shm),
+                ),
             )
             source.arrived.clear()
             source.reported.update(source.consumed)
@@ -779,7 +914,10 @@ class PushReceiver:
             if source.reported or source.arrived:
                 self._reply(
                     source.ctl,
-                    pack(Kind.REPLY, (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.reported))),
+                    pack(
+                        Kind.REPLY,
+                        (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.reported), source.shm),
+                    ),
                 )
         self._loop.remove_reader(self._sock)
         close_socket(self._sock, linger_ms=200)

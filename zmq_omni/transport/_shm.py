@@ -1,0 +1,149 @@
+"""The same-host fast path of push mode: payloads in the sender's slot pool, a handle on the wire.
+
+Sender (:class:`ShmSend`): one :class:`~zmq_omni.shm.SlotPool`. A payload at
+or above the threshold, for a receiver that proved it shares our ``/dev/shm``,
+is written once into a slot and only the packed handle (tens of bytes) goes
+into the DATA header's ``loc`` field. Resends carry the same handle: the slot
+stays READY until the receiver leases it or ``ttl`` passes.
+
+Receiver (:class:`ShmReceive`): one :class:`~zmq_omni.shm.SlotReader`. The
+handle waits in the mailbox like any item and is opened at ``get`` (so a
+receiver that dies before ``get`` leaves the slot READY for the resend to its
+successor); the decoded arrays view the slot and hold its lease.
+
+Same-host detection: the sender creates a small probe segment holding a random
+nonce and names it in every PING; the receiver attaches it *in its own shm
+directory* and compares the nonce. Another host, another container without
+``--ipc=host``, or another ``shm_dir`` cannot read it, so the verdict is
+``false`` and that receiver keeps getting ordinary frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import DecodeError, ShmError
+from ..shm import Segment, SlotHandle, SlotPool, SlotReader
+
+__all__ = ["ShmReceive", "ShmSend"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+NONCE_BYTES = 16
+_MAX_NAME = 255
+
+
+class ShmSend:
+    """The sender's pool and probe. Thread-safe (the pool locks; the probe is immutable)."""
+
+    def __init__(
+        self, *, directory: str | None, threshold: int, max_bytes: int, min_free_bytes: int, ttl_s: float
+    ) -> None:
+        self.threshold = threshold
+        self.pool = SlotPool(directory=directory, max_bytes=max_bytes, min_free_bytes=min_free_bytes, ttl=ttl_s)
+        self.directory = self.pool.directory
+        self.error: str | None = None
+        self.probe: list[Any] | None = None
+        self._probe_seg: Segment | None = None
+        try:
+            seg = Segment.create(4096, directory=self.directory)
+        except (ShmError, OSError) as exc:
+            self.error = f"no probe segment in {self.directory}: {exc}"
+            log.warning("shared-memory fast path off: %s", self.error)
+            return
+        nonce = os.urandom(NONCE_BYTES)
+        seg.mm[:NONCE_BYTES] = nonce
+        self._probe_seg = seg
+        self.probe = [seg.name, nonce]
+
+    def write(self, frames: Sequence[Any]) -> bytes | None:
+        """Copy ``frames`` into a slot and return the packed handle, or None (no room: send frames)."""
+        try:
+            return self.pool.write(frames).pack()
+        except ShmError as exc:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("shared-memory slot refused, sending frames: %s", exc)
+            return None
+
+    def discard(self, loc: bytes) -> None:
+        """Free the slot of a put that will never be read (failed, forgotten, expired)."""
+        with contextlib.suppress(ShmError):
+            self.pool.discard(SlotHandle.unpack(loc))
+
+    def reap(self) -> None:
+        """Reclaim expired handles and leases of dead receivers (the I/O thread, about once a second)."""
+        with contextlib.suppress(ShmError):  # closed under our feet
+            self.pool.reap()
+
+    def stats(self) -> dict[str, int]:
+        """The pool snapshot."""
+        return self.pool.stats()
+
+    def close(self) -> None:
+        """Unlink the probe and every slot (receivers' live views stay valid)."""
+        self.pool.close()
+        if self._probe_seg is not None:
+            self._probe_seg.unlink()
+            self._probe_seg.close()
+            self._probe_seg = None
+
+
+class ShmReceive:
+    """The receiver's reader: answers probes, sizes and opens handles."""
+
+    def __init__(self, *, directory: str | None) -> None:
+        self.reader = SlotReader(directory=directory)
+
+    def probe(self, probe: Any) -> bool:
+        """True when the sender's probe segment is readable here and holds its nonce.
+
+        Raises:
+            DecodeError: ``probe`` is not ``[segment name, nonce]``.
+        """
+        if (
+            not isinstance(probe, list)
+            or len(probe) != 2
+            or type(probe[0]) is not str
+            or type(probe[1]) is not bytes
+            or len(probe[1]) != NONCE_BYTES
+            or len(probe[0]) > _MAX_NAME
+        ):
+            raise DecodeError(f"bad shared-memory probe {probe!r:.80}")
+        try:
+            seg = Segment.attach(probe[0], directory=self.reader.directory)
+        except (ShmError, OSError) as exc:
+            log.info("sender's shared memory %s is not readable here (%s): frames only", probe[0], exc)
+            return False
+        try:
+            return bytes(seg.mm[:NONCE_BYTES]) == probe[1]
+        finally:
+            seg.close()
+
+    @staticmethod
+    def size(loc: bytes) -> int:
+        """Payload bytes of a packed handle. Raises :class:`DecodeError` when it is malformed."""
+        try:
+            return SlotHandle.unpack(loc).nbytes
+        except ShmError as exc:
+            raise DecodeError(str(exc)) from exc
+
+    def open(self, loc: bytes) -> list[memoryview] | None:
+        """Lease the slot and return its frames as views, or None (expired, withdrawn or gone)."""
+        try:
+            return self.reader.open(SlotHandle.unpack(loc))
+        except (ShmError, OSError) as exc:
+            log.info("cannot open a shared-memory handle: %s", exc)
+            return None
+
+    def discard(self, loc: bytes) -> None:
+        """Free the slot of a handle nobody will get (re-put, cleanup)."""
+        with contextlib.suppress(ShmError, OSError):
+            self.reader.discard(SlotHandle.unpack(loc))
+
+    def close(self) -> None:
+        """Drop cached mappings (leased ones stay until their last view dies)."""
+        self.reader.close()
