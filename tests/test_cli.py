@@ -135,13 +135,15 @@ def test_driver_reports_failed_requests_when_a_stage_is_down(
     short_tmp: Path, stage_procs: list[StageProcs]
 ) -> None:
     config = short_tmp / "pipeline.yaml"
-    write_pipeline(config, stall=1.0, request_timeout=6.0)
+    # request_timeout far away: only the driver's first-output bound (stall x hops = 4 s) can end this quickly
+    write_pipeline(config, stall=1.0, request_timeout=50.0)
     stage_procs.append(StageProcs(config, ["thinker", "vocoder"]))  # the talker never comes
     started = time.monotonic()
     drive = run_cli("drive", "--config", str(config), "--requests", "2", "--chunks", "2", "--payload-size", "16384",
                     "--wait-ready", "0", timeout=60)
     assert drive.returncode == 1, drive.stdout + drive.stderr
     assert "req-000 FAILED: " in drive.stdout and "req-001 FAILED: " in drive.stdout
+    assert "never started it" in drive.stdout, drive.stdout
     assert time.monotonic() - started < 45
 
 

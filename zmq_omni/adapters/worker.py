@@ -894,6 +894,10 @@ class PipelineDriver:
         stall_timeout_s: an output stream silent this long fails its request.
         request_timeout_s: a request not completed this long after submission fails.
         retry: the send retry policy.
+        first_output_timeout_s: a request the last stage has not started (announced)
+            this long after submission fails; it catches a dead middle stage, which
+            no downstream stall timer can see. Default: ``stall_timeout_s`` per hop
+            of a three-stage pipeline (``from_pipeline`` uses the real hop count).
     """
 
     def __init__(
@@ -907,12 +911,16 @@ class PipelineDriver:
         stall_timeout_s: float = 10.0,
         request_timeout_s: float = 120.0,
         retry: RetryPolicy | None = None,
+        first_output_timeout_s: float | None = None,
     ) -> None:
         self._link = _Endpoint(stage_id=str(stage_id), upstream_stage_id=str(last_stage_id),
                                downstream_stage_id=str(first_stage_id), inbound=inbound, outbound=outbound,
                                stall_timeout_s=stall_timeout_s, retry=retry or RetryPolicy(), label="driver")
         self.stage_id = self._link.stage_id
         self.request_timeout_s = request_timeout_s
+        self.first_output_timeout_s = (
+            first_output_timeout_s if first_output_timeout_s is not None else 4 * stall_timeout_s
+        )
         self._submitted: dict[str, float] = {}
         self._streaming: set[str] = set()
         self._closed = False
@@ -925,7 +933,8 @@ class PipelineDriver:
         return cls(stage_id=pipeline.driver.stage_id, first_stage_id=pipeline.stages[0].stage_id,
                    last_stage_id=pipeline.stages[-1].stage_id, inbound=inbound, outbound=outbound,
                    stall_timeout_s=pipeline.stall_timeout_s, request_timeout_s=pipeline.request_timeout_s,
-                   retry=pipeline.retry)
+                   retry=pipeline.retry,
+                   first_output_timeout_s=pipeline.stall_timeout_s * (len(pipeline.stages) + 1))
 
     @property
     def pending(self) -> int:
@@ -993,6 +1002,10 @@ class PipelineDriver:
         for request_id, submitted in list(self._submitted.items()):
             if now - submitted > self.request_timeout_s:
                 events.append(self._failed(request_id, f"not completed within {self.request_timeout_s:g}s", now))
+            elif request_id not in self._streaming and now - submitted > self.first_output_timeout_s:
+                reason = (f"stage {self._link.upstream} never started it within {self.first_output_timeout_s:g}s "
+                          "(a stage before it is down or stalled)")
+                events.append(self._failed(request_id, reason, now))
         if self._link.stop_event.is_set() or chunks.stop_event.is_set():
             for request_id in list(self._submitted):
                 events.append(self._failed(request_id, "the driver's transfer workers stopped", now))

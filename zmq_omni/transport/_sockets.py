@@ -60,7 +60,7 @@ def tune_malloc() -> bool:
             except OSError:  # no C library to load: nothing to tune
                 _tuned = False
             if _tuned and _contexts_made:
-                log.warning("malloc tuned after the ZeroMQ context started; large receives may not benefit")
+                log.info("malloc tuned after a ZeroMQ context started; its earlier allocations keep their pages")
         return _tuned
 
 

@@ -1,0 +1,345 @@
+"""ZmqConnector's same-host fast path with real processes: fidelity, zero copy, leaks, kills, full tmpfs, hosts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.shm import sweep
+
+from .test_shm_connector import every_dtype
+from .zmq_peers import SPAWN
+
+ROOT = Path(__file__).resolve().parents[1]
+KiB, MiB = 1 << 10, 1 << 20
+
+
+# -- bodies of child processes (importable by spawn) -------------------------------------
+def digest(arr: np.ndarray[Any, Any]) -> list[Any]:
+    raw = np.ascontiguousarray(arr).view(np.uint8)
+    return [arr.dtype.str, list(arr.shape), hashlib.sha256(raw).hexdigest()]
+
+
+def mapped_file(address: int) -> str | None:
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) >= 6 else None
+    return None
+
+
+def run_receiver(config: dict[str, Any], keys: list[str], hold_s: float = 0.0) -> dict[str, Any]:
+    """Get every key; report digests, where each array lives, and the connector's health."""
+    result: dict[str, Any] = {}
+    with ZmqConnector(config) as conn:
+        held = []
+        for key in keys:
+            got = conn.get_with_deadline("0", config["stage_id"], key, deadline=time.monotonic() + 30)
+            if got is None:
+                result[key] = None
+                continue
+            arrays = {name: v for name, v in got[0].items() if isinstance(v, np.ndarray)}
+            result[key] = {
+                name: [*digest(a), mapped_file(a.__array_interface__["data"][0]), bool(a.flags.owndata)]
+                for name, a in arrays.items()
+            }
+            if hold_s:
+                held.append(got)
+        if hold_s:
+            time.sleep(hold_s)
+        result["_health"] = {k: v for k, v in conn.health().items() if k.startswith("shm") or k == "status"}
+    return result
+
+
+def receiver_proc(config: dict[str, Any], keys: list[str], out: Any, hold_s: float = 0.0) -> None:
+    out.put(run_receiver(config, keys, hold_s))
+
+
+def drain_proc(config: dict[str, Any], ready: Any) -> None:
+    """Take whatever arrives, forever (to be killed) while holding every array."""
+    with ZmqConnector(config) as conn:
+        held = []
+        i = 0
+        while True:
+            got = conn.get_with_deadline("0", config["stage_id"], f"k{i}", deadline=time.monotonic() + 30)
+            if got is not None:
+                held.append(got)
+                i += 1
+            if i == 20:
+                ready.set()
+
+
+def stream_proc(config: dict[str, Any], n: int, ready: Any) -> None:
+    """Put ``n`` payloads as fast as possible, then block (to be killed)."""
+    with ZmqConnector(config) as conn:
+        data = np.zeros(64 * KiB, dtype=np.uint8)
+        for i in range(n):
+            data[:8] = np.frombuffer(np.int64(i).tobytes(), dtype=np.uint8)
+            assert conn.put("0", "1", f"k{i}", {"data": data})[0]
+            if i == n // 2:
+                ready.set()
+        time.sleep(600)
+
+
+# -- fixtures and helpers -------------------------------------------------------------------
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A private directory on /dev/shm: leak checks see only this test's segments."""
+    path = tempfile.mkdtemp(prefix="zo-zshm-", dir="/dev/shm")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def ours(directory: str) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("zomni_"))
+
+
+def configs(short_tmp: Path, shm_dir: str, **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    endpoints = {"1": f"ipc://{short_tmp}/r1", "2": f"ipc://{short_tmp}/r2"}
+    base = {"endpoints": endpoints, "shm_dir": shm_dir, "shm_min_free_bytes": 0, "heartbeat_s": 0.1}
+    sender = {**base, "stage_id": "0", "role": "sender", "shm": "on", **extra}
+    receiver = {**base, "stage_id": "1", "role": "receiver"}
+    return sender, receiver
+
+
+def start(target: Any, *args: Any) -> Any:
+    proc = SPAWN.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def wait_empty(sender: ZmqConnector, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while sender.health()["pending"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sender.health()["pending"] == 0, sender.health()
+
+
+# -- tests --------------------------------------------------------------------------------
+def test_every_dtype_round_trips_bit_exact_and_the_source_may_be_overwritten(short_tmp: Path, shm_dir: str) -> None:
+    scfg, rcfg = configs(short_tmp, shm_dir)
+    out = SPAWN.Queue()
+    proc = start(receiver_proc, rcfg, ["all", "again"], out)
+    payload = every_dtype(300_000)
+    expected = {name: digest(arr) for name, arr in payload.items()}
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "1", "all", payload)[0]
+        for arr in payload.values():  # overwrite right after put: the receiver must still see the original
+            arr.fill(0)
+        assert sender.put("0", "1", "again", {"zeros": payload["f8"]})[0]
+        result = out.get(timeout=60)
+        wait_empty(sender)
+        health = sender.health()
+    proc.join(10)
+    assert health["shm_puts"] == 2 and health["shm_fallbacks"] == 0
+    assert {name: got[:3] for name, got in result["all"].items()} == expected
+    assert result["again"]["zeros"][:3] == digest(np.zeros(300_000, dtype="f8"))
+    for name in ("u1", ">f8", "bf16", "fortran", "strided"):
+        mapped = result["all"][name][3]
+        assert mapped is not None and Path(mapped).name.startswith("zomni_"), (name, mapped)
+    assert ours(shm_dir) == []
+
+
+def test_receiver_array_is_shared_memory_and_sender_wrote_it_once(short_tmp: Path, shm_dir: str) -> None:
+    scfg, rcfg = configs(short_tmp, shm_dir)
+    out = SPAWN.Queue()
+    proc = start(receiver_proc, rcfg, ["big"], out)
+    data = np.random.default_rng(1).standard_normal(2 * MiB)  # 16 MiB
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "1", "big", {"data": data})[0]
+        written = sender.health()["shm_bytes_written"]
+        result = out.get(timeout=60)
+        wait_empty(sender)
+    proc.join(10)
+    dtype, shape, sha, mapped, owndata = result["big"]["data"]
+    assert [dtype, shape, sha] == digest(data)
+    assert mapped is not None and Path(mapped).parent == Path(shm_dir) and Path(mapped).name.startswith("zomni_")
+    assert owndata is False
+    # One copy into the slot: the payload bytes plus the codec's small header frame, nothing more.
+    assert data.nbytes <= written < data.nbytes + 4 * KiB
+
+
+def test_ten_thousand_transfers_leave_nothing_behind(short_tmp: Path, shm_dir: str) -> None:
+    n = 10_000
+    scfg, rcfg = configs(short_tmp, shm_dir, shm_threshold=8 * KiB)
+    out = SPAWN.Queue()
+    keys = [f"k{i}" for i in range(n)]
+    proc = start(receiver_proc, rcfg, keys, out)
+    data = np.arange(4 * KiB, dtype=np.int32)  # 16 KiB, above the threshold
+    with ZmqConnector(scfg) as sender:
+        for i, key in enumerate(keys):
+            data[0] = i
+            assert sender.put("0", "1", key, {"data": data})[0]
+        result = out.get(timeout=240)
+        wait_empty(sender)
+        health = sender.health()
+        assert 0 < health["shm_slots"] <= 64, health  # slots are reused, not one per message
+    proc.join(10)
+    assert health["shm_puts"] == n
+    assert all(result[k] is not None for k in keys)
+    assert result["k9999"]["data"][:2] == ["<i4", [4096]]
+    assert ours(shm_dir) == []
+
+
+def test_kill_9_of_the_sender_then_sweep_leaves_nothing_and_a_new_pair_works(short_tmp: Path, shm_dir: str) -> None:
+    scfg, rcfg = configs(short_tmp, shm_dir, shm_threshold=8 * KiB)
+    ready = SPAWN.Event()
+    with ZmqConnector(rcfg) as receiver:
+        proc = start(stream_proc, scfg, 400, ready)
+        assert ready.wait(60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        got = [receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 0.5) for i in range(3)]
+        assert got[0] is not None and int(got[0][0]["data"][:8].view(np.int64)[0]) == 0
+        del got
+        assert ours(shm_dir)  # the dead sender's pool and probe
+        report = sweep(shm_dir=shm_dir)
+        assert report is not None
+        assert ours(shm_dir) == []
+        receiver.cleanup_prefix("k")
+    # A fresh pair on the same endpoints.
+    out = SPAWN.Queue()
+    proc = start(receiver_proc, rcfg, ["fresh"], out)
+    data = np.full(64 * KiB, 3, dtype=np.uint8)
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "1", "fresh", {"data": data})[0]
+        result = out.get(timeout=60)
+        wait_empty(sender)
+        assert sender.health()["shm_puts"] == 1
+    proc.join(10)
+    assert result["fresh"]["data"][:3] == digest(data)
+    assert ours(shm_dir) == []
+
+
+def test_kill_9_of_the_receiver_then_reap_and_expiry_leave_nothing(short_tmp: Path, shm_dir: str) -> None:
+    scfg, rcfg = configs(short_tmp, shm_dir, shm_threshold=8 * KiB, shm_ttl_s=2.0, delivery_timeout_s=60)
+    ready = SPAWN.Event()
+    proc = start(drain_proc, rcfg, ready)
+    data = np.zeros(64 * KiB, dtype=np.uint8)
+    with ZmqConnector(scfg) as sender:
+        for i in range(40):
+            data[0] = i
+            assert sender.put("0", "1", f"k{i}", {"data": data})[0]
+        assert ready.wait(60)
+        os.kill(proc.pid, signal.SIGKILL)  # holding leases on what it got, the rest unconsumed
+        proc.join(10)
+        # The dead holder's leases are reclaimed by the I/O thread's reap; unopened slots expire.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            h = sender.health()
+            if h["shm_slots_leased"] == 0 and h["shm_slots_ready"] == 0:
+                break
+            time.sleep(0.1)
+        assert h["shm_slots_leased"] == 0 and h["shm_slots_ready"] == 0, h
+        sweep(shm_dir=shm_dir)  # removes nothing of the live sender
+        assert ours(shm_dir)
+        # A fresh receiver works with the same sender.
+        out = SPAWN.Queue()
+        proc = start(receiver_proc, rcfg, ["fresh"], out)
+        data[:] = 9
+        assert sender.put("0", "1", "fresh", {"data": data})[0]
+        result = out.get(timeout=60)
+        sender.cleanup_prefix("k")
+        proc.join(10)
+    assert result["fresh"]["data"][:3] == digest(data)
+    assert ours(shm_dir) == []
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[str]:
+    """A 4 MiB tmpfs standing in for a too-small /dev/shm."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_too_small_shm_falls_back_to_frames_and_health_says_so(short_tmp: Path, tiny_tmpfs: str) -> None:
+    scfg, rcfg = configs(short_tmp, tiny_tmpfs)
+    out = SPAWN.Queue()
+    proc = start(receiver_proc, rcfg, ["a", "b", "small"], out)
+    big = np.random.default_rng(3).standard_normal(MiB)  # 8 MiB: more than the whole tmpfs
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "1", "a", {"data": big})[0]
+        assert sender.put("0", "1", "b", {"data": big[::2]})[0]
+        health = sender.health()
+        assert health["status"] == "degraded" and health["shm_fallbacks"] == 2, health
+        assert any("fall back to frames" in p for p in health["shm_problems"])
+        small = np.arange(128 * KiB, dtype=np.uint8)  # 128 KiB fits
+        assert sender.put("0", "1", "small", {"data": small})[0]
+        result = out.get(timeout=60)
+        wait_empty(sender)
+        assert sender.health()["status"] == "ok"  # the next put that fitted cleared it
+    proc.join(10)
+    assert result["a"]["data"][:3] == digest(big) and not result["a"]["data"][3].startswith(tiny_tmpfs)
+    assert result["b"]["data"][:3] == digest(np.ascontiguousarray(big[::2]))
+    assert result["small"]["data"][3].startswith(tiny_tmpfs)
+    assert ours(tiny_tmpfs) == []
+
+
+def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(short_tmp: Path, shm_dir: str) -> None:
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root to give a receiver its own /dev/shm")
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto")
+    other = {**rcfg, "stage_id": "2"}
+    # "Another host": a mount namespace where shm_dir is a private, empty tmpfs.
+    script = (
+        "import json, sys; from tests.test_zmq_shm import run_receiver; "
+        "print(json.dumps(run_receiver(json.loads(sys.argv[1]), ['x0', 'x1'])))"
+    )
+    remote = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f'mount -t tmpfs tmpfs "{shm_dir}" && exec "{sys.executable}" -c "$0" "$1"', script, json.dumps(other)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out = SPAWN.Queue()
+    local = start(receiver_proc, rcfg, ["x0", "x1"], out)
+    data = np.random.default_rng(4).standard_normal(128 * KiB)  # 1 MiB
+    with ZmqConnector(scfg) as sender:
+        deadline = time.monotonic() + 30
+        peers: dict[str, Any] = {}
+        while time.monotonic() < deadline:  # auto: wait until both receivers answered the probe
+            for stage in ("1", "2"):
+                sender._sender.reads_shm(stage)  # type: ignore[union-attr]
+            peers = sender.health().get("peers", {})
+            if all(peers.get(s, {}).get("shm") is not None for s in ("1", "2")):
+                break
+            time.sleep(0.05)
+        assert peers["1"]["shm"] is True and peers["2"]["shm"] is False, peers
+        for i in range(2):
+            for stage in ("1", "2"):
+                assert sender.put("0", stage, f"x{i}", {"data": data})[0]
+        local_result = out.get(timeout=60)
+        stdout, _ = remote.communicate(timeout=60)
+        wait_empty(sender)
+        assert sender.health()["shm_puts"] == 2
+    local.join(10)
+    remote_result = json.loads(stdout)
+    for i in range(2):
+        near, far = local_result[f"x{i}"]["data"], remote_result[f"x{i}"]["data"]
+        assert near[:3] == far[:3] == digest(data)
+        assert Path(near[3]).name.startswith("zomni_")
+        assert far[3] is None or not Path(far[3]).name.startswith("zomni_")
+    assert ours(shm_dir) == []
