@@ -35,6 +35,16 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A private tmpfs directory: leak checks see (and sweeps touch) only this test's segments."""
+    path = tempfile.mkdtemp(prefix="zt-", dir="/dev/shm")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def zmq_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     """A private context; every socket made from it is closed with linger=0 at teardown."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

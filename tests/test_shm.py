@@ -5,11 +5,9 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,16 +24,6 @@ from . import _shm_workers as workers
 
 SPAWN = mp.get_context("spawn")
 MiB = 1 << 20
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A private tmpfs directory: tests never see (or sweep) anyone else's segments."""
-    path = tempfile.mkdtemp(prefix="zt-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

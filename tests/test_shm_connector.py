@@ -6,10 +6,8 @@ import gc
 import multiprocessing as mp
 import os
 import resource
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,16 +28,6 @@ from ._shm_workers import EDGE, digest
 
 SPAWN = mp.get_context("spawn")
 MiB = 1 << 20
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A private tmpfs directory, so leak checks see only this test's objects."""
-    path = tempfile.mkdtemp(prefix="zt-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -35,23 +35,7 @@ from zmq_omni.wire._codec import (
     WIRE_VERSION,
 )
 
-
-def same(a: Any, b: Any) -> bool:
-    """Structural equality that is strict about types, dtypes, byte order and NaN bits."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, np.generic):
-        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
+from .test_wire import same
 
 FUZZ = settings(
     max_examples=2500,

@@ -191,7 +191,8 @@ def test_ten_thousand_transfers_leave_nothing_behind(short_tmp: Path, shm_dir: s
         result = out.get(timeout=240)
         wait_empty(sender)
         health = sender.health()
-        assert 0 < health["shm_slots"] <= 64, health  # slots are reused, not one per message
+        # Slots are reused: the pool only holds what is in flight, not one segment per message.
+        assert 0 < health["shm_segments_created"] < n // 5, health
     proc.join(10)
     assert health["shm_puts"] == n
     assert all(result[k] is not None for k in keys)
@@ -287,7 +288,7 @@ def test_too_small_shm_falls_back_to_frames_and_health_says_so(short_tmp: Path, 
         health = sender.health()
         assert health["status"] == "degraded" and health["shm_fallbacks"] == 2, health
         assert any("fall back to frames" in p for p in health["shm_problems"])
-        small = np.arange(128 * KiB, dtype=np.uint8)  # 128 KiB fits
+        small = np.arange(512 * KiB, dtype=np.uint8)  # 512 KiB: above the threshold, and it fits
         assert sender.put("0", "1", "small", {"data": small})[0]
         result = out.get(timeout=60)
         wait_empty(sender)

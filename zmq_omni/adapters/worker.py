@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 import os
 import queue
@@ -57,6 +56,7 @@ from typing import Any, Literal
 
 from ..config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
 from ..config._fields import check_known_keys, read_float, read_mapping, read_str
+from ..config.pipeline import read_config_document
 from ..connectors import OmniConnectorBase, TransferFailure, create_connector
 from ..errors import ConfigError, TransportError
 from ..transport._endpoints import check_endpoint, env_name
@@ -240,33 +240,6 @@ _STAGE_KEYS = ("name", "stage_id", "function", "params", "endpoint", "bind")
 _PIPELINE_KEYS = ("name", "stages", "driver", "stall_timeout_s", "request_timeout_s", "retry")
 
 
-def _read_document(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(source, Mapping):
-        return source
-    path = Path(source)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read pipeline config {str(path)!r}: {exc.strerror}") from exc
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: invalid JSON: {exc}") from exc
-    else:
-        try:
-            import yaml
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ConfigError("reading YAML needs PyYAML: pip install 'zmq-omni[yaml]'") from exc
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from exc
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    return data
-
-
 def _read_stage(data: Any, path: str, *, driver: bool, environ: Mapping[str, str]) -> StageSpec:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path} must be a mapping")
@@ -314,7 +287,7 @@ def load_pipeline_config(
         ConfigError: a key is missing, unknown or malformed (the message names it).
     """
     env = os.environ if environ is None else environ
-    data = _read_document(source)
+    data = read_config_document(source, "pipeline config")
     section = read_mapping(data, "pipeline", None, "")
     if section is None:
         raise ConfigError("missing required config key 'pipeline' (the stages of the pipeline)")

@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ConfigError
 from ._fields import check_known_keys, read_mapping, read_str
 
-__all__ = ["ConnectorSpec", "OmniTransferConfig", "load_omni_transfer_config"]
+__all__ = ["ConnectorSpec", "OmniTransferConfig", "load_omni_transfer_config", "read_config_document"]
 
 #: The connector an edge gets when it is declared but names none (vllm-omni's default).
 DEFAULT_EDGE_CONNECTOR = "SharedMemoryConnector"
@@ -81,14 +81,19 @@ class OmniTransferConfig:
         return sorted(self.connectors)
 
 
-def _read_source(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+def read_config_document(source: str | Path | Mapping[str, Any], what: str = "config file") -> Mapping[str, Any]:
+    """A config mapping from a dict (returned as is), a ``.json`` file, or a YAML file.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or its top level is not a mapping.
+    """
     if isinstance(source, Mapping):
         return source
     path = Path(source)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from exc
     if path.suffix.lower() == ".json":
         try:
             data = json.loads(text)
@@ -102,7 +107,7 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+            raise ConfigError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from exc
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data
@@ -139,7 +144,7 @@ def load_omni_transfer_config(source: str | Path | Mapping[str, Any]) -> OmniTra
         ConfigError: a key is missing or malformed, a connector name is
             unknown, or the two ends of an edge choose different connectors.
     """
-    data = _read_source(source)
+    data = read_config_document(source)
     runtime = read_mapping(data, "runtime", {}, "")
     raw_named = read_mapping(runtime, "connectors", {}, "runtime")
     named = {

@@ -44,7 +44,13 @@ class ShmSend:
         self, *, directory: str | None, threshold: int, max_bytes: int, min_free_bytes: int, ttl_s: float
     ) -> None:
         self.threshold = threshold
-        self.pool = SlotPool(directory=directory, max_bytes=max_bytes, min_free_bytes=min_free_bytes, ttl=ttl_s)
+        self.pool = SlotPool(
+            directory=directory,
+            max_bytes=max_bytes,
+            min_free_bytes=min_free_bytes,
+            min_slot_bytes=min(threshold, 256 << 10),  # a low threshold must not park 8 KiB in 256 KiB slots
+            ttl=ttl_s,
+        )
         self.directory = self.pool.directory
         self.error: str | None = None
         self.probe: list[Any] | None = None
