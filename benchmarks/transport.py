@@ -8,7 +8,10 @@ Each cell is one sender (this process) and one receiver process:
 * raw: PUSH/PULL, ``send(copy=False)`` of the same bytes, ``recv(copy=False)``
   plus an ``np.frombuffer`` view (no malloc tuning: what pyzmq gives you);
 * omni: ``ZmqConnector`` push mode, ``put`` of ``{"data": array}``, ``get``
-  (delivery confirmation on: arrival and consumption acks, resend window);
+  (delivery confirmation on: arrival and consumption acks, resend window),
+  once with ``shm: off`` (frames only) and once with ``shm: auto`` (the
+  default: payloads >= ``shm_threshold`` go through the same-host fast path,
+  since sender and receiver share this host, over tcp too);
 * small messages: 200-byte payloads, many in flight; raw pays one msgpack
   ``packb``/``unpackb`` per message, omni pays its full protocol.
 
@@ -64,11 +67,11 @@ def raw_receiver(endpoint: str, ctl: Any, out: Any) -> None:
     ctx.term()
 
 
-def omni_receiver(endpoint: str, ctl: Any, out: Any) -> None:
+def omni_receiver(endpoint: str, shm: str, ctl: Any, out: Any) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from zmq_omni.connectors.zmq import ZmqConnector
 
-    with ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}}) as conn:
+    with ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, "shm": shm}) as conn:
         out.put(conn.endpoint)
         while (job := ctl.get()) is not None:
             tag, n = job
@@ -116,14 +119,14 @@ class Raw:
 
 
 class Omni:
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, shm: str) -> None:
         from zmq_omni.connectors.zmq import ZmqConnector
 
         self.ctl, self.out = SPAWN.Queue(), SPAWN.Queue()
-        self.proc = SPAWN.Process(target=omni_receiver, args=(endpoint, self.ctl, self.out), daemon=True)
+        self.proc = SPAWN.Process(target=omni_receiver, args=(endpoint, shm, self.ctl, self.out), daemon=True)
         self.proc.start()
         bound = self.out.get(timeout=30)
-        self.conn = ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"1": bound}})
+        self.conn = ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"1": bound}, "shm": shm})
         self.batch = 0
 
     def _run(self, payload: Any, n: int) -> float:
@@ -161,37 +164,45 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="zo-bench-", dir="/tmp"))
     started = time.perf_counter()
     print(f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}; GB/s = 1e9 bytes/s")
-    print(f"{'transport':<9} {'size':>8} {'n':>6} {'raw GB/s':>9} {'omni GB/s':>10} {'ratio':>6}")
+    ratios = f"{'off/raw':>8} {'auto/raw':>9}"
+    print(f"{'transport':<9} {'size':>8} {'n':>6} {'raw GB/s':>9} {'shm:off':>8} {'shm:auto':>9} {ratios}")
     small_rows = []
     try:
         for transport in ("tcp", "ipc"):
             endpoint = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{tmp}/{{}}.sock"
             raw = Raw(endpoint.format("raw"))
-            omni = Omni(endpoint.format("omni"))
+            off = Omni(endpoint.format("off"), "off")
+            auto = Omni(endpoint.format("auto"), "auto")
             try:
                 for size in SIZES:
                     n = count_for(size, args.quick)
                     data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
-                    raw_s = raw.large(data, n)
-                    omni_s = omni.large(data, n)
-                    raw_gbs, omni_gbs = n * size / raw_s / 1e9, n * size / omni_s / 1e9
+                    raw_gbs = n * size / raw.large(data, n) / 1e9
+                    off_gbs = n * size / off.large(data, n) / 1e9
+                    auto_gbs = n * size / auto.large(data, n) / 1e9
                     print(
-                        f"{transport:<9} {human(size):>8} {n:>6} {raw_gbs:>9.2f} {omni_gbs:>10.2f} "
-                        f"{omni_gbs / raw_gbs:>5.2f}x",
+                        f"{transport:<9} {human(size):>8} {n:>6} {raw_gbs:>9.2f} {off_gbs:>8.2f} {auto_gbs:>9.2f} "
+                        f"{off_gbs / raw_gbs:>7.2f}x {auto_gbs / raw_gbs:>8.2f}x",
                         flush=True,
                     )
                     del data
                 n_small = 20_000 if args.quick else 40_000
                 raw_rate = n_small / raw.small(n_small)
-                omni_rate = n_small / omni.small(n_small)
-                small_rows.append((transport, n_small, raw_rate, omni_rate))
+                off_rate = n_small / off.small(n_small)
+                auto_rate = n_small / auto.small(n_small)
+                small_rows.append((transport, n_small, raw_rate, off_rate, auto_rate))
+                print(f"{transport}: shm:auto sender health: shm_puts={auto.conn.health()['shm_puts']}", flush=True)
             finally:
                 raw.close()
-                omni.close()
+                off.close()
+                auto.close()
         print(f"\nsmall messages ({SMALL} B payload, all in flight; raw = PUSH/PULL + msgpack per message)")
-        print(f"{'transport':<9} {'n':>6} {'raw msg/s':>10} {'omni msg/s':>11} {'ratio':>6}")
-        for transport, n, raw_rate, omni_rate in small_rows:
-            print(f"{transport:<9} {n:>6} {raw_rate:>10,.0f} {omni_rate:>11,.0f} {omni_rate / raw_rate:>5.2f}x")
+        print(f"{'transport':<9} {'n':>6} {'raw msg/s':>10} {'shm:off':>9} {'shm:auto':>9} {ratios}")
+        for transport, n, raw_rate, off_rate, auto_rate in small_rows:
+            print(
+                f"{transport:<9} {n:>6} {raw_rate:>10,.0f} {off_rate:>9,.0f} {auto_rate:>9,.0f} "
+                f"{off_rate / raw_rate:>7.2f}x {auto_rate / raw_rate:>8.2f}x"
+            )
         print(f"\ntotal time {time.perf_counter() - started:.1f}s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

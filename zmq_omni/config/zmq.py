@@ -94,7 +94,7 @@ class ZmqConnectorConfig:
     malloc_tuning: bool = True
     shm: ShmPolicy = "auto"
     shm_dir: str | None = None
-    shm_threshold: int = 256 << 10
+    shm_threshold: int = 512 << 10
     shm_pool_max_bytes: int = 1 << 30
     shm_min_free_bytes: int = 16 << 20
     shm_ttl_s: float = 300.0
@@ -142,7 +142,7 @@ class ZmqConnectorConfig:
             malloc_tuning=read_bool(extra, "malloc_tuning", True, _PATH),
             shm=read_choice(extra, "shm", ("auto", "on", "off"), "auto", _PATH),
             shm_dir=read_str(extra, "shm_dir", None, _PATH),
-            shm_threshold=read_int(extra, "shm_threshold", 256 << 10, _PATH, minimum=1),
+            shm_threshold=read_int(extra, "shm_threshold", 512 << 10, _PATH, minimum=1),
             shm_pool_max_bytes=read_int(extra, "shm_pool_max_bytes", 1 << 30, _PATH, minimum=1 << 20),
             shm_min_free_bytes=read_int(extra, "shm_min_free_bytes", 16 << 20, _PATH, minimum=0),
             shm_ttl_s=read_float(extra, "shm_ttl_s", 300.0, _PATH, minimum=0.001),
