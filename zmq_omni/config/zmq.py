@@ -47,6 +47,10 @@ class ZmqConnectorConfig:
         max_unacked_bytes: most payload bytes held unconsumed by a sender.
         max_message_bytes: largest message; also ``MAXMSGSIZE`` of receiving sockets.
         hwm: ZeroMQ high-water mark (messages) of every socket; never 0.
+        batch_max_messages: push mode: most small puts coalesced into one BATCH
+            message when puts come faster than they can be sent (1 = never batch).
+        batch_max_bytes: push mode: most bytes of one BATCH message (also capped by
+            the receiver's ``max_message_bytes``, which it announces).
         pull_ttl_s: pull mode: unfetched payloads expire after this long.
         fetch_timeout_s: pull mode: longest wait for a fetch reply.
         copy_on_put: copy large arrays at ``put`` instead of pinning them.
@@ -86,6 +90,8 @@ class ZmqConnectorConfig:
     max_unacked_bytes: int = 1 << 30
     max_message_bytes: int = 1 << 30
     hwm: int = 1000
+    batch_max_messages: int = 256
+    batch_max_bytes: int = 64 << 10
     pull_ttl_s: float = 300.0
     fetch_timeout_s: float = 5.0
     copy_on_put: bool = False
@@ -134,6 +140,8 @@ class ZmqConnectorConfig:
             max_unacked_bytes=read_int(extra, "max_unacked_bytes", 1 << 30, _PATH, minimum=1),
             max_message_bytes=read_int(extra, "max_message_bytes", 1 << 30, _PATH, minimum=1024),
             hwm=read_int(extra, "hwm", 1000, _PATH, minimum=1),
+            batch_max_messages=read_int(extra, "batch_max_messages", 256, _PATH, minimum=1),
+            batch_max_bytes=read_int(extra, "batch_max_bytes", 64 << 10, _PATH, minimum=1024),
             pull_ttl_s=read_float(extra, "pull_ttl_s", 300.0, _PATH, minimum=0.001),
             fetch_timeout_s=read_float(extra, "fetch_timeout_s", 5.0, _PATH, minimum=0.001),
             copy_on_put=read_bool(extra, "copy_on_put", False, _PATH),

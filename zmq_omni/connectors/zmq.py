@@ -75,6 +75,7 @@ class ZmqConnector(OmniConnectorBase):
         self._shm_receive: ShmReceive | None = None
         self._shm_degraded = False
         self._close_lock = threading.Lock()
+        self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
         cfg = ZmqConnectorConfig.from_dict(config)
         self.config = cfg
         self.stage_id = cfg.stage_id
@@ -170,6 +171,9 @@ class ZmqConnector(OmniConnectorBase):
                     on_failure=self._on_failure,
                     curve=self._curve,
                     shm=self._shm_send,
+                    batch_max_messages=cfg.batch_max_messages,
+                    batch_max_bytes=cfg.batch_max_bytes,
+                    batch_item_bytes=cfg.inline_threshold,
                 )
             if cfg.mode == "pull" and receives:
                 self._client = PullClient(
@@ -263,6 +267,29 @@ class ZmqConnector(OmniConnectorBase):
             self._counters.add("shm_puts")
             self._shm_degraded = False
         return loc
+
+    def get_wakeup_generation(self) -> int | None:
+        """A counter that changes whenever items arrive in the push receiver's mailbox.
+
+        None when this connector has no push receiver (pull mode or a sender): nothing
+        arrives by itself there, so callers should wait in ``get_with_deadline``
+        (pull mode's server-side long poll) instead of :meth:`wait_for_change`.
+        """
+        receiver = self._receiver
+        return None if receiver is None else receiver.generation()
+
+    def wait_for_change(self, gen: int, *, timeout: float) -> int:
+        """Wait until the wakeup generation differs from ``gen`` (at most ``timeout``); return it then.
+
+        Waits on the mailbox condition (no polling); returns ``gen`` unchanged after
+        a timeout or ``close()``. Without a push receiver it waits ``timeout`` (or until closed).
+        """
+        receiver = self._receiver
+        if receiver is not None:
+            return receiver.wait_for_change(gen, timeout)
+        if not self._closed:
+            self._idle.wait(timeout)
+        return gen
 
     def get(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
@@ -366,9 +393,12 @@ class ZmqConnector(OmniConnectorBase):
         if sending is not None:
             self._counters.set("puts", sending["puts"])
             self._counters.set("bytes_sent", sending["bytes_sent"])
+            if "batches_sent" in sending:
+                self._counters.set("batches_sent", sending["batches_sent"])
         if receiving is not None:
             self._counters.set("gets", receiving["gets"])
             self._counters.set("bytes_received", receiving["bytes_received"])
+            self._counters.set("batches_received", receiving["batches_received"])
         base = super().health()
         for name in ("resends", "rejected_frames", "duplicates_dropped", "delivery_failures"):
             base.setdefault(name, 0)
@@ -416,6 +446,7 @@ class ZmqConnector(OmniConnectorBase):
             if self._loop is None:
                 return
             self._closed = True
+            self._idle.set()
             for part in (self._sender, self._receiver, self._server, self._client):
                 if part is not None:
                     part.close()  # wakes waiting puts/gets; the client also gives back its sockets

@@ -17,11 +17,18 @@ Headers by kind:
   next ZeroMQ frame", or the bytes of a packed :class:`~zmq_omni.shm.SlotHandle`
   (the same-host fast path: the whole wire encoding lies in the sender's shared
   memory and the message is this one frame).
+* ``BATCH``       ``[sid, low, to_stage, entries]``: several small puts in one frame (no payload
+  after the header). ``entries`` is a flat list of ``4 * m`` fields, ``m >= 2``, one
+  ``seq, from_stage, key, wire`` quadruple per put in put order; ``wire`` (bin) is the
+  codec's frame 0 of a single-frame encoding. Each put is validated, de-duplicated and
+  acknowledged exactly as if it had come in its own ``DATA`` message.
 * ``PING``        ``[sid, n, low]`` or ``[sid, n, low, probe]``; ``probe`` is ``[segment, nonce]``,
   a shared-memory segment the receiver may attach to prove it shares the sender's ``/dev/shm``.
-* ``REPLY``       ``[incarnation, n, arrived, consumed]`` or ``[..., shm]``; ``n`` is the answered ping
-  or -1 for a plain acknowledgement; ``arrived``/``consumed`` are ``[[first, last], ...]`` seq ranges;
-  ``shm`` is the probe verdict (``true``: send handles, ``false``: send frames, ``null``: not probed).
+* ``REPLY``       ``[incarnation, n, arrived, consumed]``, ``[..., shm]`` or ``[..., shm, batch_bytes]``;
+  ``n`` is the answered ping or -1 for a plain acknowledgement; ``arrived``/``consumed`` are
+  ``[[first, last], ...]`` seq ranges; ``shm`` is the probe verdict (``true``: send handles,
+  ``false``: send frames, ``null``: not probed); ``batch_bytes`` is the largest ``BATCH`` frame the
+  receiver accepts (0 or absent: it takes no ``BATCH``, so a sender never batches to an older receiver).
 * ``HEALTH``      ``[]``; ``HEALTH_REPLY`` ``[health dict]``
 * ``FETCH``       ``[req_id, from_stage, to_stage, key, wait_ms]``
 * ``FETCH_REPLY`` ``[req_id, found]``
@@ -67,17 +74,19 @@ class Kind(IntEnum):
     HEALTH_REPLY = 5
     FETCH = 6
     FETCH_REPLY = 7
+    BATCH = 8
 
 
 #: Numbers of header fields each kind may carry (trailing fields are optional, for older peers).
 _ARITY = {
     Kind.DATA: (7,),
     Kind.PING: (3, 4),
-    Kind.REPLY: (4, 5),
+    Kind.REPLY: (4, 5, 6),
     Kind.HEALTH: (0,),
     Kind.HEALTH_REPLY: (1,),
     Kind.FETCH: (5,),
     Kind.FETCH_REPLY: (2,),
+    Kind.BATCH: (4,),
 }
 
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack

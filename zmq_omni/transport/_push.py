@@ -85,13 +85,19 @@ _LOC_TYPES = (type(None), bytes)
 _PING_TYPES = (str, int, int)
 _REPLY_TYPES = (str, int, list, list)
 _VERDICT_TYPES = (type(None), bool)
+_BATCH_TYPES = (str, int, str, list)
+_BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
+_BATCH_OVERHEAD = 512  # bytes of a BATCH frame beyond its entries' costs (preamble, sid, low, to_stage)
+_MAX_BATCH_ENTRIES = 65536
 _SEND_SLICE_S = 0.05  # a blocked send re-checks close() this often
+_RETRY_MIN_S = 0.001  # a batch refused at the high-water mark is retried after this, doubling...
+_RETRY_MAX_S = 0.05  # ...up to this
 
 
 class _Out:
     """One put kept by the sender until the receiver consumed it."""
 
-    __slots__ = ("arrived", "deadline", "frames", "from_stage", "key", "loc", "nbytes", "sent_ping", "seq")
+    __slots__ = ("arrived", "deadline", "frames", "from_stage", "key", "loc", "nbytes", "queued", "sent_ping", "seq")
 
     def __init__(
         self, seq: int, from_stage: str, key: str, frames: list[Any], nbytes: int, deadline: float, loc: bytes | None
@@ -104,6 +110,7 @@ class _Out:
         self.nbytes = nbytes
         self.deadline = deadline
         self.arrived = False
+        self.queued = False  # waiting in its peer's outbox for a batch (put already returned)
         self.sent_ping: int | None = None  # the last ping sent before this went out; None = not sent yet
 
 
@@ -127,6 +134,14 @@ class _Peer:
         self.last_heard = 0.0
         self.suspect = False
         self.shm: bool | None = None  # the receiver's probe verdict; None = not answered yet
+        # Coalescing (all under the sender's _cv): small puts wait here while a send is in progress or queued.
+        self.batch_bytes = 0  # largest BATCH frame the receiver said it accepts; 0 = do not batch
+        self.outbox: list[_Out] = []
+        self.outbox_bytes = 0
+        self.flush_armed = False  # a flush is scheduled on the I/O thread: new small puts ride with it
+        self.blocked = False  # the last flush met the high-water mark; the I/O thread retries
+        self.retry_s = _RETRY_MIN_S
+        self.flush_soon: Callable[[], None] = lambda: None  # the sender's I/O-thread flush of this peer
 
     def advance_low(self) -> None:
         while self.low < self.next_seq and self.low not in self.retained:
@@ -153,11 +168,17 @@ class PushSender:
         on_failure: FailureCallback,
         curve: Curve | None = None,
         shm: ShmSend | None = None,
+        batch_max_messages: int = 256,
+        batch_max_bytes: int = 64 << 10,
+        batch_item_bytes: int = 4096,
     ) -> None:
         self._loop = loop
         self._curve = curve
         self._shm = shm
         self._probe = None if shm is None else shm.probe
+        self._batch_max_messages = batch_max_messages
+        self._batch_max_bytes = batch_max_bytes
+        self._batch_item_bytes = batch_item_bytes  # a put of fewer bytes (one frame) may ride in a BATCH
         self._endpoints = endpoints
         self.sid = sid
         self._put_timeout = put_timeout_s
@@ -174,6 +195,7 @@ class PushSender:
         self._bytes = 0
         self._puts = 0
         self._bytes_sent = 0
+        self._batches_sent = 0
         self._deadlines: list[tuple[float, int, str]] = []
         self._closed = False
         loop.every(heartbeat_s, self._heartbeat)
@@ -189,48 +211,89 @@ class PushSender:
         With ``loc`` (a packed slot handle) the payload lies in shared memory and
         ``frames`` is ignored; the caller discards the slot if this raises.
 
+        A small put (one frame of fewer than ``batch_item_bytes``) is sent at once
+        when nothing is in progress; one that arrives while a send is in progress
+        or queued waits in the peer's outbox and rides in the next BATCH (sent by
+        a full outbox's put or by the I/O thread's next turn). Either way it is in
+        the window when this returns, so its deadline covers it.
+
         Raises:
             TransportTimeoutError: no window room or ZeroMQ queue room in time.
             ClosedResourceError: the sender was closed.
             ConfigError: ``to_stage`` has no endpoint.
         """
-        deadline = time.monotonic() + self._put_timeout
-        with self._cv:
-            peer = self._peer(to_stage)
-            while (
-                not self._closed
-                and self._count
-                and (self._count >= self._max_count or self._bytes + nbytes > self._max_bytes)
-            ):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransportTimeoutError(
-                        f"send window full ({self._count} puts, {self._bytes} bytes unconsumed)",
-                        endpoint=peer.endpoint,
-                    )
-                self._cv.wait(remaining)
+        now = time.monotonic()
+        deadline = now + self._put_timeout
+        cv = self._cv
+        with cv:
+            peer = self._peers.get(to_stage) or self._peer(to_stage)
+            if self._count and (self._count >= self._max_count or self._bytes + nbytes > self._max_bytes):
+                now = self._wait_for_room(peer, nbytes, deadline)
             if self._closed:
                 raise ClosedResourceError("connector closed", endpoint=peer.endpoint)
-            deliver_by = time.monotonic() + self._delivery_timeout
-            out = _Out(peer.next_seq, from_stage, key, [] if loc else frames, nbytes, deliver_by, loc)
-            peer.next_seq += 1
-            peer.retained[out.seq] = out
-            peer.unarrived[out.seq] = out
+            out = _Out(peer.next_seq, from_stage, key, [] if loc else frames, nbytes, now + self._delivery_timeout, loc)
+            seq = peer.next_seq
+            peer.next_seq = seq + 1
+            peer.retained[seq] = out
+            peer.unarrived[seq] = out
             self._count += 1
             self._bytes += nbytes
             self._puts += 1
             self._bytes_sent += nbytes
-            heapq.heappush(self._deadlines, (out.deadline, out.seq, to_stage))
+            heapq.heappush(self._deadlines, (out.deadline, seq, to_stage))
+            if loc is None and len(frames) == 1 and nbytes < self._batch_item_bytes and peer.batch_bytes:
+                out.queued = True
+                peer.outbox.append(out)
+                peer.outbox_bytes += nbytes + len(key) + 16
+                batched = True
+                idle = not peer.flush_armed
+                if (
+                    (idle or len(peer.outbox) >= self._batch_max_messages or peer.outbox_bytes >= peer.batch_bytes)
+                    and not peer.blocked
+                    and peer.data_lock.acquire(False)
+                ):
+                    outs: list[_Out] | None = self._take(peer)
+                else:
+                    outs = None
+                peer.flush_armed = True
+            else:
+                batched = idle = False
+                outs = None
+        if outs is not None:
+            self._flush(peer, outs)  # releases data_lock
+        if idle:
+            # The I/O thread's turn ends the busy period: until then, small puts ride together.
+            self._loop.call_soon(peer.flush_soon)
+        if not batched:
+            self._send_direct(peer, out, deadline)
+
+    def _wait_for_room(self, peer: _Peer, nbytes: int, deadline: float) -> float:
+        """Wait (caller holds ``_cv``) until the window admits ``nbytes``; the time then."""
+        while (
+            not self._closed
+            and self._count
+            and (self._count >= self._max_count or self._bytes + nbytes > self._max_bytes)
+        ):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportTimeoutError(
+                    f"send window full ({self._count} puts, {self._bytes} bytes unconsumed)",
+                    endpoint=peer.endpoint,
+                )
+            self._cv.wait(remaining)
+        return time.monotonic()
+
+    def _send_direct(self, peer: _Peer, out: _Out, deadline: float) -> None:
         try:
             self._send_data(peer, out, deadline)
         except BaseException:
             with self._cv:
                 self._puts -= 1
-                self._bytes_sent -= nbytes
+                self._bytes_sent -= out.nbytes
                 if peer.retained.pop(out.seq, None) is not None:
                     peer.unarrived.pop(out.seq, None)
                     self._count -= 1
-                    self._bytes -= nbytes
+                    self._bytes -= out.nbytes
                     peer.advance_low()
                     self._cv.notify_all()
             raise
@@ -241,6 +304,7 @@ class PushSender:
             endpoint = self._endpoints.require(to_stage)
             server_key = None if self._curve is None else self._curve.server_key_for(to_stage)
             peer = self._peers[to_stage] = _Peer(to_stage, endpoint, server_key)
+            peer.flush_soon = lambda: self._on_flush(peer)
             self._loop.call_soon(lambda: self._open_ctl(peer))
             if self._probe is not None:
                 self._loop.call_soon(lambda: self._ping(peer))  # learn the shm verdict before the first beat
@@ -261,6 +325,7 @@ class PushSender:
             return peer.shm is True
 
     def _send_data(self, peer: _Peer, out: _Out, deadline: float) -> None:
+        """Send a put that cannot ride in a BATCH, after whatever small puts wait before it (their order)."""
         lock = peer.data_lock
         if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TransportTimeoutError("another put held the socket past put_timeout_s", endpoint=peer.endpoint)
@@ -270,6 +335,10 @@ class PushSender:
             sock = peer.data_sock or self._open_data(peer)
             while True:
                 try:
+                    while peer.outbox:
+                        with self._cv:
+                            queued = self._take(peer)
+                        self._send_or_requeue(sock, peer, queued)
                     self._transmit(sock, peer, out)
                     return
                 except zmq.Again as exc:
@@ -287,7 +356,7 @@ class PushSender:
                 except zmq.ZMQError as exc:
                     raise from_zmq_error(exc, endpoint=peer.endpoint, op="send") from exc
         finally:
-            peer.data_lock.release()
+            self._release(peer)
 
     def _transmit(self, sock: Any, peer: _Peer, out: _Out) -> None:
         """Send one DATA message without blocking (caller holds ``data_lock``)."""
@@ -302,6 +371,127 @@ class PushSender:
         else:
             sock.send_multipart([head, *out.frames[1:]], zmq.NOBLOCK, copy=False)
         out.sent_ping = peer.ping_no
+
+    # -- coalescing small puts -------------------------------------------------------
+    def _batch_end(self, peer: _Peer, outs: list[_Out], start: int) -> int:
+        """End of the longest run of ``outs`` from ``start`` that fits one BATCH (at least one put)."""
+        # Costs bound the packed size from above: 4 bytes per character, 24 for msgpack's type headers.
+        budget = peer.batch_bytes - _BATCH_OVERHEAD - 4 * len(peer.to_stage)
+        end = min(len(outs), start + self._batch_max_messages)
+        size = 0
+        i = start
+        while i < end:
+            out = outs[i]
+            size += out.nbytes + 4 * (len(out.key) + len(out.from_stage)) + 24
+            if size > budget and i > start:
+                break
+            i += 1
+        return i
+
+    def _take(self, peer: _Peer) -> list[_Out]:
+        """Remove the next batch from the outbox, skipping puts dropped meanwhile (caller holds ``_cv``)."""
+        outbox = peer.outbox
+        end = self._batch_end(peer, outbox, 0) if outbox else 0
+        if end == len(outbox):
+            peer.outbox = []
+            peer.outbox_bytes = 0
+            taken = outbox
+        else:
+            taken = outbox[:end]
+            del outbox[:end]
+            peer.outbox_bytes = max(0, peer.outbox_bytes - sum(o.nbytes + len(o.key) + 16 for o in taken))
+        live = []
+        for out in taken:
+            if out.queued:
+                out.queued = False
+                live.append(out)
+        return live
+
+    def _transmit_batch(self, sock: Any, peer: _Peer, outs: list[_Out]) -> None:
+        """Send ``outs`` as one message (caller holds ``data_lock``): a BATCH, or DATA for a single put."""
+        if len(outs) == 1:
+            self._transmit(sock, peer, outs[0])
+            return
+        entries: list[Any] = []
+        add = entries.extend
+        for out in outs:
+            add((out.seq, out.from_stage, out.key, out.frames[0]))
+        sock.send(pack(Kind.BATCH, (self.sid, peer.low, peer.to_stage, entries)), zmq.NOBLOCK)
+        ping = peer.ping_no
+        for out in outs:
+            out.sent_ping = ping
+        self._batches_sent += 1
+
+    def _send_or_requeue(self, sock: Any, peer: _Peer, outs: list[_Out]) -> None:
+        """Transmit a batch taken from the outbox; on any error put it back in front (order) and re-raise."""
+        if not outs:
+            return
+        try:
+            self._transmit_batch(sock, peer, outs)
+        except BaseException:
+            with self._cv:
+                live = [o for o in outs if peer.retained.get(o.seq) is o]
+                for out in live:
+                    out.queued = True
+                peer.outbox[:0] = live
+                peer.outbox_bytes += sum(o.nbytes + len(o.key) + 16 for o in live)
+            raise
+
+    def _flush(self, peer: _Peer, outs: list[_Out]) -> None:
+        """Send a batch a put thread took (it holds ``data_lock``, released here); errors leave it queued."""
+        try:
+            if self._closed:
+                return
+            sock = peer.data_sock or self._open_data(peer)
+            self._send_or_requeue(sock, peer, outs)
+            peer.retry_s = _RETRY_MIN_S
+        except zmq.ZMQError as exc:
+            # The I/O thread retries it (the put already returned; its deadline still runs).
+            with self._cv:
+                peer.blocked = True
+            if not isinstance(exc, zmq.Again):
+                log.warning("sending a batch to %s failed: %s", peer.endpoint, exc)
+        finally:
+            self._release(peer)
+
+    def _release(self, peer: _Peer) -> None:
+        """Let go of ``data_lock``; make sure puts queued meanwhile are not left without a flush."""
+        peer.data_lock.release()
+        if peer.outbox and not peer.flush_armed:
+            with self._cv:
+                if not peer.outbox or peer.flush_armed:
+                    return
+                peer.flush_armed = True
+            if peer.blocked and self._loop.in_loop():
+                self._loop.call_later(peer.retry_s, peer.flush_soon)
+                peer.retry_s = min(_RETRY_MAX_S, peer.retry_s * 2)
+            else:
+                self._loop.call_soon(peer.flush_soon)
+
+    def _on_flush(self, peer: _Peer) -> None:
+        """I/O thread: send everything queued for ``peer``; ends the busy period that makes puts ride along."""
+        with self._cv:
+            peer.flush_armed = False
+            peer.blocked = False
+            if not peer.outbox:
+                return
+        if not peer.data_lock.acquire(False):
+            return  # the holder's _release() re-arms this flush
+        try:
+            if not self._closed:
+                sock = peer.data_sock or self._open_data(peer)
+                while peer.outbox:
+                    with self._cv:
+                        outs = self._take(peer)
+                    self._send_or_requeue(sock, peer, outs)
+                peer.retry_s = _RETRY_MIN_S
+        except zmq.ZMQError as exc:
+            with self._cv:
+                peer.blocked = True
+            if not isinstance(exc, zmq.Again):
+                log.warning("sending a batch to %s failed: %s", peer.endpoint, exc)
+        finally:
+            self._release(peer)
 
     def _open_data(self, peer: _Peer) -> Any:
         sock = make_socket(self._loop.ctx, zmq.DEALER, hwm=self._hwm, identity=b"d" + self.sid.encode())
@@ -318,6 +508,7 @@ class PushSender:
             for peer in self._peers.values():
                 for seq in [s for s, out in peer.retained.items() if match(out.key)]:
                     out = peer.retained.pop(seq)
+                    out.queued = False  # a batch being built skips it
                     peer.unarrived.pop(seq, None)
                     self._count -= 1
                     self._bytes -= out.nbytes
@@ -341,6 +532,7 @@ class PushSender:
             return {
                 "puts": self._puts,
                 "bytes_sent": self._bytes_sent,
+                "batches_sent": self._batches_sent,
                 "pending": self._count,
                 "pending_bytes": self._bytes,
                 "undelivered": sum(len(p.unarrived) for p in self._peers.values()),
@@ -386,15 +578,25 @@ class PushSender:
                 verdict = header[4] if len(header) > 4 else None
                 if type(verdict) not in _VERDICT_TYPES:
                     raise DecodeError(f"REPLY shm verdict {verdict!r:.40} is not a bool or null")
+                batch_bytes = header[5] if len(header) > 5 else 0
+                if type(batch_bytes) is not int or batch_bytes < 0:
+                    raise DecodeError(f"REPLY batch size {batch_bytes!r:.40} is not a count of bytes")
                 limit = 4 * self._max_count + 1024
                 arrived, consumed = from_ranges(header[2], limit), from_ranges(header[3], limit)
-                self._on_reply(peer, header[0], header[1], arrived, consumed, verdict)
+                self._on_reply(peer, header[0], header[1], arrived, consumed, verdict, batch_bytes)
             except DecodeError as exc:
                 self._counters.add("rejected_frames")
                 log.warning("rejected a reply from %s: %s", peer.endpoint, exc)
 
     def _on_reply(
-        self, peer: _Peer, incarnation: str, ping: int, arrived: list[int], consumed: list[int], shm: bool | None
+        self,
+        peer: _Peer,
+        incarnation: str,
+        ping: int,
+        arrived: list[int],
+        consumed: list[int],
+        shm: bool | None,
+        batch_bytes: int = 0,
     ) -> None:
         now = time.monotonic()
         resend: list[_Out] = []
@@ -415,6 +617,10 @@ class PushSender:
                 peer.incarnation = incarnation
                 peer.shm = None  # a new receiver may not share our /dev/shm: ask again
                 self._cv.notify_all()
+            if not stale:
+                # Too small a limit leaves no room for two puts: send DATA messages only.
+                fits = self._batch_max_messages > 1 and batch_bytes >= 2 * _BATCH_OVERHEAD
+                peer.batch_bytes = min(self._batch_max_bytes, batch_bytes) if fits else 0
             if not stale and shm is not None and shm != peer.shm:
                 log.info("receiver %s %s our shared memory", peer.endpoint, "reads" if shm else "cannot read")
                 peer.shm = shm
@@ -459,16 +665,30 @@ class PushSender:
             if self._closed:
                 return
             sock = peer.data_sock or self._open_data(peer)
-            for out in outs:
-                if out.seq not in peer.unarrived:
-                    continue
-                try:
+            small = [o for o in outs if o.seq in peer.unarrived and self._batchable(peer, o)]
+            large = [o for o in outs if o.seq in peer.unarrived and not self._batchable(peer, o)]
+            sent = 0
+            try:
+                start = 0
+                while start < len(small):
+                    end = self._batch_end(peer, small, start)
+                    self._transmit_batch(sock, peer, small[start:end])
+                    sent += end - start
+                    start = end
+                for out in large:
                     self._transmit(sock, peer, out)
-                except zmq.ZMQError:
-                    return
-                self._counters.add("resends")
+                    sent += 1
+            except zmq.ZMQError:
+                pass  # full or gone: the next pong retries what is still unacknowledged
+            if sent:
+                self._counters.add("resends", sent)
         finally:
             peer.data_lock.release()
+
+    def _batchable(self, peer: _Peer, out: _Out) -> bool:
+        return bool(
+            peer.batch_bytes and out.loc is None and len(out.frames) == 1 and out.nbytes < self._batch_item_bytes
+        )
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -519,18 +739,26 @@ class PushSender:
                 out = peer.unarrived.get(seq)
                 if out is None or out.deadline != deadline:
                     continue  # delivered, consumed, or re-armed since
-                if out.sent_ping is None:
+                if out.sent_ping is None and not out.queued:
                     # Its put is still waiting for ZeroMQ; that put reports its own timeout.
                     out.deadline = now + _SEND_SLICE_S
                     later.append((out.deadline, seq, to_stage))
                     continue
                 del peer.unarrived[seq]
                 del peer.retained[seq]
+                out.queued = False  # still in the outbox (never sent): the next batch skips it
                 self._count -= 1
                 self._bytes -= out.nbytes
                 failed.append((peer, out))
             for entry in later:
                 heapq.heappush(self._deadlines, entry)
+            live = sum(len(p.unarrived) for p in self._peers.values())
+            if len(self._deadlines) > 2 * live + 4096:
+                # Entries of arrived puts linger until their deadline; at a high put rate that is
+                # rate x delivery_timeout_s of them, so rebuild from what can still expire.
+                peers = self._peers.values()
+                self._deadlines = [(o.deadline, o.seq, p.to_stage) for p in peers for o in p.unarrived.values()]
+                heapq.heapify(self._deadlines)
             if failed:
                 for peer in {p for p, _ in failed}:
                     peer.advance_low()
@@ -636,6 +864,9 @@ class PushReceiver:
         self._health = health
         self._cv = threading.Condition()
         self._box: dict[tuple[str, str, str], _Item] = {}
+        self._arrivals: list[tuple[tuple[str, str, str], _Item]] = []  # decoded this drain, stored at its end
+        self._generation = 0  # bumped under _cv whenever items arrive (wait_for_change)
+        self._batches_received = 0
         self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
         self._sources: dict[str, _Source] = {}
         self._dirty: set[str] = set()
@@ -720,9 +951,32 @@ class PushReceiver:
             self._loop.call_soon(self._arm_flush)
 
     def stats(self) -> dict[str, Any]:
-        """Gets, bytes taken, and items waiting for ``get``."""
+        """Gets, bytes taken, items waiting for ``get``, and BATCH messages taken in."""
         with self._cv:
-            return {"gets": self._gets, "bytes_received": self._bytes_received, "mailbox": len(self._box)}
+            return {
+                "gets": self._gets,
+                "bytes_received": self._bytes_received,
+                "mailbox": len(self._box),
+                "batches_received": self._batches_received,
+            }
+
+    def generation(self) -> int:
+        """A counter bumped whenever items arrive in the mailbox (for :meth:`wait_for_change`)."""
+        return self._generation
+
+    def wait_for_change(self, generation: int, timeout: float) -> int:
+        """Wait on the mailbox condition until the generation differs from ``generation``, at most ``timeout``.
+
+        Returns the generation then (equal to ``generation`` after a timeout or close).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._generation == generation and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            return self._generation
 
     def close(self) -> None:
         """Wake every waiting ``get``; the socket closes on the loop thread after a last ack flush."""
@@ -734,6 +988,7 @@ class PushReceiver:
     def _on_readable(self) -> None:
         sock, max_frames = self._sock, self._max_frames
         self._now = time.monotonic()
+        rejected = 0
         for _ in range(_MAX_DRAIN):
             message = recv_routed(sock, max_frames)
             if message is None:
@@ -744,7 +999,9 @@ class PushReceiver:
                 if not ok:
                     raise DecodeError(f"message with more than {max_frames} frames")
                 kind, header, payload = unpack(frames[0])
-                if kind is Kind.DATA:
+                if kind is Kind.BATCH:
+                    rejected += self._on_batch(header, payload, len(frames))
+                elif kind is Kind.DATA:
                     check_types(header[:6], _DATA_TYPES, "DATA")
                     if type(header[6]) not in _LOC_TYPES:
                         raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
@@ -757,15 +1014,78 @@ class PushReceiver:
                 else:
                     raise DecodeError(f"unexpected {kind.name} message")
             except (DecodeError, MessageTooLargeError) as exc:
-                self._counters.add("rejected_frames")
+                rejected += 1
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rejected a message on %s: %s", self.endpoint, exc)
-        with self._cv:  # one wake-up for the whole drain, not one per message
-            self._cv.notify_all()
+        if rejected:
+            self._counters.add("rejected_frames", rejected)
+        if self._arrivals:
+            self._store_arrivals()
         if self._pending_acks >= _ACK_BATCH:
             self._flush_all()
         else:
             self._arm_flush()
+
+    def _store_arrivals(self) -> None:
+        """Put this drain's items in the mailbox: one lock, one notify, for every message and batch."""
+        arrivals, self._arrivals = self._arrivals, []
+        replaced: list[_Item] = []
+        with self._cv:
+            box = self._box
+            for slot, item in arrivals:
+                old = box.get(slot)
+                box[slot] = item
+                if old is not None:  # a re-put replaces; the replaced one counts as consumed
+                    self._taken.append((old.sid, old.seq))
+                    replaced.append(old)
+            self._generation += 1
+            self._cv.notify_all()
+        if replaced:
+            self._discard(replaced)
+
+    def _on_batch(self, header: list[Any], payload: memoryview, n_frames: int) -> int:
+        """Take in the puts of one BATCH, each validated on its own; how many of them were rejected.
+
+        Raises:
+            DecodeError: the batch itself is malformed (nothing of it is taken in).
+        """
+        if n_frames != 1 or payload.nbytes:
+            raise DecodeError("a BATCH message must be one frame holding only its header")
+        check_types(header, _BATCH_TYPES, "BATCH")
+        sid, low, to_stage, entries = header
+        count = len(entries)
+        if count < 8 or count % 4 or count > 4 * _MAX_BATCH_ENTRIES:
+            raise DecodeError(f"BATCH of {count} fields is not 2..{_MAX_BATCH_ENTRIES} puts of 4 fields")
+        if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
+            raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
+        source = self._sources.get(sid) or self._source(sid)
+        source.last_heard = self._now
+        source.low = max(source.low, low)
+        self._dirty.add(sid)
+        self._pending_acks += count // 4 - 1
+        self._batches_received += 1
+        seen, arrived, arrivals, decode = source.seen, source.arrived, self._arrivals, self._decode
+        floor = source.low
+        duplicates = rejected = 0
+        it = iter(entries)
+        for seq, from_stage, key, wire in zip(it, it, it, it, strict=True):
+            if seq < floor or seq in seen:
+                duplicates += 1  # already have (or had) it: acknowledge again, keep one copy
+                arrived.append(seq)
+                continue
+            try:
+                obj = decode([wire])
+            except DecodeError as exc:
+                rejected += 1  # not acknowledged: the sender's deadline reports it
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("rejected put %s of a batch on %s: %s", seq, self.endpoint, exc)
+                continue
+            seen.add(seq)
+            arrived.append(seq)
+            arrivals.append(((from_stage, to_stage, key), _Item(obj, len(wire), sid, seq)))
+        if duplicates:
+            self._counters.add("duplicates_dropped", duplicates)
+        return rejected
 
     def _source(self, sid: str) -> _Source:
         source = self._sources.get(sid)
@@ -821,15 +1141,9 @@ class PushReceiver:
         self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc))
 
     def _store(self, source: _Source, slot: tuple[str, str, str], item: _Item) -> None:
-        with self._cv:
-            old = self._box.get(slot)
-            self._box[slot] = item
-            if old is not None:  # a re-put replaces; the replaced one counts as consumed
-                self._taken.append((old.sid, old.seq))
-        if old is not None:
-            self._discard((old,))
         source.seen.add(item.seq)
         source.arrived.append(item.seq)
+        self._arrivals.append((slot, item))
 
     def _on_ping(self, sid: str, ping: int, low: int, probe: Any) -> None:
         source = self._source(sid)
@@ -849,7 +1163,14 @@ class PushReceiver:
             source.ctl,
             pack(
                 Kind.REPLY,
-                (self.incarnation, ping, to_ranges(source.arrived), to_ranges(source.reported), source.shm),
+                (
+                    self.incarnation,
+                    ping,
+                    to_ranges(source.arrived),
+                    to_ranges(source.reported),
+                    source.shm,
+                    self._max_message,
+                ),
             ),
         )
         source.arrived.clear()
@@ -883,7 +1204,14 @@ class PushReceiver:
                 source.ctl,
                 pack(
                     Kind.REPLY,
-                    (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.consumed), source.shm),
+                    (
+                        self.incarnation,
+                        -1,
+                        to_ranges(source.arrived),
+                        to_ranges(source.consumed),
+                        source.shm,
+                        self._max_message,
+                    ),
                 ),
             )
             source.arrived.clear()
@@ -916,7 +1244,14 @@ class PushReceiver:
                     source.ctl,
                     pack(
                         Kind.REPLY,
-                        (self.incarnation, -1, to_ranges(source.arrived), to_ranges(source.reported), source.shm),
+                        (
+                            self.incarnation,
+                            -1,
+                            to_ranges(source.arrived),
+                            to_ranges(source.reported),
+                            source.shm,
+                            self._max_message,
+                        ),
                     ),
                 )
         self._loop.remove_reader(self._sock)
