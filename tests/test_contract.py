@@ -183,3 +183,12 @@ def test_close_is_idempotent_and_later_calls_fail_softly(pair: Pair) -> None:
     ok, nbytes, meta = sender.put(*edge, "after-close", 1)
     assert (ok, nbytes, meta) == (False, 0, None)
     assert any(f.key == "after-close" for f in sender.drain_failures())
+
+
+def test_kept_failures_do_not_pin_stack_frames(pair: Pair) -> None:
+    """A kept error's traceback would hold the failed put's payload alive."""
+    sender, _, edge = pair
+    sender.close()
+    assert sender.put(*edge, "late", {"x": np.ones(1000)})[0] is False
+    failures = sender.drain_failures()
+    assert failures and all(f.error is None or f.error.__traceback__ is None for f in failures)

@@ -68,6 +68,20 @@ class TransferFailure:
     at: float = 0.0
 
 
+def _drop_tracebacks(error: BaseException | None) -> None:
+    """Cut kept errors loose from their stack frames.
+
+    A traceback holds every frame's locals, and a failed ``put``'s frames hold
+    its payload: keeping thousands of failures with their tracebacks would pin
+    every refused payload in memory. The type, message and cause chain stay.
+    """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
 class _ConnectorMeta(ABCMeta):
     """Marks an instance as fully built once its whole ``__init__`` chain returned."""
 
@@ -189,6 +203,7 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
             self._counters.add("timeouts")
         else:
             self._counters.add("errors")
+        _drop_tracebacks(error)
         failure = TransferFailure(key, from_stage, to_stage, op, reason, error, time.time())
         with self._failures_lock:
             if len(self._failures) == self._failures.maxlen:

@@ -217,14 +217,16 @@ class ZmqConnector(OmniConnectorBase):
             EncodeError: ``data`` holds an unsupported type (a programming error).
             ValueError: this connector's role cannot put.
         """
-        from_stage, to_stage = str(from_stage), str(to_stage)
+        if type(from_stage) is not str or type(to_stage) is not str:
+            from_stage, to_stage = str(from_stage), str(to_stage)
         if self._closed:
             return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
-        if self._sender is None and self._server is None:
+        sender = self._sender
+        if sender is None and self._server is None:
             raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot put")
         cfg = self.config
         frames = encode(data, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle)
-        nbytes = frames_nbytes(frames)
+        nbytes = len(frames[0]) if len(frames) == 1 else frames_nbytes(frames)  # frame 0 is bytes
         if nbytes > cfg.max_message_bytes:
             return self._fail_put(
                 from_stage,
@@ -232,16 +234,17 @@ class ZmqConnector(OmniConnectorBase):
                 key,
                 MessageTooLargeError(f"put of {nbytes} bytes > max_message_bytes {cfg.max_message_bytes}"),
             )
-        loc = self._to_shm(to_stage, frames, nbytes)
+        shm = self._shm_send
+        loc = None if shm is None or nbytes < shm.threshold else self._to_shm(to_stage, frames, nbytes)
         if loc is None and cfg.copy_on_put and len(frames) > 1:
             frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
         try:
-            if self._sender is not None:
+            if sender is not None:
                 try:
-                    self._sender.send(from_stage, to_stage, key, frames, nbytes, loc)
+                    sender.send(from_stage, to_stage, key, frames, nbytes, loc)
                 except BaseException:
-                    if loc is not None and self._shm_send is not None:
-                        self._shm_send.discard(loc)
+                    if loc is not None and shm is not None:
+                        shm.discard(loc)
                     raise
                 metadata: dict[str, Any] = {"key": key, "size": nbytes}
             else:

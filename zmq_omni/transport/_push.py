@@ -189,7 +189,9 @@ class PushSender:
         self._hwm = hwm
         self._counters = counters
         self._on_failure = on_failure
-        self._cv = threading.Condition()
+        # A plain Lock under the condition: ``with self._lock`` costs a C call, a Condition's two Python ones.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._peers: dict[str, _Peer] = {}
         self._count = 0
         self._bytes = 0
@@ -224,8 +226,7 @@ class PushSender:
         """
         now = time.monotonic()
         deadline = now + self._put_timeout
-        cv = self._cv
-        with cv:
+        with self._lock:
             peer = self._peers.get(to_stage) or self._peer(to_stage)
             if self._count and (self._count >= self._max_count or self._bytes + nbytes > self._max_bytes):
                 now = self._wait_for_room(peer, nbytes, deadline)
@@ -287,7 +288,7 @@ class PushSender:
         try:
             self._send_data(peer, out, deadline)
         except BaseException:
-            with self._cv:
+            with self._lock:
                 self._puts -= 1
                 self._bytes_sent -= out.nbytes
                 if peer.retained.pop(out.seq, None) is not None:
@@ -315,7 +316,7 @@ class PushSender:
         if self._probe is None:
             return False
         deadline = time.monotonic() + wait_s
-        with self._cv:
+        with self._lock:
             peer = self._peers.get(to_stage) or self._peer(to_stage)
             while peer.shm is None and not self._closed:
                 remaining = deadline - time.monotonic()
@@ -336,7 +337,7 @@ class PushSender:
             while True:
                 try:
                     while peer.outbox:
-                        with self._cv:
+                        with self._lock:
                             queued = self._take(peer)
                         self._send_or_requeue(sock, peer, queued)
                     self._transmit(sock, peer, out)
@@ -429,7 +430,7 @@ class PushSender:
         try:
             self._transmit_batch(sock, peer, outs)
         except BaseException:
-            with self._cv:
+            with self._lock:
                 live = [o for o in outs if peer.retained.get(o.seq) is o]
                 for out in live:
                     out.queued = True
@@ -447,7 +448,7 @@ class PushSender:
             peer.retry_s = _RETRY_MIN_S
         except zmq.ZMQError as exc:
             # The I/O thread retries it (the put already returned; its deadline still runs).
-            with self._cv:
+            with self._lock:
                 peer.blocked = True
             if not isinstance(exc, zmq.Again):
                 log.warning("sending a batch to %s failed: %s", peer.endpoint, exc)
@@ -458,7 +459,7 @@ class PushSender:
         """Let go of ``data_lock``; make sure puts queued meanwhile are not left without a flush."""
         peer.data_lock.release()
         if peer.outbox and not peer.flush_armed:
-            with self._cv:
+            with self._lock:
                 if not peer.outbox or peer.flush_armed:
                     return
                 peer.flush_armed = True
@@ -470,7 +471,7 @@ class PushSender:
 
     def _on_flush(self, peer: _Peer) -> None:
         """I/O thread: send everything queued for ``peer``; ends the busy period that makes puts ride along."""
-        with self._cv:
+        with self._lock:
             peer.flush_armed = False
             peer.blocked = False
             if not peer.outbox:
@@ -481,12 +482,12 @@ class PushSender:
             if not self._closed:
                 sock = peer.data_sock or self._open_data(peer)
                 while peer.outbox:
-                    with self._cv:
+                    with self._lock:
                         outs = self._take(peer)
                     self._send_or_requeue(sock, peer, outs)
                 peer.retry_s = _RETRY_MIN_S
         except zmq.ZMQError as exc:
-            with self._cv:
+            with self._lock:
                 peer.blocked = True
             if not isinstance(exc, zmq.Again):
                 log.warning("sending a batch to %s failed: %s", peer.endpoint, exc)
@@ -504,7 +505,7 @@ class PushSender:
     def forget(self, match: Callable[[str], bool]) -> int:
         """Stop retaining puts whose key matches (the request is finished); return how many."""
         dropped: list[_Out] = []
-        with self._cv:
+        with self._lock:
             for peer in self._peers.values():
                 for seq in [s for s, out in peer.retained.items() if match(out.key)]:
                     out = peer.retained.pop(seq)
@@ -528,7 +529,7 @@ class PushSender:
 
     def stats(self) -> dict[str, Any]:
         """Window occupancy and per-peer state."""
-        with self._cv:
+        with self._lock:
             return {
                 "puts": self._puts,
                 "bytes_sent": self._bytes_sent,
@@ -549,7 +550,7 @@ class PushSender:
 
     def close(self) -> None:
         """Fail waiting and future puts; sockets close on the loop thread."""
-        with self._cv:
+        with self._lock:
             self._closed = True
             self._cv.notify_all()
 
@@ -600,7 +601,7 @@ class PushSender:
     ) -> None:
         now = time.monotonic()
         resend: list[_Out] = []
-        with self._cv:
+        with self._lock:
             peer.last_heard = now
             peer.suspect = False
             stale = incarnation in peer.old_incarnations
@@ -692,7 +693,7 @@ class PushSender:
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        with self._cv:
+        with self._lock:
             peers = list(self._peers.values())
             for peer in peers:
                 silent = peer.last_heard and now - peer.last_heard > self._peer_timeout
@@ -732,7 +733,7 @@ class PushSender:
         now = time.monotonic()
         failed: list[tuple[_Peer, _Out]] = []
         later: list[tuple[float, int, str]] = []
-        with self._cv:
+        with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 deadline, seq, to_stage = heapq.heappop(self._deadlines)
                 peer = self._peers[to_stage]
@@ -862,7 +863,9 @@ class PushReceiver:
         self._source_ttl = source_ttl_s
         self._counters = counters
         self._health = health
-        self._cv = threading.Condition()
+        # A plain Lock under the condition: ``with self._lock`` costs a C call, a Condition's two Python ones.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._box: dict[tuple[str, str, str], _Item] = {}
         self._arrivals: list[tuple[tuple[str, str, str], _Item]] = []  # decoded this drain, stored at its end
         self._generation = 0  # bumped under _cv whenever items arrive (wait_for_change)
@@ -896,7 +899,7 @@ class PushReceiver:
             ShmError: the item's shared-memory payload expired or was withdrawn (the item is gone).
             DecodeError: the shared-memory payload is not a valid encoding.
         """
-        with self._cv:
+        with self._lock:
             item = self._box.pop((from_stage, to_stage, key), None)
             if item is None:
                 return None
@@ -906,7 +909,7 @@ class PushReceiver:
     def take_by(self, from_stage: str, to_stage: str, key: str, deadline: float) -> tuple[Any, int] | None:
         """Like :meth:`take`, waiting on a condition until ``time.monotonic() >= deadline``."""
         slot = (from_stage, to_stage, key)
-        with self._cv:
+        with self._lock:
             while slot not in self._box:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
@@ -928,7 +931,7 @@ class PushReceiver:
 
     def forget(self, match: Callable[[str], bool]) -> int:
         """Drop mailbox items whose key matches (acknowledged as consumed); return how many."""
-        with self._cv:
+        with self._lock:
             slots = [slot for slot in self._box if match(slot[2])]
             items = [self._box.pop(slot) for slot in slots]
             for item in items:
@@ -952,7 +955,7 @@ class PushReceiver:
 
     def stats(self) -> dict[str, Any]:
         """Gets, bytes taken, items waiting for ``get``, and BATCH messages taken in."""
-        with self._cv:
+        with self._lock:
             return {
                 "gets": self._gets,
                 "bytes_received": self._bytes_received,
@@ -970,7 +973,7 @@ class PushReceiver:
         Returns the generation then (equal to ``generation`` after a timeout or close).
         """
         deadline = time.monotonic() + timeout
-        with self._cv:
+        with self._lock:
             while self._generation == generation and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -980,7 +983,7 @@ class PushReceiver:
 
     def close(self) -> None:
         """Wake every waiting ``get``; the socket closes on the loop thread after a last ack flush."""
-        with self._cv:
+        with self._lock:
             self._closed = True
             self._cv.notify_all()
 
@@ -1030,7 +1033,7 @@ class PushReceiver:
         """Put this drain's items in the mailbox: one lock, one notify, for every message and batch."""
         arrivals, self._arrivals = self._arrivals, []
         replaced: list[_Item] = []
-        with self._cv:
+        with self._lock:
             box = self._box
             for slot, item in arrivals:
                 old = box.get(slot)
@@ -1187,7 +1190,7 @@ class PushReceiver:
         self._flush_acks()
 
     def _flush_taken(self) -> None:
-        with self._cv:
+        with self._lock:
             taken, self._taken = self._taken, []
         for sid, seq in taken:
             source = self._sources.get(sid)
