@@ -87,6 +87,8 @@ def test_receiver_killed_mid_stream_and_restarted_loses_nothing(short_tmp: Path)
     assert duplicates <= set(before[-50:]), sorted(duplicates)
     assert failures == [] and shealth["pending"] == 0
     assert shealth["resends"] > 0
+    # The burst of 1,000 small puts coalesced: the loss-free restart above held for batched puts.
+    assert shealth["batches_sent"] > 0 and rhealth["batches_received"] > 0
 
 
 def test_receiver_closed_and_reopened_in_process_gets_each_message_once(
@@ -261,3 +263,49 @@ def test_probe_answers_with_health_and_reports_a_missing_stage(connectors: list[
     assert health["stage_id"] == "1" and health["status"] == "ok"
     with pytest.raises(PeerGoneError, match="nothing is listening"):
         probe(f"ipc://{short_tmp}/absent.sock", timeout_s=0.3)
+
+
+def test_malformed_batches_are_rejected_one_by_one_and_the_receiver_keeps_working(
+    connectors: list[ZmqConnector], short_tmp: Path, zmq_ctx: zmq.Context[Any]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/b.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    from zmq_omni.transport._envelope import Kind, pack
+
+    wire = encode({"x": 1})[0]
+    entry = [0, "0", "k", wire]
+    whole: list[bytes] = [  # each rejected as a whole: nothing of it reaches the mailbox
+        pack(Kind.BATCH, ("sid", 0, "1", entry)),  # one put is not a batch
+        pack(Kind.BATCH, ("sid", 0, "1", [*entry, 1, "0", "k2"])),  # not whole entries
+        pack(Kind.BATCH, ("sid", 0, "1", [*entry, "1", "0", "k2", wire])),  # seq is not an int
+        pack(Kind.BATCH, ("sid", 0, "1", [*entry, 1, "0", "k2", "not-bytes"])),  # wire is not bin
+        pack(Kind.BATCH, ("sid", 0, "1", [*entry, 1, "0", "k2", wire]), b"trailing"),  # payload after header
+        pack(Kind.BATCH, ("sid", 0, 1, [*entry, 1, "0", "k2", wire])),  # to_stage is not a str
+        pack(Kind.BATCH, ("x" * 500, 0, "1", [*entry, 1, "0", "k2", wire])),  # absurd sender id
+        pack(Kind.BATCH, ("sid", 0, "1", {"entries": 1})),  # not a list
+    ]
+    # Well-formed, but its middle put is not a wire encoding: only that put is rejected.
+    mixed = pack(Kind.BATCH, ("sid", 0, "1", [0, "0", "a", wire, 1, "0", "bad", b"\x00" * 40, 2, "0", "c", wire]))
+    attacker = zmq_ctx.socket(zmq.DEALER)
+    attacker.connect(endpoint)
+    for frame in whole:
+        attacker.send(frame)
+    attacker.send(mixed)
+    attacker.close(linger=1000)
+    assert wait_until(lambda: receiver.health()["rejected_frames"] == len(whole) + 1, 5), receiver.health()
+    assert receiver.get("0", "1", "k") is None and receiver.get("0", "1", "k2") is None
+    assert receiver.get("0", "1", "bad") is None
+    assert receiver.get("0", "1", "a") == ({"x": 1}, len(wire))
+    assert receiver.get("0", "1", "c") == ({"x": 1}, len(wire))
+    # The I/O thread survived: a real sender's batched burst still arrives, every put exactly once.
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint})
+    assert sender.put("0", "1", "first", 0)[0]
+    assert receiver.get_with_deadline("0", "1", "first", deadline=time.monotonic() + 5) is not None
+    for i in range(500):
+        assert sender.put("0", "1", f"n{i}", {"i": i})[0]
+    for i in range(500):
+        got = receiver.get_with_deadline("0", "1", f"n{i}", deadline=time.monotonic() + 5)
+        assert got is not None and got[0] == {"i": i}
+    assert wait_until(lambda: sender.health()["pending"] == 0, 5)
+    assert sender.health()["batches_sent"] > 0
+    assert receiver.health()["rejected_frames"] == len(whole) + 1 and receiver.health()["mailbox"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,67 @@ def test_fan_out_one_sender_two_receiver_stages(short_tmp: Path) -> None:
 def test_no_thread_outlives_a_test_of_this_module() -> None:
     # The peers run in other processes; this process must not have grown any zmq_omni thread.
     assert not [t for t in threading.enumerate() if t.name.startswith("zmq-omni")]
+
+
+def test_a_lone_put_is_sent_at_once_and_a_burst_is_batched(short_tmp: Path) -> None:
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoint = f"ipc://{short_tmp}/lone.sock"
+    with (
+        ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}}) as receiver,
+        ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}}) as sender,
+    ):
+        assert sender.put("0", "1", "hello", 1)[0]  # the receiver's first ack announces its batch limit
+        assert receiver.get_with_deadline("0", "1", "hello", deadline=time.monotonic() + 5) is not None
+        for i in range(2000):  # a burst: puts arrive while earlier ones are being sent
+            assert sender.put("0", "1", f"b{i}", {"i": i})[0]
+        for i in range(2000):
+            got = receiver.get_with_deadline("0", "1", f"b{i}", deadline=time.monotonic() + 10)
+            assert got is not None and got[0] == {"i": i}
+        assert sender.health()["batches_sent"] > 0 and receiver.health()["batches_received"] > 0
+        for n in range(3):
+            time.sleep(0.2)  # idle: nothing in progress or queued
+            start = time.monotonic()
+            assert sender.put("0", "1", f"lone{n}", {"n": n})[0]
+            got = receiver.get_with_deadline("0", "1", f"lone{n}", deadline=start + 5)
+            # Generous bound: a lone put must not wait for a batch to fill or a timer to fire.
+            assert got is not None and got[0] == {"n": n}
+            assert time.monotonic() - start < 0.5
+
+
+def test_wait_for_change_wakes_on_arrival_and_times_out_otherwise(short_tmp: Path) -> None:
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoint = f"ipc://{short_tmp}/wake.sock"
+    with (
+        ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}}) as receiver,
+        ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}}) as sender,
+    ):
+        assert sender.get_wakeup_generation() is None  # nothing arrives at a sender: no wakeups offered
+        gen = receiver.get_wakeup_generation()
+        assert isinstance(gen, int)
+        start = time.monotonic()
+        assert receiver.wait_for_change(gen, timeout=0.2) == gen  # nothing arrived
+        assert time.monotonic() - start >= 0.19
+        woken: list[tuple[int, float]] = []
+        waiter = threading.Thread(
+            target=lambda: woken.append((receiver.wait_for_change(gen, timeout=10.0), time.monotonic()))
+        )
+        waiter.start()
+        time.sleep(0.1)
+        put_at = time.monotonic()
+        assert sender.put("0", "1", "k", "v")[0]
+        waiter.join(10)
+        assert not waiter.is_alive()
+        (new_gen, woke_at) = woken[0]
+        assert new_gen != gen and woke_at - put_at < 5.0  # woken by the arrival, not the 10 s timeout
+        got = receiver.get("0", "1", "k")
+        assert got is not None and got[0] == "v"
+        # A generation taken after the arrival does not report it again.
+        assert receiver.wait_for_change(receiver.get_wakeup_generation(), timeout=0.05) == new_gen
+        closer = threading.Timer(0.1, receiver.close)
+        closer.start()
+        start = time.monotonic()
+        receiver.wait_for_change(new_gen, timeout=10.0)  # close() ends the wait
+        assert time.monotonic() - start < 5.0
+        closer.join()

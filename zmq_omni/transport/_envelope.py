@@ -140,8 +140,13 @@ def check_types(header: Sequence[Any], types: tuple[type, ...], what: str) -> No
 
 def to_ranges(seqs: Iterable[int]) -> list[list[int]]:
     """Compress sequence numbers into sorted ``[first, last]`` runs (acks stay small under load)."""
+    ordered = sorted(set(seqs))
+    if not ordered:
+        return []
+    if ordered[-1] - ordered[0] + 1 == len(ordered):  # one run, the usual case: no Python loop
+        return [[ordered[0], ordered[-1]]]
     out: list[list[int]] = []
-    for seq in sorted(seqs):
+    for seq in ordered:
         if out and seq <= out[-1][1] + 1:
             out[-1][1] = max(out[-1][1], seq)
         else:

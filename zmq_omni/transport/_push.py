@@ -40,7 +40,6 @@ Delivery protocol (seq numbers are per sender and receiving stage):
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
@@ -198,7 +197,6 @@ class PushSender:
         self._puts = 0
         self._bytes_sent = 0
         self._batches_sent = 0
-        self._deadlines: list[tuple[float, int, str]] = []
         self._closed = False
         loop.every(heartbeat_s, self._heartbeat)
         loop.every(min(0.05, heartbeat_s), self._expire)
@@ -241,7 +239,6 @@ class PushSender:
             self._bytes += nbytes
             self._puts += 1
             self._bytes_sent += nbytes
-            heapq.heappush(self._deadlines, (out.deadline, seq, to_stage))
             if loc is None and len(frames) == 1 and nbytes < self._batch_item_bytes and peer.batch_bytes:
                 out.queued = True
                 peer.outbox.append(out)
@@ -651,12 +648,12 @@ class PushSender:
 
     def _unarrive(self, peer: _Peer, outs: Iterable[_Out], now: float) -> None:
         """Mark puts undelivered again with a fresh deadline (caller holds ``_cv``)."""
+        # Re-inserted at the end: ``unarrived`` stays in deadline order (see _expire).
         for out in outs:
-            if out.arrived:
-                out.arrived = False
-                peer.unarrived[out.seq] = out
+            out.arrived = False
+            peer.unarrived.pop(out.seq, None)
+            peer.unarrived[out.seq] = out
             out.deadline = now + self._delivery_timeout
-            heapq.heappush(self._deadlines, (out.deadline, out.seq, peer.to_stage))
 
     def _resend(self, peer: _Peer, outs: list[_Out]) -> None:
         # Never wait for a put thread blocked at the high-water mark: the next pong retries.
@@ -732,34 +729,25 @@ class PushSender:
     def _expire(self) -> None:
         now = time.monotonic()
         failed: list[tuple[_Peer, _Out]] = []
-        later: list[tuple[float, int, str]] = []
         with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                deadline, seq, to_stage = heapq.heappop(self._deadlines)
-                peer = self._peers[to_stage]
-                out = peer.unarrived.get(seq)
-                if out is None or out.deadline != deadline:
-                    continue  # delivered, consumed, or re-armed since
-                if out.sent_ping is None and not out.queued:
-                    # Its put is still waiting for ZeroMQ; that put reports its own timeout.
-                    out.deadline = now + _SEND_SLICE_S
-                    later.append((out.deadline, seq, to_stage))
-                    continue
-                del peer.unarrived[seq]
-                del peer.retained[seq]
-                out.queued = False  # still in the outbox (never sent): the next batch skips it
-                self._count -= 1
-                self._bytes -= out.nbytes
-                failed.append((peer, out))
-            for entry in later:
-                heapq.heappush(self._deadlines, entry)
-            live = sum(len(p.unarrived) for p in self._peers.values())
-            if len(self._deadlines) > 2 * live + 4096:
-                # Entries of arrived puts linger until their deadline; at a high put rate that is
-                # rate x delivery_timeout_s of them, so rebuild from what can still expire.
-                peers = self._peers.values()
-                self._deadlines = [(o.deadline, o.seq, p.to_stage) for p in peers for o in p.unarrived.values()]
-                heapq.heapify(self._deadlines)
+            # Each peer's ``unarrived`` is in deadline order (puts enter at the end with now + the
+            # timeout, re-armed ones move to the end), so the expired ones are a prefix: no heap,
+            # no per-put bookkeeping.
+            for peer in self._peers.values():
+                expired = []
+                for out in peer.unarrived.values():
+                    if out.deadline > now:
+                        break
+                    # A put whose own thread is still handing it to ZeroMQ reports its own timeout.
+                    if out.sent_ping is not None or out.queued:
+                        expired.append(out)
+                for out in expired:
+                    del peer.unarrived[out.seq]
+                    del peer.retained[out.seq]
+                    out.queued = False  # still in the outbox (never sent): the next batch skips it
+                    self._count -= 1
+                    self._bytes -= out.nbytes
+                    failed.append((peer, out))
             if failed:
                 for peer in {p for p, _ in failed}:
                     peer.advance_low()
