@@ -208,3 +208,30 @@ def test_keygen_writes_a_usable_private_key_pair(short_tmp: Path) -> None:
     assert zmq.curve_public(secret.encode()) == public.encode()  # the pair belongs together
     printed = run_cli("keygen")
     assert printed.returncode == 0 and "curve_public_key:" in printed.stdout
+
+
+def test_stage_serves_prometheus_metrics(short_tmp: Path, stage_procs: list[StageProcs]) -> None:
+    import urllib.request
+
+    config = short_tmp / "pipeline.yaml"
+    write_pipeline(config)
+    port = _port()
+    proc = subprocess.Popen([*CLI, "stage", "--config", str(config), "--stage", "talker", "--metrics-port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 30
+        body = ""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                    body = response.read().decode()
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert "zmq_omni_stage_completed 0.0" in body, body[:2000]
+        assert any(line.startswith("zmq_omni_stage_") and "_up " in line for line in body.splitlines())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+    assert "metrics on http://127.0.0.1:" in err

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--config", required=True, metavar="PIPELINE.yaml", help="the pipeline config")
     stage.add_argument("--stage", required=True, metavar="NAME", help="the stage to run (pipeline.stages[].name)")
     stage.add_argument("--stats-out", metavar="FILE", help="write the stage's final health as JSON here on exit")
+    stage.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve the stage's health as Prometheus gauges on this port (needs zmq-omni[metrics])")
+    stage.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                       help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in containers is explicit)")
 
     drive = sub.add_parser("drive", help="submit requests to a pipeline and report each one",
                            description="Submit requests to the first stage of a pipeline, collect the last "

@@ -46,13 +46,26 @@ def run_stage(args: argparse.Namespace) -> int:
     def stop(signum: int, frame: FrameType | None) -> None:
         worker.stop()
 
+    exporter = None
+    if args.metrics_port is not None:
+        from ..metrics import PrometheusExporter
+
+        try:
+            exporter = PrometheusExporter(worker.health, port=args.metrics_port, addr=args.metrics_addr,
+                                          prefix="zmq_omni_stage")
+        except (ImportError, OSError) as exc:
+            worker.close()
+            raise ConfigError(f"--metrics-port {args.metrics_port}: {exc}") from exc
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        print(f"zmq-omni stage {spec.name} (stage id {spec.stage_id}) serving on {spec.endpoint or '-'}",
+        metrics = f"; metrics on http://{exporter.addr}:{exporter.port}/metrics" if exporter else ""
+        print(f"zmq-omni stage {spec.name} (stage id {spec.stage_id}) serving on {spec.endpoint or '-'}{metrics}",
               file=sys.stderr, flush=True)
         worker.run()
         health = worker.health()
     finally:
+        if exporter is not None:
+            exporter.close()
         worker.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
