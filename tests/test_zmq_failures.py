@@ -309,3 +309,15 @@ def test_malformed_batches_are_rejected_one_by_one_and_the_receiver_keeps_workin
     assert wait_until(lambda: sender.health()["pending"] == 0, 5)
     assert sender.health()["batches_sent"] > 0
     assert receiver.health()["rejected_frames"] == len(whole) + 1 and receiver.health()["mailbox"] == 0
+
+
+def test_ack_ranges_are_validated_without_expanding_them() -> None:
+    from zmq_omni.errors import DecodeError
+    from zmq_omni.transport._envelope import check_ranges, from_ranges, to_ranges
+
+    assert check_ranges([[0, 2], [5, 5]], 4) == [range(0, 3), range(5, 6)]
+    assert from_ranges(to_ranges([7, 1, 2, 3, 9]), 5) == [1, 2, 3, 7, 9]
+    huge = [[0, 10**12]]  # a hostile ack naming a trillion seqs is refused before anything is built
+    for bad in (huge, [[3, 1]], [[-1, 2]], [[0, True]], [[0]], "x", [[0, 1], [2, 3]]):
+        with pytest.raises(DecodeError):
+            check_ranges(bad, 3)

@@ -215,3 +215,44 @@ def test_wait_for_change_wakes_on_arrival_and_times_out_otherwise(short_tmp: Pat
         receiver.wait_for_change(new_gen, timeout=10.0)  # close() ends the wait
         assert time.monotonic() - start < 5.0
         closer.join()
+
+
+def test_a_stream_of_small_puts_rides_in_batches_without_a_wakeup_per_put(short_tmp: Path) -> None:
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoint = f"ipc://{short_tmp}/stream.sock"
+    with (
+        ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}}) as receiver,
+        ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}}) as sender,
+    ):
+        assert sender.put("0", "1", "hello", 1)[0]  # the receiver's first ack announces its batch limit
+        assert receiver.get_with_deadline("0", "1", "hello", deadline=time.monotonic() + 5) is not None
+        loop = sender._loop
+        assert loop is not None
+        wakes = [0]
+        wake = loop.wake
+
+        def counting_wake() -> None:
+            wakes[0] += 1
+            wake()
+
+        loop.wake = counting_wake  # type: ignore[method-assign]
+        n = 3000
+        for i in range(n):
+            assert sender.put("0", "1", f"s{i}", {"i": i, "pad": b"x" * 100})[0]
+        for i in range(n):
+            got = receiver.get_with_deadline("0", "1", f"s{i}", deadline=time.monotonic() + 10)
+            assert got is not None and got[0]["i"] == i
+        # The first queued put of a busy period wakes the I/O thread; the rest of the stream rides along.
+        assert wakes[0] < n // 10, wakes[0]
+        assert sender.health()["batches_sent"] < n // 2
+        assert sender.health()["pending"] == 0 or wait_for_empty(sender)
+
+
+def wait_for_empty(sender: Any) -> bool:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if sender.health()["pending"] == 0:
+            return True
+        time.sleep(0.02)
+    return False

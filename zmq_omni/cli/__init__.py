@@ -90,13 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--config", metavar="PIPELINE.yaml", help="the pipeline config (with --stage)")
     health.add_argument("--timeout", type=float, default=2.0, metavar="S", help="probe timeout (default 2)")
 
-    bench = sub.add_parser("bench", help="benchmark grid; prints one table of ratios",
-                           description="Compact benchmark grid (well under two minutes): wire codec, "
-                                       "ZmqConnector over ipc and tcp against raw pyzmq, shared-memory fast "
-                                       "path against one memcpy. Writes a PNG when matplotlib is installed.")
-    bench.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
-    bench.add_argument("--plot", metavar="FILE.png", default="zmq-omni-bench.png",
-                       help="where to write the plot (needs matplotlib; default zmq-omni-bench.png)")
+    bench = sub.add_parser("bench", help="benchmark grids; prints one table of ratios",
+                           description="A compact run of the four benchmark grids of benchmarks/*.py (wire "
+                                       "codec, ZmqConnector against raw pyzmq, the shared-memory fast path, "
+                                       "the adapters), printed as one table of ratios measured in the same "
+                                       "run; well under two minutes. Writes a PNG when matplotlib is installed.")
+    bench.add_argument("--quick", action="store_true", help="fewest sizes and repetitions (a smoke run)")
+    plot = bench.add_mutually_exclusive_group()
+    plot.add_argument("--plot", metavar="FILE.png", default="zmq-omni-bench.png",
+                      help="where to write the plot (needs the plot extra; default zmq-omni-bench.png)")
+    plot.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="write no plot")
 
     keygen = sub.add_parser("keygen", help="make a CURVE key pair for encrypted TCP between hosts",
                             description="Print a new CURVE key pair (Z85) as YAML-ready lines, or write "

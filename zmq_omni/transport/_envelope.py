@@ -48,6 +48,7 @@ from ..errors import DecodeError
 __all__ = [
     "PREAMBLE_SIZE",
     "Kind",
+    "check_ranges",
     "check_types",
     "from_ranges",
     "pack",
@@ -156,9 +157,18 @@ def to_ranges(seqs: Iterable[int]) -> list[list[int]]:
 
 def from_ranges(ranges: Any, limit: int) -> list[int]:
     """Expand ``[first, last]`` runs, refusing more than ``limit`` numbers (hostile acks)."""
+    out: list[int] = []
+    for run in check_ranges(ranges, limit):
+        out.extend(run)
+    return out
+
+
+def check_ranges(ranges: Any, limit: int) -> list[range]:
+    """Validate ``[first, last]`` runs as :func:`from_ranges` does, without expanding them."""
     if not isinstance(ranges, list):
         raise DecodeError("seq ranges must be a list")
-    out: list[int] = []
+    out: list[range] = []
+    total = 0
     for item in ranges:
         if (
             not isinstance(item, list)
@@ -168,7 +178,8 @@ def from_ranges(ranges: Any, limit: int) -> list[int]:
             or item[0] < 0
         ):
             raise DecodeError(f"bad seq range {item!r:.40}")
-        if len(out) + item[1] - item[0] + 1 > limit:
+        total += item[1] - item[0] + 1
+        if total > limit:
             raise DecodeError(f"seq ranges name more than {limit} messages")
-        out.extend(range(item[0], item[1] + 1))
+        out.append(range(item[0], item[1] + 1))
     return out

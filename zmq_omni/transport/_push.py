@@ -45,7 +45,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -61,7 +61,7 @@ from ..errors import (
 )
 from ..metrics import Counters
 from ._endpoints import EndpointMap
-from ._envelope import Kind, check_types, from_ranges, pack, to_ranges, unpack
+from ._envelope import Kind, check_ranges, check_types, pack, to_ranges, unpack
 from ._loop import IoLoop
 from ._router import recv_routed
 from ._security import Curve
@@ -91,6 +91,9 @@ _MAX_BATCH_ENTRIES = 65536
 _SEND_SLICE_S = 0.05  # a blocked send re-checks close() this often
 _RETRY_MIN_S = 0.001  # a batch refused at the high-water mark is retried after this, doubling...
 _RETRY_MAX_S = 0.05  # ...up to this
+# A flush that found puts queued keeps the peer busy this much longer (a stream is on): puts ride in batches
+# without waking the I/O thread, and a put flushes the outbox itself once its oldest entry waited this long.
+_STREAM_FLUSH_S = 0.0002
 
 
 class _Out:
@@ -137,6 +140,8 @@ class _Peer:
         self.batch_bytes = 0  # largest BATCH frame the receiver said it accepts; 0 = do not batch
         self.outbox: list[_Out] = []
         self.outbox_bytes = 0
+        self.outbox_since = 0.0  # when the oldest put in the outbox was queued
+        self.busy_until = 0.0  # a small put before this time rides in the next batch instead of going at once
         self.flush_armed = False  # a flush is scheduled on the I/O thread: new small puts ride with it
         self.blocked = False  # the last flush met the high-water mark; the I/O thread retries
         self.retry_s = _RETRY_MIN_S
@@ -241,26 +246,36 @@ class PushSender:
             self._bytes_sent += nbytes
             if loc is None and len(frames) == 1 and nbytes < self._batch_item_bytes and peer.batch_bytes:
                 out.queued = True
-                peer.outbox.append(out)
+                outbox = peer.outbox
+                if not outbox:
+                    peer.outbox_since = now
+                outbox.append(out)
                 peer.outbox_bytes += nbytes + len(key) + 16
                 batched = True
-                idle = not peer.flush_armed
                 if (
-                    (idle or len(peer.outbox) >= self._batch_max_messages or peer.outbox_bytes >= peer.batch_bytes)
+                    (
+                        (len(outbox) == 1 and now >= peer.busy_until)  # idle: no added latency
+                        or len(outbox) >= self._batch_max_messages
+                        or peer.outbox_bytes >= peer.batch_bytes
+                        or now - peer.outbox_since >= _STREAM_FLUSH_S
+                    )
                     and not peer.blocked
                     and peer.data_lock.acquire(False)
                 ):
                     outs: list[_Out] | None = self._take(peer)
+                    peer.busy_until = now + _STREAM_FLUSH_S
+                    wake = False
                 else:
+                    # It stays queued: make sure the I/O thread flushes it (one wake-up per busy period).
                     outs = None
-                peer.flush_armed = True
+                    wake = not peer.flush_armed
+                    peer.flush_armed = True
             else:
-                batched = idle = False
+                batched = wake = False
                 outs = None
         if outs is not None:
             self._flush(peer, outs)  # releases data_lock
-        if idle:
-            # The I/O thread's turn ends the busy period: until then, small puts ride together.
+        if wake:
             self._loop.call_soon(peer.flush_soon)
         if not batched:
             self._send_direct(peer, out, deadline)
@@ -467,7 +482,12 @@ class PushSender:
                 self._loop.call_soon(peer.flush_soon)
 
     def _on_flush(self, peer: _Peer) -> None:
-        """I/O thread: send everything queued for ``peer``; ends the busy period that makes puts ride along."""
+        """I/O thread: send everything queued for ``peer``.
+
+        A turn that finds nothing queued ends the busy period (the next put goes out at once). One that
+        finds puts queued means a stream is on: it sends them and keeps the peer busy for another
+        ``_STREAM_FLUSH_S``, so the stream's puts ride in batches without a wake-up per put.
+        """
         with self._lock:
             peer.flush_armed = False
             peer.blocked = False
@@ -475,6 +495,7 @@ class PushSender:
                 return
         if not peer.data_lock.acquire(False):
             return  # the holder's _release() re-arms this flush
+        streaming = False
         try:
             if not self._closed:
                 sock = peer.data_sock or self._open_data(peer)
@@ -483,6 +504,7 @@ class PushSender:
                         outs = self._take(peer)
                     self._send_or_requeue(sock, peer, outs)
                 peer.retry_s = _RETRY_MIN_S
+                streaming = True
         except zmq.ZMQError as exc:
             with self._lock:
                 peer.blocked = True
@@ -490,6 +512,13 @@ class PushSender:
                 log.warning("sending a batch to %s failed: %s", peer.endpoint, exc)
         finally:
             self._release(peer)
+        if streaming:
+            with self._lock:
+                peer.busy_until = time.monotonic() + _STREAM_FLUSH_S
+                if peer.flush_armed:
+                    return
+                peer.flush_armed = True
+            self._loop.call_later(_STREAM_FLUSH_S, peer.flush_soon)
 
     def _open_data(self, peer: _Peer) -> Any:
         sock = make_socket(self._loop.ctx, zmq.DEALER, hwm=self._hwm, identity=b"d" + self.sid.encode())
@@ -580,7 +609,7 @@ class PushSender:
                 if type(batch_bytes) is not int or batch_bytes < 0:
                     raise DecodeError(f"REPLY batch size {batch_bytes!r:.40} is not a count of bytes")
                 limit = 4 * self._max_count + 1024
-                arrived, consumed = from_ranges(header[2], limit), from_ranges(header[3], limit)
+                arrived, consumed = check_ranges(header[2], limit), check_ranges(header[3], limit)
                 self._on_reply(peer, header[0], header[1], arrived, consumed, verdict, batch_bytes)
             except DecodeError as exc:
                 self._counters.add("rejected_frames")
@@ -591,11 +620,12 @@ class PushSender:
         peer: _Peer,
         incarnation: str,
         ping: int,
-        arrived: list[int],
-        consumed: list[int],
+        arrived: list[range],
+        consumed: list[range],
         shm: bool | None,
         batch_bytes: int = 0,
     ) -> None:
+        """Apply a REPLY: ``arrived`` and ``consumed`` are runs of seqs (walked in place, never expanded)."""
         now = time.monotonic()
         resend: list[_Out] = []
         with self._lock:
@@ -623,19 +653,23 @@ class PushSender:
                 log.info("receiver %s %s our shared memory", peer.endpoint, "reads" if shm else "cannot read")
                 peer.shm = shm
                 self._cv.notify_all()
-            freed = 0
-            for seq in consumed:  # consumption is final whichever incarnation reports it
-                out = peer.retained.pop(seq, None)
-                if out is not None:
-                    peer.unarrived.pop(seq, None)
-                    self._count -= 1
-                    self._bytes -= out.nbytes
-                    freed += 1
-            if not stale:
-                for seq in arrived:
-                    out = peer.unarrived.pop(seq, None)
+            freed = freed_bytes = 0
+            retained_pop, unarrived_pop = peer.retained.pop, peer.unarrived.pop
+            for run in consumed:  # consumption is final whichever incarnation reports it
+                for seq in run:
+                    out = retained_pop(seq, None)
                     if out is not None:
-                        out.arrived = True
+                        unarrived_pop(seq, None)
+                        freed += 1
+                        freed_bytes += out.nbytes
+            self._count -= freed
+            self._bytes -= freed_bytes
+            if not stale:
+                for run in arrived:
+                    for seq in run:
+                        out = unarrived_pop(seq, None)
+                        if out is not None:
+                            out.arrived = True
                 if renewed:
                     resend = [o for o in peer.unarrived.values() if o.sent_ping is not None]
                 elif ping >= 0:
@@ -812,15 +846,18 @@ class _Source:
         self.shm: bool | None = None  # its verdict: may this sender send slot handles?
 
 
-class _Item:
-    __slots__ = ("loc", "nbytes", "obj", "seq", "sid")
+class _Item(NamedTuple):
+    """One mailbox entry; a tuple, so the receive hot path builds it with one C call (``_new_item``)."""
 
-    def __init__(self, obj: Any, nbytes: int, sid: str, seq: int, loc: bytes | None = None) -> None:
-        self.obj = obj
-        self.nbytes = nbytes
-        self.sid = sid
-        self.seq = seq
-        self.loc = loc  # a slot handle, opened by ``take`` (obj is None until then)
+    obj: Any
+    nbytes: int
+    sid: str
+    seq: int
+    loc: bytes | None  # a slot handle, opened by ``take`` (obj is None until then)
+
+
+# ``_Item.__new__`` is a Python function; the tuple constructor makes the same object without it.
+_new_item = tuple.__new__
 
 
 class PushReceiver:
@@ -1073,7 +1110,7 @@ class PushReceiver:
                 continue
             seen.add(seq)
             arrived.append(seq)
-            arrivals.append(((from_stage, to_stage, key), _Item(obj, len(wire), sid, seq)))
+            arrivals.append(((from_stage, to_stage, key), _new_item(_Item, (obj, len(wire), sid, seq, None))))
         if duplicates:
             self._counters.add("duplicates_dropped", duplicates)
         return rejected
@@ -1108,7 +1145,7 @@ class PushReceiver:
             self._counters.add("duplicates_dropped")
             source.arrived.append(seq)
             return
-        self._store(source, (from_stage, to_stage, key), _Item(self._decode(parts), size, sid, seq))
+        self._store(source, (from_stage, to_stage, key), _new_item(_Item, (self._decode(parts), size, sid, seq, None)))
 
     def _on_handle(self, header: list[Any], loc: bytes, extra: int) -> None:
         # Checked before any state changes: a handle from a sender we never confirmed is refused.

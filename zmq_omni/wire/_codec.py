@@ -163,6 +163,17 @@ class _Encoder:
                     key: tuple[np.dtype[Any], tuple[int, ...], int] = (dtype, view.shape, index)  # type: ignore[assignment]
                     ext = _oob_ext_memo.get(key)
                     return _oob_ext(key, nbytes) if ext is None else ext
+                if nbytes < self.threshold and view.c_contiguous:
+                    # Fast path for a small C-contiguous array: the bytes _descriptor would build.
+                    self.flags |= FLAG_EXT
+                    shape = view.shape
+                    ndim = len(shape)  # type: ignore[arg-type]
+                    head = _INLINE_PREFIXES[dtype][ndim]
+                    if ndim == 1:
+                        head += _SHAPES[1].pack(shape[0])  # type: ignore[index]
+                    elif ndim:
+                        head += _SHAPES[ndim].pack(*shape)  # type: ignore[misc]
+                    return _new_ext(_ExtType, (EXT_ARRAY, head + view.tobytes()))
             return self._array(obj)
         if cls is tuple:
             self.flags |= FLAG_EXT | FLAG_TUPLE
@@ -301,6 +312,11 @@ _scalar_prefix_cache: dict[str, bytes] = {}
 # to bytes are here (bfloat16 takes the general path).
 _OOB_PREFIXES: dict[np.dtype[Any], tuple[bytes, ...]] = {
     dtype: tuple(_descriptor_prefix(LAYOUT_OUT_OF_BAND, ndim, name) for ndim in range(65))
+    for dtype, name in _dtypes.NAME_OF_NUMPY.items()
+}
+# The same for inline C-order arrays (layout 0).
+_INLINE_PREFIXES: dict[np.dtype[Any], tuple[bytes, ...]] = {
+    dtype: tuple(_descriptor_prefix(0, ndim, name) for ndim in range(65))
     for dtype, name in _dtypes.NAME_OF_NUMPY.items()
 }
 
@@ -503,6 +519,20 @@ class _Decoding:
         self.total = total
 
     def ext_hook(self, code: int, data: bytes) -> object:
+        if code == EXT_ARRAY and data and not data[0]:
+            # Fast path for a small inline C-order array (metadata-sized messages): a private, writable
+            # copy like _array's. Anything unusual or invalid takes _array, which raises the errors.
+            pos = _ARRAY_HEAD.size + data[2] if len(data) >= _ARRAY_HEAD.size else 0
+            entry = _prefix_memo.get(data[:pos]) if pos else None
+            if entry is not None and entry[1] <= self.limits.max_ndim:
+                ndim, dtype = entry[1], entry[2]
+                end = pos + 8 * ndim
+                if len(data) > end:
+                    shape = _SHAPES[ndim].unpack_from(data, pos)
+                    if len(data) - end == math.prod(shape) * dtype.itemsize:
+                        flat = np.frombuffer(data, dtype, -1, end).copy()
+                        return flat if ndim == 1 else flat.reshape(shape)
+            return self._array(code, data)
         if code == EXT_ARRAY:
             # Inlined fast path for a C-order out-of-band array (one per large
             # array; this is most of the codec's cost at >= 1 MiB). It makes

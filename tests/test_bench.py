@@ -1,0 +1,74 @@
+"""``zmq-omni bench`` and the benchmark grids run and report; speed is never asserted here."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zmq_omni.bench import Comparison, parse_size, size_label
+from zmq_omni.cli import _bench
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+
+
+def test_bench_quick_prints_one_table_with_a_row_per_grid(tmp_path: Path) -> None:
+    plot = tmp_path / "bench.png"
+    result = _run(sys.executable, "-m", "zmq_omni.cli", "bench", "--quick", "--plot", str(plot))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "benchmark" in out and "baseline name" in out and "ratio" in out
+    for row in ("wire codec encode+decode", "ZmqConnector ipc shm=off", "ZmqConnector ipc rate",
+                "shm fast path", "save_async scheduler hold", "chunk save_async->assembled"):
+        assert row in out, row
+    assert "total time" in out
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "zmq-omni[plot]" in out
+        assert not plot.exists()
+    else:
+        assert plot.read_bytes()[:8] == PNG_SIGNATURE
+        assert f"plot written to {plot}" in out
+
+
+def test_no_plot_writes_nothing(tmp_path: Path) -> None:
+    result = _run(sys.executable, "-m", "zmq_omni.cli", "bench", "--quick", "--no-plot")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "plot" not in result.stdout.split("total time")[1]
+
+
+def test_without_matplotlib_the_plot_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    plot = tmp_path / "bench.png"
+    _bench._plot([Comparison("codec", "x", "1 KiB", 1.0, 2.0, "y")], str(plot))
+    assert "pip install 'zmq-omni[plot]'" in capsys.readouterr().out
+    assert not plot.exists()
+
+
+def test_ratio_is_how_many_times_better_ours_is_for_times_and_rates() -> None:
+    assert Comparison("g", "b", "s", ours=1.0, baseline=4.0, baseline_name="n").ratio == 4.0
+    assert Comparison("g", "b", "s", ours=3e9, baseline=1e9, baseline_name="n", unit="B/s").ratio == 3.0
+    assert Comparison("g", "b", "s", ours=1e5, baseline=4e5, baseline_name="n", unit="msg/s").ratio == 0.25
+
+
+def test_sizes_parse_and_print() -> None:
+    assert [parse_size(s) for s in ("1K", "64KiB", "1M", "256M", "4096")] == [1024, 65536, 1 << 20, 256 << 20, 4096]
+    assert [size_label(n) for n in (200, 1024, 1 << 20, 256 << 20)] == ["200 B", "1 KiB", "1 MiB", "256 MiB"]
+
+
+def test_benchmark_scripts_stay_runnable_as_thin_wrappers() -> None:
+    shm = _run(sys.executable, "benchmarks/shm.py", "--sizes", "1K,1M", "--budget-mib", "1")
+    assert shm.returncode == 0, shm.stderr
+    assert "zmq-conn" in shm.stdout and "1 MiB" in shm.stdout and "vllm/fast" in shm.stdout
+    adapters = _run(sys.executable, "benchmarks/adapters.py", "--n", "50")
+    assert adapters.returncode == 0, adapters.stderr
+    assert "chunk save_async->assembled" in adapters.stdout and "recv worker CPU" in adapters.stdout
