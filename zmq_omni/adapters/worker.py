@@ -41,7 +41,6 @@ The pipeline YAML format read by :func:`load_pipeline_config` is documented in
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import queue
@@ -55,7 +54,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from ..config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
-from ..config._fields import check_known_keys, read_float, read_mapping, read_str
+from ..config._fields import check_known_keys, import_callable, read_float, read_mapping, read_str
 from ..config.pipeline import read_config_document
 from ..connectors import OmniConnectorBase, TransferFailure, create_connector
 from ..errors import ConfigError, TransportError
@@ -119,16 +118,7 @@ class StageSpec:
         """
         if not self.function:
             raise ConfigError(f"stage {self.name!r} names no 'function'")
-        module_name, _, attr = self.function.partition(":")
-        if not module_name or not attr:
-            raise ConfigError(f"stage {self.name!r}: function {self.function!r} must look like 'package.module:name'")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ConfigError(f"stage {self.name!r}: cannot import {module_name!r}: {exc}") from exc
-        target = getattr(module, attr, None)
-        if not callable(target):
-            raise ConfigError(f"stage {self.name!r}: {self.function!r} is not a callable")
+        target = import_callable(self.function, f"stage {self.name!r}: function")
         if self.params is not None:
             try:
                 target = target(**dict(self.params))

@@ -6,12 +6,22 @@ Every reader raises :class:`~zmq_omni.errors.ConfigError` naming the key
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import importlib
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
 
-__all__ = ["check_known_keys", "read_bool", "read_choice", "read_float", "read_int", "read_mapping", "read_str"]
+__all__ = [
+    "check_known_keys",
+    "import_callable",
+    "read_bool",
+    "read_choice",
+    "read_float",
+    "read_int",
+    "read_mapping",
+    "read_str",
+]
 
 T = TypeVar("T")
 _MISSING: Any = object()
@@ -102,3 +112,24 @@ def read_mapping(data: Mapping[str, Any], key: str, default: Any = _MISSING, pat
     if not isinstance(value, Mapping):
         raise ConfigError(f"config key {_where(path, key)!r} must be a mapping, got {value!r}")
     return value
+
+
+def import_callable(path: str, what: str) -> Callable[..., Any]:
+    """Import the callable a ``"package.module:name"`` string names; ``what`` labels errors.
+
+    Raises:
+        ConfigError: a malformed path, a failed import, a missing or non-callable attribute.
+    """
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} {path!r} must look like 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {path!r}: cannot import {module_name!r}: {exc}") from exc
+    target = getattr(module, attr, None)
+    if target is None:
+        raise ConfigError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(target):
+        raise ConfigError(f"{what} {path!r} is not callable")
+    return target  # type: ignore[no-any-return]

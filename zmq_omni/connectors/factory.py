@@ -7,12 +7,12 @@ stays cheap. Out-of-tree connectors need no registration: a spec named
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from ..config import ConnectorSpec
+from ..config._fields import import_callable
 from ..errors import ConfigError
 from .base import OmniConnectorBase
 
@@ -29,19 +29,7 @@ _BUILTIN: dict[str, str] = {
 
 
 def _import_path(path: str) -> ConnectorConstructor:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"connector path {path!r} must look like 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import connector module {module_name!r} for {path!r}: {exc}") from exc
-    try:
-        ctor: ConnectorConstructor = getattr(module, attr)
-    except AttributeError as exc:
-        raise ConfigError(f"module {module_name!r} has no attribute {attr!r} (connector {path!r})") from exc
-    if not callable(ctor):
-        raise ConfigError(f"connector {path!r} is not callable")
+    ctor: ConnectorConstructor = import_callable(path, "connector")
     return ctor
 
 
