@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,26 @@ def shm_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def need_privilege(reason: str) -> None:
+    """Skip a test that needs root (mounts, namespaces) on a developer machine; fail it on CI."""
+    if os.environ.get("CI"):
+        pytest.fail(f"cannot run on CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[str]:
+    """A 4 MiB tmpfs standing in for a too-small /dev/shm (Docker's default is 64 MB)."""
+    mnt = tmp_path / "tinyshm"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        need_privilege("cannot mount a tmpfs here (needs root)")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 @pytest.fixture

@@ -21,18 +21,13 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.conftest import need_privilege
 from tests.zmq_peers import expected_digest
 
 pytestmark = pytest.mark.netns
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 5601  # a fresh namespace has no other listener, so a fixed port cannot collide
-
-
-def _need(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"multi-host test cannot run: {reason}")
-    pytest.skip(reason)
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -58,7 +53,7 @@ class Hosts:
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        _need("needs root and iproute2 (ip netns) to build two network namespaces")
+        need_privilege("needs root and iproute2 (ip netns) to build two network namespaces")
     tag = uuid.uuid4().hex[:6]
     a, b = f"zoA{tag}", f"zoB{tag}"
     link_a, link_b = f"zva{tag}", f"zvb{tag}"
@@ -78,7 +73,7 @@ def hosts() -> Iterator[Hosts]:
     except subprocess.CalledProcessError as exc:
         _ip("netns", "del", a, check=False)
         _ip("netns", "del", b, check=False)
-        _need(f"cannot create network namespaces: {exc.stderr.decode(errors='replace').strip()}")
+        need_privilege(f"cannot create network namespaces: {exc.stderr.decode(errors='replace').strip()}")
     try:
         yield Hosts(a, b, addr_a, addr_b, link_a)
     finally:

@@ -7,10 +7,8 @@ import multiprocessing as mp
 import os
 import resource
 import signal
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -270,19 +268,6 @@ def test_close_withdraws_unconsumed_puts_and_unlinks_slots(config: dict[str, Any
 
 
 # -- short shared memory ---------------------------------------------------------------
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[str]:
-    """A 4 MiB tmpfs standing in for a too-small /dev/shm (Docker's default is 64 MB)."""
-    mnt = tmp_path / "tinyshm"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_too_small_shm_falls_back_to_spill_files_and_health_says_so(tiny_tmpfs: str, tmp_path: Path) -> None:

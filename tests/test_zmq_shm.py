@@ -21,6 +21,7 @@ import pytest
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.shm import sweep
 
+from .conftest import need_privilege
 from .test_shm_connector import every_dtype
 from .zmq_peers import SPAWN
 
@@ -264,19 +265,6 @@ def test_kill_9_of_the_receiver_then_reap_and_expiry_leave_nothing(short_tmp: Pa
     assert ours(shm_dir) == []
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[str]:
-    """A 4 MiB tmpfs standing in for a too-small /dev/shm."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def test_too_small_shm_falls_back_to_frames_and_health_says_so(short_tmp: Path, tiny_tmpfs: str) -> None:
     scfg, rcfg = configs(short_tmp, tiny_tmpfs)
     out = SPAWN.Queue()
@@ -302,7 +290,7 @@ def test_too_small_shm_falls_back_to_frames_and_health_says_so(short_tmp: Path, 
 
 def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(short_tmp: Path, shm_dir: str) -> None:
     if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs unshare and root to give a receiver its own /dev/shm")
+        need_privilege("needs unshare and root to give a receiver its own /dev/shm")
     scfg, rcfg = configs(short_tmp, shm_dir, shm="auto")
     other = {**rcfg, "stage_id": "2"}
     # "Another host": a mount namespace where shm_dir is a private, empty tmpfs.
