@@ -19,7 +19,7 @@ from zmq_omni.errors import DeliveryError, MessageTooLargeError, PeerGoneError, 
 from zmq_omni.transport import probe
 from zmq_omni.wire import encode
 
-from .zmq_peers import Item, expect, expected_digest, get_main, put_main, resume_main, spawned
+from .zmq_peers import Item, expect, expected_digest, get_main, io_paused, put_main, resume_main, spawned
 
 FAST = {"heartbeat_s": 0.1, "peer_timeout_s": 0.5}
 
@@ -301,8 +301,10 @@ def test_malformed_batches_are_rejected_one_by_one_and_the_receiver_keeps_workin
     sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint})
     assert sender.put("0", "1", "first", 0)[0]
     assert receiver.get_with_deadline("0", "1", "first", deadline=time.monotonic() + 5) is not None
-    for i in range(500):
-        assert sender.put("0", "1", f"n{i}", {"i": i})[0]
+    assert wait_until(lambda: sender.health()["pending"] == 0, 5)  # the receiver's REPLY (batch limit) is in
+    with io_paused(sender):  # the burst queues up, so it must leave in batches whatever the scheduling
+        for i in range(500):
+            assert sender.put("0", "1", f"n{i}", {"i": i})[0]
     for i in range(500):
         got = receiver.get_with_deadline("0", "1", f"n{i}", deadline=time.monotonic() + 5)
         assert got is not None and got[0] == {"i": i}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .zmq_peers import Item, expect, expected_digest, get_main, put_main, spawned
+from .zmq_peers import Item, expect, expected_digest, get_main, io_paused, put_main, spawned
 
 SIZES = [7, 4095, 65536, 3 << 20]
 
@@ -163,8 +163,10 @@ def test_a_lone_put_is_sent_at_once_and_a_burst_is_batched(short_tmp: Path) -> N
     ):
         assert sender.put("0", "1", "hello", 1)[0]  # the receiver's first ack announces its batch limit
         assert receiver.get_with_deadline("0", "1", "hello", deadline=time.monotonic() + 5) is not None
-        for i in range(2000):  # a burst: puts arrive while earlier ones are being sent
-            assert sender.put("0", "1", f"b{i}", {"i": i})[0]
+        assert wait_for_empty(sender)  # its REPLY, which announces the batch limit, has been read
+        with io_paused(sender):  # a burst: puts arrive while the I/O thread is busy, so they queue
+            for i in range(2000):
+                assert sender.put("0", "1", f"b{i}", {"i": i})[0]
         for i in range(2000):
             got = receiver.get_with_deadline("0", "1", f"b{i}", deadline=time.monotonic() + 10)
             assert got is not None and got[0] == {"i": i}

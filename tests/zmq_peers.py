@@ -153,3 +153,16 @@ def spawned(target: Any, *args: Any) -> Iterator[tuple[Any, Any]]:
             proc.join(timeout=5)
         queue.close()
         queue.join_thread()
+
+
+@contextmanager
+def io_paused(conn: Any) -> Iterator[None]:
+    """Keep ``conn``'s I/O thread busy while the block runs, so puts queue instead of leaving one by one."""
+    release = threading.Event()
+    loop = conn._loop
+    assert loop is not None
+    loop.call_soon(lambda: release.wait(5))
+    try:
+        yield
+    finally:
+        release.set()
