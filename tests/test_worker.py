@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from zmq_omni import ConfigError, PipelineDriver, StageWorker, load_pipeline_config
-from zmq_omni.adapters.worker import DriverEvent, PipelineConfig
+from zmq_omni.adapters.driver import DriverEvent
+from zmq_omni.adapters.pipeline import PipelineConfig
 
 
 def producer(request_id: str, payload: dict[str, Any], is_final: bool) -> Iterator[dict[str, Any]]:

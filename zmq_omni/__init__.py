@@ -35,22 +35,22 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # name -> module that defines it; imported on first attribute access.
 _LAZY: dict[str, str] = {
     "ChunkInputs": "zmq_omni.adapters",
-    "DriverEvent": "zmq_omni.adapters.worker",
+    "DriverEvent": "zmq_omni.adapters.driver",
     "InProcConnector": "zmq_omni.connectors.inproc",
     "KVTransferManager": "zmq_omni.adapters",
     "OmniChunkManager": "zmq_omni.adapters",
     "OmniTransferAdapterBase": "zmq_omni.adapters",
-    "PipelineConfig": "zmq_omni.adapters.worker",
-    "PipelineDriver": "zmq_omni.adapters.worker",
+    "PipelineConfig": "zmq_omni.adapters.pipeline",
+    "PipelineDriver": "zmq_omni.adapters.driver",
     "ReferenceScheduler": "zmq_omni.adapters",
     "RetryPolicy": "zmq_omni.adapters",
     "SharedMemoryConnector": "zmq_omni.connectors.shm",
-    "StageSpec": "zmq_omni.adapters.worker",
+    "StageSpec": "zmq_omni.adapters.pipeline",
     "StageWorker": "zmq_omni.adapters.worker",
     "ZmqConnector": "zmq_omni.connectors.zmq",
     "decode": "zmq_omni.wire",
     "encode": "zmq_omni.wire",
-    "load_pipeline_config": "zmq_omni.adapters.worker",
+    "load_pipeline_config": "zmq_omni.adapters.pipeline",
 }
 
 __all__ = [

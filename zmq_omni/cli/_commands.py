@@ -14,7 +14,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..adapters.worker import PipelineConfig, PipelineDriver, StageWorker, load_pipeline_config
+from ..adapters.driver import PipelineDriver
+from ..adapters.pipeline import PipelineConfig, load_pipeline_config
+from ..adapters.worker import StageWorker
 from ..errors import ConfigError, TransportError
 from ._run import Progress, drive_requests, format_table
 

@@ -15,7 +15,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ..adapters.worker import DriverEvent, PipelineConfig, PipelineDriver
+from ..adapters.driver import DriverEvent, PipelineDriver
+from ..adapters.pipeline import PipelineConfig
 
 __all__ = ["Progress", "RequestResult", "RunResult", "drive_requests", "format_table", "write_wav"]
 

@@ -10,8 +10,10 @@ from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoi
 from ._loop import IoLoop
 from ._probe import probe
 from ._pull import PullClient, PullServer
-from ._push import FailureCallback, PushReceiver, PushSender
+from ._push_protocol import FailureCallback
+from ._receiver import PushReceiver
 from ._security import Curve
+from ._sender import PushSender
 from ._shm import ShmReceive, ShmSend
 from ._sockets import tune_malloc
 

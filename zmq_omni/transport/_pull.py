@@ -31,7 +31,7 @@ from ..errors import (
 from ..metrics import Counters
 from ._envelope import Kind, check_types, pack, unpack
 from ._loop import IoLoop
-from ._push import FailureCallback
+from ._push_protocol import FailureCallback
 from ._router import recv_routed
 from ._security import Curve
 from ._sockets import bind, close_socket, make_socket

@@ -1,0 +1,253 @@
+"""The pipeline YAML model and loader: :class:`PipelineConfig`, :class:`StageSpec` and :func:`load_pipeline_config`.
+
+The pipeline YAML format read by :func:`load_pipeline_config` is documented in
+``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from ..config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
+from ..config._fields import check_known_keys, import_callable, read_float, read_mapping, read_str
+from ..config.pipeline import read_config_document
+from ..errors import ConfigError
+from ..transport._endpoints import check_endpoint, env_name
+from .retry import RetryPolicy
+
+__all__ = [
+    "ChunkFunction",
+    "PipelineConfig",
+    "StageSpec",
+    "load_pipeline_config",
+]
+
+#: ``fn(request_id, payload, is_final)`` -> an outgoing chunk (a dict), several (a list or
+#: generator of dicts), or None (nothing to send for this input).
+ChunkFunction = Callable[[str, dict[str, Any], bool], Any]
+
+#: Connector names that get ``endpoints`` / ``bind`` from the pipeline section.
+_ENDPOINT_CONNECTORS = ("ZmqConnector",)
+
+
+# -- the pipeline YAML ------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """One stage of a pipeline (or the driver) as declared in the ``pipeline`` section.
+
+    Attributes:
+        name: the stage's name (``zmq-omni stage --stage NAME``).
+        stage_id: the id used in chunk keys and edges (``stage_args[].stage_id``).
+        function: ``"module:function"`` called per chunk; None for the driver.
+        params: when given, ``function`` is a factory called as ``function(**params)``
+            that returns the per-chunk function.
+        endpoint: the address peers connect to for this stage (after the
+            ``ZMQ_OMNI_ENDPOINT_<STAGE_ID>`` environment override).
+        bind: the address this stage binds when it differs from ``endpoint``.
+    """
+
+    name: str
+    stage_id: str
+    function: str | None = None
+    params: Mapping[str, Any] | None = None
+    endpoint: str | None = None
+    bind: str | None = None
+
+    def load_function(self) -> ChunkFunction:
+        """Import ``function`` (and call it with ``params`` when given).
+
+        Raises:
+            ConfigError: no function, a bad path, or the import failed.
+        """
+        if not self.function:
+            raise ConfigError(f"stage {self.name!r} names no 'function'")
+        target = import_callable(self.function, f"stage {self.name!r}: function")
+        if self.params is not None:
+            try:
+                target = target(**dict(self.params))
+            except TypeError as exc:
+                raise ConfigError(f"stage {self.name!r}: params do not fit {self.function!r}: {exc}") from exc
+            if not callable(target):
+                raise ConfigError(f"stage {self.name!r}: {self.function!r}(**params) did not return a callable")
+        fn: ChunkFunction = target
+        return fn
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """A linear pipeline: driver -> stages[0] -> ... -> stages[-1] -> driver.
+
+    Attributes:
+        name: a label for logs.
+        stages: the stages in pipeline order.
+        driver: the driver's pseudo-stage (it sends to the first stage and
+            receives from the last).
+        transfer: the connector chosen for each edge (vllm-omni
+            ``stage_args`` / ``runtime`` sections).
+        stall_timeout_s: a request whose upstream sends nothing for this long fails.
+        request_timeout_s: the driver fails a request that has not completed
+            this long after it was submitted.
+        retry: the send retry policy of every stage.
+    """
+
+    name: str
+    stages: tuple[StageSpec, ...]
+    driver: StageSpec
+    transfer: OmniTransferConfig
+    stall_timeout_s: float = 10.0
+    request_timeout_s: float = 120.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def stage(self, name: str) -> StageSpec:
+        """The stage called ``name`` (or the driver, by its name).
+
+        Raises:
+            ConfigError: no such stage (the message lists the known names).
+        """
+        for spec in (*self.stages, self.driver):
+            if spec.name == name:
+                return spec
+        known = ", ".join(spec.name for spec in self.stages)
+        raise ConfigError(f"pipeline {self.name!r} has no stage {name!r} (stages: {known})")
+
+    def neighbours(self, spec: StageSpec) -> tuple[StageSpec, StageSpec]:
+        """``(upstream, downstream)`` of a stage; the driver closes the loop at both ends."""
+        if spec == self.driver:
+            return self.stages[-1], self.stages[0]
+        index = self.stages.index(spec)
+        upstream = self.stages[index - 1] if index > 0 else self.driver
+        downstream = self.stages[index + 1] if index + 1 < len(self.stages) else self.driver
+        return upstream, downstream
+
+    def endpoints(self) -> dict[str, str]:
+        """Stage id -> endpoint, for every stage (and the driver) that declares one."""
+        return {spec.stage_id: spec.endpoint for spec in (*self.stages, self.driver) if spec.endpoint}
+
+    def edge_specs(self, spec: StageSpec) -> tuple[ConnectorSpec, ConnectorSpec]:
+        """``(inbound, outbound)`` connector specs of a stage, ready for the factory.
+
+        Each is the spec chosen for the edge in ``stage_args`` / ``runtime``
+        (``ZmqConnector`` when neither configures the edge and the receiving
+        stage has an endpoint) with ``stage_id`` and ``role`` filled in (as
+        vllm-omni does); ZeroMQ
+        connectors also get ``endpoints`` from the pipeline section and, on the
+        inbound side, ``bind``.
+        """
+        upstream, downstream = self.neighbours(spec)
+        inbound = self._edge(upstream, spec)
+        outbound = self._edge(spec, downstream)
+        return (
+            self._fill(inbound, spec, "receiver", spec),
+            self._fill(outbound, spec, "sender", downstream),
+        )
+
+    def _edge(self, sender: StageSpec, receiver: StageSpec) -> ConnectorSpec:
+        """The edge's spec; an edge nobody configured between stages with endpoints uses ZmqConnector."""
+        try:
+            return self.transfer.get_connector_for_edge(sender.stage_id, receiver.stage_id)
+        except ConfigError:
+            if receiver.endpoint:
+                return ConnectorSpec("ZmqConnector")
+            raise
+
+    def _fill(self, base: ConnectorSpec, me: StageSpec, role: str, peer: StageSpec) -> ConnectorSpec:
+        extra = dict(base.extra)
+        extra.setdefault("stage_id", me.stage_id)
+        extra["role"] = role
+        if base.name in _ENDPOINT_CONNECTORS or "endpoints" in extra:
+            endpoints = {str(k): v for k, v in dict(extra.get("endpoints") or {}).items()}
+            if peer.endpoint:
+                endpoints[peer.stage_id] = peer.endpoint
+            if not endpoints.get(peer.stage_id):
+                raise ConfigError(
+                    f"stage {peer.name!r} has no endpoint: set pipeline.stages[].endpoint or "
+                    f"{env_name(peer.stage_id)}"
+                )
+            extra["endpoints"] = endpoints
+            if role == "receiver" and me.bind and "bind" not in extra:
+                extra["bind"] = me.bind
+        return ConnectorSpec(base.name, extra)
+
+
+_STAGE_KEYS = ("name", "stage_id", "function", "params", "endpoint", "bind")
+_PIPELINE_KEYS = ("name", "stages", "driver", "stall_timeout_s", "request_timeout_s", "retry")
+
+
+def _read_stage(data: Any, path: str, *, driver: bool, environ: Mapping[str, str]) -> StageSpec:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path} must be a mapping")
+    check_known_keys(data, _STAGE_KEYS, path)
+    stage_id = read_str(data, "stage_id", "driver" if driver else None, path)
+    if stage_id is None:
+        raise ConfigError(f"missing required config key '{path}.stage_id'")
+    name = read_str(data, "name", stage_id if driver else None, path)
+    if name is None:
+        raise ConfigError(f"missing required config key '{path}.name'")
+    function = read_str(data, "function", None, path)
+    if not driver and not function:
+        raise ConfigError(f"missing required config key '{path}.function' (\"package.module:function\")")
+    params = data.get("params")
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(f"config key '{path}.params' must be a mapping, got {params!r}")
+    endpoint = environ.get(env_name(stage_id)) or read_str(data, "endpoint", None, path)
+    where = f"{env_name(stage_id)}" if environ.get(env_name(stage_id)) else f"{path}.endpoint"
+    if endpoint is not None:
+        check_endpoint(endpoint, where)
+    bind = read_str(data, "bind", None, path)
+    if bind is not None:
+        check_endpoint(bind, f"{path}.bind")
+    return StageSpec(name=name, stage_id=stage_id, function=function,
+                     params=None if params is None else MappingProxyType(dict(params)),
+                     endpoint=endpoint, bind=bind)
+
+
+def load_pipeline_config(
+    source: str | Path | Mapping[str, Any], *, environ: Mapping[str, str] | None = None
+) -> PipelineConfig:
+    """Load a pipeline from a YAML/JSON file or a dict.
+
+    The ``pipeline`` section names the stages in order (``name``,
+    ``stage_id``, ``function``, ``endpoint``...) and the driver; the
+    vllm-omni sections ``stage_args`` and ``runtime`` choose the connector of
+    each edge (:func:`~zmq_omni.config.load_omni_transfer_config`). An edge
+    that no stage declares uses ``runtime.default_connector``.
+
+    ``ZMQ_OMNI_ENDPOINT_<STAGE_ID>`` environment variables override endpoints
+    (the same variables :class:`ZmqConnector` reads), so one file serves a
+    laptop and a container deployment.
+
+    Raises:
+        ConfigError: a key is missing, unknown or malformed (the message names it).
+    """
+    env = os.environ if environ is None else environ
+    data = read_config_document(source, "pipeline config")
+    section = read_mapping(data, "pipeline", None, "")
+    if section is None:
+        raise ConfigError("missing required config key 'pipeline' (the stages of the pipeline)")
+    check_known_keys(section, _PIPELINE_KEYS, "pipeline")
+    raw_stages = section.get("stages")
+    if not isinstance(raw_stages, list) or not raw_stages:
+        raise ConfigError("config key 'pipeline.stages' must be a non-empty list of stages")
+    stages = tuple(
+        _read_stage(raw, f"pipeline.stages[{i}]", driver=False, environ=env) for i, raw in enumerate(raw_stages)
+    )
+    driver = _read_stage(read_mapping(section, "driver", {}, "pipeline"), "pipeline.driver", driver=True, environ=env)
+    for label in ("name", "stage_id"):
+        values = [getattr(spec, label) for spec in (*stages, driver)]
+        duplicates = sorted({value for value in values if values.count(value) > 1})
+        if duplicates:
+            raise ConfigError(f"pipeline: duplicate stage {label} {duplicates[0]!r} (the driver counts too)")
+    return PipelineConfig(
+        name=read_str(section, "name", "pipeline", "pipeline"),
+        stages=stages,
+        driver=driver,
+        transfer=load_omni_transfer_config(data),
+        stall_timeout_s=read_float(section, "stall_timeout_s", 10.0, "pipeline", minimum=0.001),
+        request_timeout_s=read_float(section, "request_timeout_s", 120.0, "pipeline", minimum=0.001),
+        retry=RetryPolicy.from_dict(read_mapping(section, "retry", {}, "pipeline"), "pipeline.retry"),
+    )

@@ -1,0 +1,496 @@
+"""Push mode, receiving half: a bound ROUTER feeding a keyed mailbox, with dedup and batched acks.
+
+The socket layout and the delivery protocol are described in :mod:`zmq_omni.transport._push_protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import zmq
+
+from ..errors import DecodeError, MessageTooLargeError, ShmError
+from ..metrics import Counters
+from ._envelope import Kind, check_types, pack, to_ranges, unpack
+from ._loop import IoLoop
+from ._push_protocol import _MAX_DRAIN
+from ._router import recv_routed
+from ._security import Curve
+from ._shm import ShmReceive
+from ._sockets import bind, close_socket, make_socket
+
+__all__ = ["PushReceiver"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+_ACK_DELAY_S = 0.005  # acks wait this long to be batched: one REPLY covers hundreds of puts under load
+_ACK_BATCH = 1024  # ...or until this many are pending
+_MAX_SID = 64
+_DATA_TYPES = (str, int, int, str, str, str)
+_LOC_TYPES = (type(None), bytes)
+_PING_TYPES = (str, int, int)
+_BATCH_TYPES = (str, int, str, list)
+_BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
+_MAX_BATCH_ENTRIES = 65536
+
+
+class _Source:
+    """Receiver-side state of one sender: dedup window and acks not yet sent."""
+
+    __slots__ = ("arrived", "consumed", "ctl", "last_heard", "low", "probe", "pruned_low", "reported", "seen", "shm")
+
+    def __init__(self, sid: str, now: float) -> None:
+        self.ctl = b"c" + sid.encode()
+        self.low = 0
+        self.pruned_low = 0
+        self.seen: set[int] = set()
+        self.arrived: list[int] = []
+        self.consumed: list[int] = []
+        self.reported: set[int] = set()  # consumed seqs >= low: repeated in every pong until the sender forgets them
+        self.last_heard = now
+        self.probe: list[Any] | None = None  # the last probe answered
+        self.shm: bool | None = None  # its verdict: may this sender send slot handles?
+
+
+class _Item(NamedTuple):
+    """One mailbox entry; a tuple, so the receive hot path builds it with one C call (``_new_item``)."""
+
+    obj: Any
+    nbytes: int
+    sid: str
+    seq: int
+    loc: bytes | None  # a slot handle, opened by ``take`` (obj is None until then)
+
+
+# ``_Item.__new__`` is a Python function; the tuple constructor makes the same object without it.
+_new_item = tuple.__new__
+
+
+class PushReceiver:
+    """The receiving half of push mode: a bound ROUTER feeding a keyed mailbox."""
+
+    def __init__(
+        self,
+        loop: IoLoop,
+        bind_endpoint: str,
+        *,
+        incarnation: str,
+        decode: Callable[[list[Any]], Any],
+        hwm: int,
+        max_message_bytes: int,
+        max_frames: int,
+        source_ttl_s: float,
+        counters: Counters,
+        health: Callable[[], dict[str, Any]],
+        curve: Curve | None = None,
+        shm: ShmReceive | None = None,
+    ) -> None:
+        self._loop = loop
+        self._shm = shm
+        self.incarnation = incarnation
+        self._decode = decode
+        self._max_message = max_message_bytes
+        self._max_frames = max_frames
+        self._source_ttl = source_ttl_s
+        self._counters = counters
+        self._health = health
+        # A plain Lock under the condition: ``with self._lock`` costs a C call, a Condition's two Python ones.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._box: dict[tuple[str, str, str], _Item] = {}
+        self._arrivals: list[tuple[tuple[str, str, str], _Item]] = []  # decoded this drain, stored at its end
+        self._generation = 0  # bumped under _cv whenever items arrive (wait_for_change)
+        self._batches_received = 0
+        self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
+        self._sources: dict[str, _Source] = {}
+        self._dirty: set[str] = set()
+        self._pending_acks = 0
+        self._now = time.monotonic()
+        self._flush_armed = False
+        self._gets = 0
+        self._bytes_received = 0
+        self._closed = False
+        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
+        if curve is not None:
+            curve.make_server(self._sock)
+        try:
+            self.endpoint = bind(self._sock, bind_endpoint)
+        except BaseException:
+            close_socket(self._sock)
+            raise
+        loop.add_reader(self._sock, self._on_readable)
+        loop.every(max(1.0, source_ttl_s / 10), self._expire_sources)
+        loop.on_stop(self._shutdown)
+
+    # -- application threads -------------------------------------------------------
+    def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
+        """Remove and return ``(obj, nbytes)`` for the key, or None (never blocks on I/O).
+
+        Raises:
+            ShmError: the item's shared-memory payload expired or was withdrawn (the item is gone).
+            DecodeError: the shared-memory payload is not a valid encoding.
+        """
+        with self._lock:
+            item = self._box.pop((from_stage, to_stage, key), None)
+            if item is None:
+                return None
+            self._ack_taken(item)
+        return self._open(item)
+
+    def take_by(self, from_stage: str, to_stage: str, key: str, deadline: float) -> tuple[Any, int] | None:
+        """Like :meth:`take`, waiting on a condition until ``time.monotonic() >= deadline``."""
+        slot = (from_stage, to_stage, key)
+        with self._lock:
+            while slot not in self._box:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return None
+                self._cv.wait(remaining)
+            item = self._box.pop(slot)
+            self._ack_taken(item)
+        return self._open(item)
+
+    def _open(self, item: _Item) -> tuple[Any, int]:
+        if item.loc is None:
+            return item.obj, item.nbytes
+        assert self._shm is not None
+        views = self._shm.open(item.loc)
+        if views is None:
+            self._counters.add("shm_stale")
+            raise ShmError("its shared-memory payload expired or its sender withdrew it")
+        return self._decode(views), item.nbytes
+
+    def forget(self, match: Callable[[str], bool]) -> int:
+        """Drop mailbox items whose key matches (acknowledged as consumed); return how many."""
+        with self._lock:
+            slots = [slot for slot in self._box if match(slot[2])]
+            items = [self._box.pop(slot) for slot in slots]
+            for item in items:
+                self._ack_taken(item)
+        self._discard(items)
+        return len(slots)
+
+    def _discard(self, items: Iterable[_Item]) -> None:
+        if self._shm is not None:
+            for item in items:
+                if item.loc is not None:
+                    self._shm.discard(item.loc)
+
+    def _ack_taken(self, item: _Item) -> None:
+        # Caller holds _cv. Wake the I/O thread once per batch, not once per get.
+        self._taken.append((item.sid, item.seq))
+        self._gets += 1
+        self._bytes_received += item.nbytes
+        if len(self._taken) == 1:
+            self._loop.call_soon(self._arm_flush)
+
+    def stats(self) -> dict[str, Any]:
+        """Gets, bytes taken, items waiting for ``get``, and BATCH messages taken in."""
+        with self._lock:
+            return {
+                "gets": self._gets,
+                "bytes_received": self._bytes_received,
+                "mailbox": len(self._box),
+                "batches_received": self._batches_received,
+            }
+
+    def generation(self) -> int:
+        """A counter bumped whenever items arrive in the mailbox (for :meth:`wait_for_change`)."""
+        return self._generation
+
+    def wait_for_change(self, generation: int, timeout: float) -> int:
+        """Wait on the mailbox condition until the generation differs from ``generation``, at most ``timeout``.
+
+        Returns the generation then (equal to ``generation`` after a timeout or close).
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._generation == generation and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            return self._generation
+
+    def close(self) -> None:
+        """Wake every waiting ``get``; the socket closes on the loop thread after a last ack flush."""
+        with self._lock:
+            self._closed = True
+            self._cv.notify_all()
+
+    # -- I/O thread ---------------------------------------------------------------
+    def _on_readable(self) -> None:
+        sock, max_frames = self._sock, self._max_frames
+        self._now = time.monotonic()
+        rejected = 0
+        for _ in range(_MAX_DRAIN):
+            message = recv_routed(sock, max_frames)
+            if message is None:
+                break
+            self._pending_acks += 1
+            identity, frames, ok = message
+            try:
+                if not ok:
+                    raise DecodeError(f"message with more than {max_frames} frames")
+                kind, header, payload = unpack(frames[0])
+                if kind is Kind.BATCH:
+                    rejected += self._on_batch(header, payload, len(frames))
+                elif kind is Kind.DATA:
+                    check_types(header[:6], _DATA_TYPES, "DATA")
+                    if type(header[6]) not in _LOC_TYPES:
+                        raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
+                    self._on_data(header, payload, frames)
+                elif kind is Kind.PING:
+                    check_types(header[:3], _PING_TYPES, "PING")
+                    self._on_ping(header[0], header[1], header[2], header[3] if len(header) > 3 else None)
+                elif kind is Kind.HEALTH:
+                    self._reply(identity, pack(Kind.HEALTH_REPLY, (self._health(),)))
+                else:
+                    raise DecodeError(f"unexpected {kind.name} message")
+            except (DecodeError, MessageTooLargeError) as exc:
+                rejected += 1
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("rejected a message on %s: %s", self.endpoint, exc)
+        if rejected:
+            self._counters.add("rejected_frames", rejected)
+        if self._arrivals:
+            self._store_arrivals()
+        if self._pending_acks >= _ACK_BATCH:
+            self._flush_all()
+        else:
+            self._arm_flush()
+
+    def _store_arrivals(self) -> None:
+        """Put this drain's items in the mailbox: one lock, one notify, for every message and batch."""
+        arrivals, self._arrivals = self._arrivals, []
+        replaced: list[_Item] = []
+        with self._lock:
+            box = self._box
+            for slot, item in arrivals:
+                old = box.get(slot)
+                box[slot] = item
+                if old is not None:  # a re-put replaces; the replaced one counts as consumed
+                    self._taken.append((old.sid, old.seq))
+                    replaced.append(old)
+            self._generation += 1
+            self._cv.notify_all()
+        if replaced:
+            self._discard(replaced)
+
+    def _on_batch(self, header: list[Any], payload: memoryview, n_frames: int) -> int:
+        """Take in the puts of one BATCH, each validated on its own; how many of them were rejected.
+
+        Raises:
+            DecodeError: the batch itself is malformed (nothing of it is taken in).
+        """
+        if n_frames != 1 or payload.nbytes:
+            raise DecodeError("a BATCH message must be one frame holding only its header")
+        check_types(header, _BATCH_TYPES, "BATCH")
+        sid, low, to_stage, entries = header
+        count = len(entries)
+        if count < 8 or count % 4 or count > 4 * _MAX_BATCH_ENTRIES:
+            raise DecodeError(f"BATCH of {count} fields is not 2..{_MAX_BATCH_ENTRIES} puts of 4 fields")
+        if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
+            raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
+        source = self._sources.get(sid) or self._source(sid)
+        source.last_heard = self._now
+        source.low = max(source.low, low)
+        self._dirty.add(sid)
+        self._pending_acks += count // 4 - 1
+        self._batches_received += 1
+        seen, arrived, arrivals, decode = source.seen, source.arrived, self._arrivals, self._decode
+        floor = source.low
+        duplicates = rejected = 0
+        it = iter(entries)
+        for seq, from_stage, key, wire in zip(it, it, it, it, strict=True):
+            if seq < floor or seq in seen:
+                duplicates += 1  # already have (or had) it: acknowledge again, keep one copy
+                arrived.append(seq)
+                continue
+            try:
+                obj = decode([wire])
+            except DecodeError as exc:
+                rejected += 1  # not acknowledged: the sender's deadline reports it
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("rejected put %s of a batch on %s: %s", seq, self.endpoint, exc)
+                continue
+            seen.add(seq)
+            arrived.append(seq)
+            arrivals.append(((from_stage, to_stage, key), _new_item(_Item, (obj, len(wire), sid, seq, None))))
+        if duplicates:
+            self._counters.add("duplicates_dropped", duplicates)
+        return rejected
+
+    def _source(self, sid: str) -> _Source:
+        source = self._sources.get(sid)
+        if source is None:
+            if not sid or len(sid) > _MAX_SID:
+                raise DecodeError(f"sender id of {len(sid)} characters")
+            source = self._sources[sid] = _Source(sid, self._now)
+        return source
+
+    def _on_data(self, header: list[Any], payload: memoryview, frames: list[Any]) -> None:
+        sid, seq, low, from_stage, to_stage, key, loc = header
+        if loc is not None:
+            self._on_handle(header, loc, payload.nbytes + len(frames) - 1)
+            return
+        size = payload.nbytes
+        if len(frames) > 1:
+            size += sum(f.buffer.nbytes for f in frames[1:])
+            if size > self._max_message:
+                raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+            parts = [payload, *frames[1:]]
+        else:
+            parts = [payload]
+        source = self._sources.get(sid) or self._source(sid)
+        source.last_heard = self._now
+        source.low = max(source.low, low)
+        self._dirty.add(sid)
+        if seq < source.low or seq in source.seen:
+            # A resend of something we already have (or consumed): acknowledge again, keep one copy.
+            self._counters.add("duplicates_dropped")
+            source.arrived.append(seq)
+            return
+        self._store(source, (from_stage, to_stage, key), _new_item(_Item, (self._decode(parts), size, sid, seq, None)))
+
+    def _on_handle(self, header: list[Any], loc: bytes, extra: int) -> None:
+        # Checked before any state changes: a handle from a sender we never confirmed is refused.
+        sid, seq, low, from_stage, to_stage, key, _ = header
+        source = self._sources.get(sid)
+        if self._shm is None or source is None or source.shm is not True:
+            raise DecodeError("a shared-memory handle from a sender not confirmed on this host")
+        if extra:
+            raise DecodeError("a shared-memory DATA message must be one frame")
+        size = self._shm.size(loc)
+        if size > self._max_message:
+            raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+        source.last_heard = self._now
+        source.low = max(source.low, low)
+        self._dirty.add(sid)
+        if seq < source.low or seq in source.seen:
+            # Never opened twice: the first arrival's item holds the handle.
+            self._counters.add("duplicates_dropped")
+            source.arrived.append(seq)
+            return
+        self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc))
+
+    def _store(self, source: _Source, slot: tuple[str, str, str], item: _Item) -> None:
+        source.seen.add(item.seq)
+        source.arrived.append(item.seq)
+        self._arrivals.append((slot, item))
+
+    def _on_ping(self, sid: str, ping: int, low: int, probe: Any) -> None:
+        source = self._source(sid)
+        source.last_heard = self._now
+        source.low = max(source.low, low)
+        if probe is not None and probe != source.probe:
+            source.shm = False if self._shm is None else self._shm.probe(probe)
+            source.probe = probe
+        if source.low > source.pruned_low:
+            source.pruned_low = source.low
+            source.seen = {s for s in source.seen if s >= source.low}
+            source.reported = {s for s in source.reported if s >= source.low}
+        self._flush_taken()
+        source.reported.update(source.consumed)
+        source.consumed.clear()
+        self._reply(
+            source.ctl,
+            pack(
+                Kind.REPLY,
+                (
+                    self.incarnation,
+                    ping,
+                    to_ranges(source.arrived),
+                    to_ranges(source.reported),
+                    source.shm,
+                    self._max_message,
+                ),
+            ),
+        )
+        source.arrived.clear()
+
+    def _arm_flush(self) -> None:
+        if not self._flush_armed:
+            self._flush_armed = True
+            self._loop.call_later(_ACK_DELAY_S, self._flush_all)
+
+    def _flush_all(self) -> None:
+        self._flush_armed = False
+        self._pending_acks = 0
+        self._flush_taken()
+        self._flush_acks()
+
+    def _flush_taken(self) -> None:
+        with self._lock:
+            taken, self._taken = self._taken, []
+        for sid, seq in taken:
+            source = self._sources.get(sid)
+            if source is not None:
+                source.consumed.append(seq)
+                self._dirty.add(sid)
+
+    def _flush_acks(self) -> None:
+        for sid in self._dirty:
+            source = self._sources.get(sid)
+            if source is None or not (source.arrived or source.consumed):
+                continue
+            self._reply(
+                source.ctl,
+                pack(
+                    Kind.REPLY,
+                    (
+                        self.incarnation,
+                        -1,
+                        to_ranges(source.arrived),
+                        to_ranges(source.consumed),
+                        source.shm,
+                        self._max_message,
+                    ),
+                ),
+            )
+            source.arrived.clear()
+            source.reported.update(source.consumed)
+            source.consumed.clear()
+        self._dirty.clear()
+
+    def _reply(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            # Unroutable or full: acks are repeated (pongs carry every unconfirmed consumption,
+            # and unacknowledged arrivals are resent and acknowledged again), so dropping is safe.
+            self._counters.add("acks_dropped")
+
+    def _expire_sources(self) -> None:
+        cutoff = time.monotonic() - self._source_ttl
+        for sid in [sid for sid, s in self._sources.items() if s.last_heard < cutoff]:
+            del self._sources[sid]
+
+    def _shutdown(self) -> None:
+        # Last chance to tell senders what was consumed, so a reopened receiver gets no duplicates:
+        # repeat every consumption not yet confirmed, since early acks may have found no route.
+        self._flush_taken()
+        for source in self._sources.values():
+            source.reported.update(source.consumed)
+            source.consumed.clear()
+            if source.reported or source.arrived:
+                self._reply(
+                    source.ctl,
+                    pack(
+                        Kind.REPLY,
+                        (
+                            self.incarnation,
+                            -1,
+                            to_ranges(source.arrived),
+                            to_ranges(source.reported),
+                            source.shm,
+                            self._max_message,
+                        ),
+                    ),
+                )
+        self._loop.remove_reader(self._sock)
+        close_socket(self._sock, linger_ms=200)
