@@ -45,6 +45,18 @@ def shm_dir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def sweep_leftovers_of(pids: list[int]) -> None:
+    """After a test killed processes with SIGKILL: the sweep removes whatever they left in /dev/shm."""
+    from zmq_omni.shm import default_shm_dir, sweep
+    from zmq_omni.shm._owner import parse_name
+
+    def theirs() -> list[str]:
+        return [n for n in os.listdir(default_shm_dir()) if (o := parse_name(n)) is not None and o.pid in pids]
+
+    sweep()
+    assert theirs() == []
+
+
 def need_privilege(reason: str) -> None:
     """Skip a test that needs root (mounts, namespaces) on a developer machine; fail it on CI."""
     if os.environ.get("CI"):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import sweep_leftovers_of
 from zmq_omni.cli.demo_stages import GROUP, HIDDEN, SAMPLE_RATE, SAMPLES_PER_CODE
 
 CLI = [sys.executable, "-m", "zmq_omni.cli"]
@@ -119,6 +120,7 @@ def test_ctrl_c_leaves_no_stage_process_behind(short_tmp: Path) -> None:
             proc.kill()
             proc.communicate()
     assert _wait_gone(kids) == []
+    sweep_leftovers_of([kids[1]])  # the killed stage's segments do not outlive a sweep
 
 
 def test_crashed_stage_fails_requests_and_leaves_nothing_behind(short_tmp: Path) -> None:
@@ -135,3 +137,4 @@ def test_crashed_stage_fails_requests_and_leaves_nothing_behind(short_tmp: Path)
             proc.kill()
             proc.communicate()
     assert _wait_gone(kids) == []
+    sweep_leftovers_of([kids[1]])  # the killed stage's segments do not outlive a sweep

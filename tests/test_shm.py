@@ -260,3 +260,18 @@ def test_sweep_expires_unconsumed_records_of_live_owners(shm_dir: str, tmp_path:
         assert len(report.expired) == 1
         assert conn.get("0", "1", "old") is None
         assert conn.health()["pool_slots_free"] == 1  # the expired record's slot was released
+
+
+def test_a_new_slot_pool_sweeps_what_killed_processes_left(shm_dir: str) -> None:
+    import subprocess
+    import sys
+
+    child = (
+        "import os, sys; from zmq_omni.shm import Segment; "
+        "seg = Segment.create(4096, directory=sys.argv[1]); print(seg.name, flush=True); os._exit(0)"
+    )
+    left = subprocess.run([sys.executable, "-c", child, shm_dir], capture_output=True, text=True, check=True)
+    name = left.stdout.strip()
+    assert name in os.listdir(shm_dir)  # the dead process's segment is still there
+    with SlotPool(directory=shm_dir, max_bytes=MiB, min_free_bytes=0):
+        assert name not in os.listdir(shm_dir)  # the first pool of this process swept it

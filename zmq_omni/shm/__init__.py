@@ -11,7 +11,8 @@ No sockets here. The pieces, from the bottom up:
 * :class:`Mailbox` -- key-addressed records in a directory, claimed exactly
   once by atomic rename (the :class:`~zmq_omni.connectors.shm.SharedMemoryConnector`
   transport);
-* :func:`sweep` -- removes leftovers of dead processes (``zmq-omni shm-sweep``).
+* :func:`sweep` -- removes leftovers of dead processes (``zmq-omni shm-sweep``);
+  :func:`sweep_dead_once` runs it when a process first makes a slot pool.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ._owner import Owner, self_owner
 from .mailbox import Mailbox, Record, namespace_dir
 from .pool import SlotHandle, SlotPool, SlotReader
 from .segment import DEFAULT_SHM_DIR, Segment, check_free_space, default_shm_dir, free_bytes
-from .sweep import SweepReport, sweep
+from .sweep import SweepReport, sweep, sweep_dead_once
 
 __all__ = [
     "DEFAULT_SHM_DIR",
@@ -38,4 +39,5 @@ __all__ = [
     "namespace_dir",
     "self_owner",
     "sweep",
+    "sweep_dead_once",
 ]

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from .mailbox import KIND_SLOT, KIND_SPILL, Record, is_entry, iter_namespace_dir
 from .pool import SlotReader
 from .segment import default_shm_dir
 
-__all__ = ["SweepReport", "sweep"]
+__all__ = ["SweepReport", "sweep", "sweep_dead_once"]
 
 _log = logging.getLogger("zmq_omni.shm")
 
@@ -216,3 +217,29 @@ def sweep(
             report.freed_bytes,
         )
     return report
+
+
+_swept: set[str] = set()
+_swept_lock = threading.Lock()
+
+
+def sweep_dead_once(shm_dir: str | None = None) -> None:
+    """Sweep the leftovers of dead processes from ``shm_dir``, once per process and directory.
+
+    Called when a process first uses shared memory (a :class:`~zmq_omni.shm.SlotPool` is made), so a
+    stage that was killed leaves nothing behind once any stage starts again on the host, without
+    anyone running ``zmq-omni shm-sweep``. It removes only what :func:`sweep` removes: objects of our
+    naming scheme whose owner is provably dead. It never raises: a failed sweep is logged.
+    """
+    directory = os.path.realpath(shm_dir or default_shm_dir())
+    with _swept_lock:
+        if directory in _swept:
+            return
+        _swept.add(directory)
+    try:
+        report = sweep(shm_dir=directory)
+    except (OSError, ShmError) as exc:
+        _log.warning("sweeping leftovers of dead processes in %s failed: %s", directory, exc)
+        return
+    if report.removed:
+        _log.info("removed %d leftovers of dead processes from %s", len(report.removed), directory)
