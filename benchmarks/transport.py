@@ -1,23 +1,9 @@
 """ZmqConnector put->get throughput and small-message rate beside raw pyzmq, measured in one run.
 
 Run: ``python benchmarks/transport.py`` (about a minute and a half on 2 cores).
-``--quick`` halves the message counts.
-
-Each cell is one sender (this process) and one receiver process:
-
-* raw: PUSH/PULL, ``send(copy=False)`` of the same bytes, ``recv(copy=False)``
-  plus an ``np.frombuffer`` view (no malloc tuning: what pyzmq gives you);
-* omni: ``ZmqConnector`` push mode, ``put`` of ``{"data": array}``, ``get``
-  (delivery confirmation on: arrival and consumption acks, resend window),
-  once with ``shm: off`` (frames only) and once with ``shm: auto`` (the
-  default: payloads >= ``shm_threshold`` go through the same-host fast path,
-  since sender and receiver share this host, over tcp too);
-* small messages: 200-byte payloads, many in flight; raw pays one msgpack
-  ``packb``/``unpackb`` per message, omni pays its full protocol.
-
-Throughput = bytes / (first send -> last receive), both clocks CLOCK_MONOTONIC.
-One untimed warm-up message per size precedes each timed batch.
-The measurement code is ``zmq_omni.bench.transport``; this script prints its rows.
+``--quick`` halves the message counts. What each cell measures, and how, is
+written in ``zmq_omni.bench.transport`` (the measurement code); this script
+prints its rows.
 """
 
 from __future__ import annotations

@@ -10,17 +10,9 @@ import numpy as np
 import pytest
 
 from tests.adapter_helpers import FAST_RETRY, FlakyConnector, chunk_pair, rid
+from tests.conftest import wait_until
 from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, OmniTransferAdapterBase, RetryPolicy
 from zmq_omni.errors import ConfigError, PeerGoneError
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
 
 
 def drain_stream(manager: OmniChunkManager, request_id: str, timeout: float = 5.0) -> list:

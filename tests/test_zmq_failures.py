@@ -19,6 +19,7 @@ from zmq_omni.errors import DeliveryError, MessageTooLargeError, PeerGoneError, 
 from zmq_omni.transport import probe
 from zmq_omni.wire import encode
 
+from .conftest import wait_until
 from .zmq_peers import Item, expect, expected_digest, get_main, io_paused, put_main, resume_main, spawned
 
 FAST = {"heartbeat_s": 0.1, "peer_timeout_s": 0.5}
@@ -44,15 +45,6 @@ def make(made: list[ZmqConnector], **config: Any) -> ZmqConnector:
     conn = ZmqConnector(config)
     made.append(conn)
     return conn
-
-
-def wait_until(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_receiver_killed_mid_stream_and_restarted_loses_nothing(short_tmp: Path) -> None:

@@ -9,14 +9,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.shm import sweep
@@ -99,16 +96,6 @@ def stream_proc(config: dict[str, Any], n: int, ready: Any) -> None:
 
 
 # -- fixtures and helpers -------------------------------------------------------------------
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
-    """A private directory on /dev/shm: leak checks see only this test's segments."""
-    path = tempfile.mkdtemp(prefix="zo-zshm-", dir="/dev/shm")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def ours(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith("zomni_"))
 

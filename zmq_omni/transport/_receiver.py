@@ -347,15 +347,9 @@ class PushReceiver:
         else:
             parts = [payload]
         source = self._sources.get(sid) or self._source(sid)
-        source.last_heard = self._now
-        source.low = max(source.low, low)
-        self._dirty.add(sid)
-        if seq < source.low or seq in source.seen:
-            # A resend of something we already have (or consumed): acknowledge again, keep one copy.
-            self._counters.add("duplicates_dropped")
-            source.arrived.append(seq)
-            return
-        self._store(source, (from_stage, to_stage, key), _new_item(_Item, (self._decode(parts), size, sid, seq, None)))
+        if self._admit(source, sid, low, seq):
+            item = _new_item(_Item, (self._decode(parts), size, sid, seq, None))
+            self._store(source, (from_stage, to_stage, key), item)
 
     def _on_handle(self, header: list[Any], loc: bytes, extra: int) -> None:
         # Checked before any state changes: a handle from a sender we never confirmed is refused.
@@ -368,15 +362,21 @@ class PushReceiver:
         size = self._shm.size(loc)
         if size > self._max_message:
             raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+        # A duplicate handle is never opened: the first arrival's item holds it.
+        if self._admit(source, sid, low, seq):
+            self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc))
+
+    def _admit(self, source: _Source, sid: str, low: int, seq: int) -> bool:
+        """Note a message from ``source``; False for a duplicate, which is acknowledged again and dropped."""
         source.last_heard = self._now
         source.low = max(source.low, low)
         self._dirty.add(sid)
         if seq < source.low or seq in source.seen:
-            # Never opened twice: the first arrival's item holds the handle.
+            # A resend of something we already have (or consumed): acknowledge again, keep one copy.
             self._counters.add("duplicates_dropped")
             source.arrived.append(seq)
-            return
-        self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc))
+            return False
+        return True
 
     def _store(self, source: _Source, slot: tuple[str, str, str], item: _Item) -> None:
         source.seen.add(item.seq)

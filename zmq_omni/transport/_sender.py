@@ -406,19 +406,36 @@ class PushSender:
     def _flush(self, peer: _Peer, outs: list[_Out]) -> None:
         """Send a batch a put thread took (it holds ``data_lock``, released here); errors leave it queued."""
         try:
+            # On an error the I/O thread retries it (the put already returned; its deadline still runs).
+            self._send_batches(peer, outs)
+        finally:
+            self._release(peer)
+
+    def _send_batches(self, peer: _Peer, taken: list[_Out] | None) -> bool:
+        """Send ``taken``, or with None drain the whole outbox in batches (caller holds ``data_lock``).
+
+        True when it all went; False when closed or a send failed (the peer is then marked
+        ``blocked`` and what was not sent stays queued for a retry).
+        """
+        try:
             if self._closed:
-                return
+                return False
             sock = peer.data_sock or self._open_data(peer)
-            self._send_or_requeue(sock, peer, outs)
+            if taken is not None:
+                self._send_or_requeue(sock, peer, taken)
+            else:
+                while peer.outbox:
+                    with self._lock:
+                        outs = self._take(peer)
+                    self._send_or_requeue(sock, peer, outs)
             peer.retry_s = _RETRY_MIN_S
+            return True
         except zmq.ZMQError as exc:
-            # The I/O thread retries it (the put already returned; its deadline still runs).
             with self._lock:
                 peer.blocked = True
             if not isinstance(exc, zmq.Again):
                 log.warning("sending a batch to %s failed: %s", peer.endpoint, exc)
-        finally:
-            self._release(peer)
+            return False
 
     def _release(self, peer: _Peer) -> None:
         """Let go of ``data_lock``; make sure puts queued meanwhile are not left without a flush."""
@@ -448,21 +465,8 @@ class PushSender:
                 return
         if not peer.data_lock.acquire(False):
             return  # the holder's _release() re-arms this flush
-        streaming = False
         try:
-            if not self._closed:
-                sock = peer.data_sock or self._open_data(peer)
-                while peer.outbox:
-                    with self._lock:
-                        outs = self._take(peer)
-                    self._send_or_requeue(sock, peer, outs)
-                peer.retry_s = _RETRY_MIN_S
-                streaming = True
-        except zmq.ZMQError as exc:
-            with self._lock:
-                peer.blocked = True
-            if not isinstance(exc, zmq.Again):
-                log.warning("sending a batch to %s failed: %s", peer.endpoint, exc)
+            streaming = self._send_batches(peer, None)
         finally:
             self._release(peer)
         if streaming:
