@@ -103,9 +103,10 @@ def stage1(endpoints: dict[str, str], n: int, out: str, opts: dict[str, Any], pr
                 scheduler.finish_request(rid)
         if progress is not None and forwarded >= 5 * n:
             progress.set()
-    # Let the last chunks leave before shutting down.
+    # Let the last chunks leave, and their delivery be confirmed, before shutting down: closing a
+    # connector drops what the next stage has not acknowledged yet.
     end = time.monotonic() + 10
-    while manager.pending_state()["queued"] and time.monotonic() < end:
+    while (manager.pending_state()["queued"] or manager.connector.health()["pending"]) and time.monotonic() < end:
         time.sleep(0.01)
     _finish(manager, out, {"forwarded": forwarded, "cancelled": cancelled, "state": manager.pending_state(),
                            "failed": manager.collect_failed_send_request_ids()})
