@@ -10,8 +10,12 @@ differ, and those are measured by the tests, not here). Paths:
 * memcpy      -- one ``np.copyto`` into a pre-faulted buffer: the floor.
 * zmq-ipc     -- raw pyzmq PUSH->PULL over ``ipc://`` with ``copy=False``.
 * zmq-tcp     -- the same over ``tcp://127.0.0.1``.
-* vllm-style  -- vllm-omni's SharedMemoryConnector path: pickle -> a new
-                 segment -> copy out -> unpickle -> unlink.
+* vllm-style  -- vllm-omni's shared-memory IPC path as its current code does
+                 it: pickle -> magic/length/CRC-32 header prepended -> a new
+                 segment -> copy out -> unlink -> header stripped, CRC
+                 checked -> unpickle.
+* pickle-shm  -- the same without the framing: pickle -> a new segment ->
+                 copy out -> unlink -> unpickle.
 * shm-conn    -- our SharedMemoryConnector (mailbox record + reused slot,
                  zero-copy lease on the receiver).
 * zmq+slot    -- the handle-over-ZeroMQ design of ZmqConnector's fast path on
@@ -42,6 +46,7 @@ def print_row(row: ShmRow) -> None:
         f"conn/off {best / t['zmq-off']:.2f}x  "
         f"fast/memcpy {best / t['memcpy']:.2f}x  "
         f"vllm/fast {t['vllm-style'] / best:.1f}x  "
+        f"pickle-shm/fast {t['pickle-shm'] / best:.1f}x  "
         f"tcp/fast {t['zmq-tcp'] / best:.1f}x  "
         f"ipc/shm-conn {t['zmq-ipc'] / t['shm-conn']:.2f}x  "
         f"vllm/shm-conn {t['vllm-style'] / t['shm-conn']:.1f}x"

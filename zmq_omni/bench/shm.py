@@ -9,8 +9,16 @@ wake-ups differ, and those are measured by the tests, not here). Paths
 * ``memcpy``: one ``np.copyto`` into a pre-faulted buffer: the floor.
 * ``zmq-ipc``: raw pyzmq PUSH->PULL over ``ipc://`` with ``copy=False``.
 * ``zmq-tcp``: the same over ``tcp://127.0.0.1``.
-* ``vllm-style``: vllm-omni's SharedMemoryConnector path: pickle -> a new
-  segment -> copy out -> unpickle -> unlink.
+* ``vllm-style``: vllm-omni's shared-memory IPC path as its current code
+  does it (``shm_write_bytes`` / ``shm_read_bytes`` with their CRC-32
+  framing): pickle (protocol 5, in band, as cloudpickle does by default) ->
+  prepend a magic/length/CRC-32 header (a second copy) -> a new segment ->
+  copy out -> unlink -> strip the header (a copy) and check the CRC ->
+  unpickle.
+* ``pickle-shm``: the same without the framing (vllm-omni's earlier helpers):
+  pickle -> a new segment -> copy out -> unlink -> unpickle. The cheapest
+  pickle-through-a-fresh-segment path; reported so the gain does not rest on
+  the framing alone.
 * ``shm-conn``: our SharedMemoryConnector (mailbox record + reused slot,
   zero-copy lease on the receiver).
 * ``zmq+slot``: the handle-over-ZeroMQ design on raw pyzmq: SlotPool.write ->
@@ -23,9 +31,11 @@ wake-ups differ, and those are measured by the tests, not here). Paths
 
 from __future__ import annotations
 
+import binascii
 import gc
 import pickle
 import shutil
+import struct
 import tempfile
 import time
 import uuid
@@ -46,11 +56,14 @@ from ._common import KIB, MIB, Comparison, median_time, size_label
 __all__ = ["PATHS", "SIZES", "ShmRow", "repetitions", "run_shm"]
 
 SIZES = [1 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
-PATHS = ("memcpy", "zmq-ipc", "zmq-tcp", "vllm-style", "shm-conn", "zmq+slot", "zmq-off", "zmq-conn")
+PATHS = (
+    "memcpy", "zmq-ipc", "zmq-tcp", "vllm-style", "pickle-shm", "shm-conn", "zmq+slot", "zmq-off", "zmq-conn"
+)
 _FAST = "shm fast path (ZmqConnector ipc)"
 _BASELINES = {
     "memcpy": "one memcpy of the payload",
-    "vllm-style": "vllm-style pickle+new segment",
+    "vllm-style": "vllm-omni style: pickle+CRC framing+new segment",
+    "pickle-shm": "pickle+new segment, no framing",
     "zmq-tcp": "raw pyzmq tcp copy=False",
     "zmq-ipc": "raw pyzmq ipc copy=False",
     "zmq-off": "ZmqConnector ipc shm=off",
@@ -108,19 +121,44 @@ def _buffer(seg: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
+# vllm-omni's framing of a shared-memory payload: magic, payload length, CRC-32 of the payload.
+_VLLM_HEADER = struct.Struct(">8sQI")
+_VLLM_MAGIC = b"OMNIIPC1"
+
+
+def _through_new_segment(payload: bytes) -> bytes:
+    """Write ``payload`` into a brand-new segment, copy it out, unlink: what both pickle paths share."""
+    seg = shared_memory.SharedMemory(create=True, size=len(payload))
+    name, size = seg.name, len(payload)
+    _buffer(seg)[:size] = payload
+    seg.close()
+    reader = shared_memory.SharedMemory(name=name)
+    copied = bytes(_buffer(reader)[:size])
+    reader.close()
+    reader.unlink()
+    return copied
+
+
 def _vllm_style(arr: np.ndarray[Any, Any], reps: int) -> float:
     def once() -> None:
         payload = pickle.dumps({"data": arr}, protocol=5)
-        seg = shared_memory.SharedMemory(create=True, size=len(payload))
-        name, size = seg.name, len(payload)
-        _buffer(seg)[:size] = payload
-        seg.close()
-        reader = shared_memory.SharedMemory(name=name)
-        copied = bytes(_buffer(reader)[:size])
-        reader.close()
-        reader.unlink()
-        if pickle.loads(copied)["data"].nbytes != arr.nbytes:
+        framed = _VLLM_HEADER.pack(_VLLM_MAGIC, len(payload), binascii.crc32(payload)) + payload
+        raw = _through_new_segment(framed)
+        magic, size, crc = _VLLM_HEADER.unpack(raw[: _VLLM_HEADER.size])
+        body = raw[_VLLM_HEADER.size :]
+        if magic != _VLLM_MAGIC or size != len(body) or binascii.crc32(body) != crc:
+            raise RuntimeError("vllm-style: framing check failed")
+        if pickle.loads(body)["data"].nbytes != arr.nbytes:
             raise RuntimeError("vllm-style: wrong size")
+
+    return median_time(once, reps)
+
+
+def _pickle_shm(arr: np.ndarray[Any, Any], reps: int) -> float:
+    def once() -> None:
+        copied = _through_new_segment(pickle.dumps({"data": arr}, protocol=5))
+        if pickle.loads(copied)["data"].nbytes != arr.nbytes:
+            raise RuntimeError("pickle-shm: wrong size")
 
     return median_time(once, reps)
 
@@ -235,6 +273,7 @@ def run_shm(
         "zmq-ipc": lambda arr, reps: _raw_zmq(arr, reps, f"ipc://{tmp}/raw.sock"),
         "zmq-tcp": lambda arr, reps: _raw_zmq(arr, reps, "tcp://127.0.0.1:*"),
         "vllm-style": _vllm_style,
+        "pickle-shm": _pickle_shm,
         "shm-conn": lambda arr, reps: _shm_connector(arr, reps, shm_dir),
         "zmq+slot": lambda arr, reps: _zmq_slot(arr, reps, shm_dir, f"ipc://{tmp}/slot.sock"),
         "zmq-off": lambda arr, reps: _zmq_connector(arr, reps, shm_dir, f"ipc://{tmp}/off.sock", "off"),

@@ -23,7 +23,7 @@ from ..bench._common import KIB, MIB
 __all__ = ["run_bench"]
 
 _COLUMNS = f"{'benchmark':<34} {'size':>12} {'ours':>12} {'baseline':>12} {'ratio':>9}  baseline name"
-_SHM_PATHS = ("memcpy", "zmq-tcp", "vllm-style", "zmq-conn")
+_SHM_PATHS = ("memcpy", "zmq-tcp", "vllm-style", "pickle-shm", "zmq-conn")
 
 
 @dataclass(frozen=True)
