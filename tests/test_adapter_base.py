@@ -194,3 +194,25 @@ def test_config_rejects_unknown_keys() -> None:
     assert (cfg.upstream_stage_id, cfg.downstream_stage_id, cfg.retry.attempts) == ("1", "3", 2)
     assert ChunkManagerConfig(stage_id="0").upstream_stage_id is None
     assert FAST_RETRY.attempts == 3
+
+
+def test_shutdown_books_puts_still_unconfirmed_as_send_failures(short_tmp: Path) -> None:
+    extra = {"stage_id": "0", "role": "sender", "endpoints": {"1": f"ipc://{short_tmp}/nobody.sock"}}
+    manager = OmniChunkManager(
+        {
+            "stage_id": 0,
+            "downstream_stage_id": 1,
+            "shutdown_grace_s": 0.3,
+            "connector": {"name": "ZmqConnector", "extra": extra},
+        }
+    )
+    try:
+        manager.save_async("r0", {"x": np.arange(4)}, is_final=True)
+        assert wait_until(lambda: manager.connector.health()["puts"] >= 1, 5)
+        started = time.monotonic()
+        manager.shutdown()
+        assert time.monotonic() - started < 1.5  # the grace, then a prompt close
+        failed = manager.collect_failed_send_request_ids()
+        assert set(failed) == {"r0"} and "confirmed delivery" in failed["r0"]
+    finally:
+        manager.shutdown()

@@ -192,3 +192,15 @@ def test_kept_failures_do_not_pin_stack_frames(pair: Pair) -> None:
     assert sender.put(*edge, "late", {"x": np.ones(1000)})[0] is False
     failures = sender.drain_failures()
     assert failures and all(f.error is None or f.error.__traceback__ is None for f in failures)
+
+
+def test_flush_then_close_fails_nothing_that_was_delivered(pair: Pair) -> None:
+    sender, receiver, edge = pair
+    for i in range(5):
+        assert sender.put(*edge, f"f{i}", {"i": i})[0]
+    for i in range(5):
+        got = wait_get(receiver, edge, f"f{i}")
+        assert got is not None and got[0] == {"i": i}
+    assert sender.flush(WAIT_S) is True
+    sender.close()
+    assert sender.drain_failures() == []

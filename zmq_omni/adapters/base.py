@@ -242,8 +242,11 @@ class OmniTransferAdapterBase(ABC):
 
         The receive worker leaves within ``recv_wait_s``; retry back-offs end at
         once. A save worker still inside one ``put`` is given
-        ``shutdown_grace_s``; the connector is then closed regardless (its
-        ``close`` never hangs and makes a pending put fail). Both workers are
+        ``shutdown_grace_s``, and what is left of it goes to the connector's
+        ``flush`` (puts still in flight get there); the connector is then
+        closed regardless (its ``close`` never hangs and reports a put still
+        unconfirmed, which is booked as a send failure of its request, so
+        ``get_finished_requests`` still tells the scheduler). Both workers are
         daemon threads, so neither can keep the process alive.
         """
         if self._closed:
@@ -258,7 +261,11 @@ class OmniTransferAdapterBase(ABC):
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
         try:
+            flush = getattr(self.connector, "flush", None)  # vllm-omni connectors may lack it
+            if callable(flush) and not flush(max(0.0, deadline - time.monotonic())):
+                logger.warning("stage %s: puts still unconfirmed after shutdown_grace_s", self.stage_id)
             self.connector.close()
+            self._absorb_connector_failures()
         except Exception:
             logger.exception("stage %s: connector close failed", self.stage_id)
         for thread in (self.recv_thread, self.save_thread):

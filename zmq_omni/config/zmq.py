@@ -41,6 +41,9 @@ class ZmqConnectorConfig:
         put_timeout_s: longest a ``put`` waits for window room and for ZeroMQ.
         delivery_timeout_s: longest a put may stay unconfirmed before it is
             reported as a :class:`~zmq_omni.errors.DeliveryError`.
+        close_timeout_s: longest ``close()`` waits for puts not yet confirmed
+            (push: arrival at the receiver; pull: fetched) before it reports them
+            as failed; 0 (the default) closes at once. ``flush()`` waits on demand.
         heartbeat_s: interval of sender pings (which drive resends).
         peer_timeout_s: silence after which a receiver is presumed gone.
         max_unacked: most puts held unconsumed by a sender (the window).
@@ -84,6 +87,7 @@ class ZmqConnectorConfig:
     to_stage: str | None = None
     put_timeout_s: float = 10.0
     delivery_timeout_s: float = 30.0
+    close_timeout_s: float = 0.0
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 3.0
     max_unacked: int = 10_000
@@ -134,6 +138,7 @@ class ZmqConnectorConfig:
             to_stage=read_str(extra, "to_stage", None, _PATH),
             put_timeout_s=read_float(extra, "put_timeout_s", 10.0, _PATH, minimum=0.0),
             delivery_timeout_s=read_float(extra, "delivery_timeout_s", 30.0, _PATH, minimum=0.001),
+            close_timeout_s=read_float(extra, "close_timeout_s", 0.0, _PATH, minimum=0.0),
             heartbeat_s=read_float(extra, "heartbeat_s", 0.5, _PATH, minimum=0.01),
             peer_timeout_s=read_float(extra, "peer_timeout_s", 3.0, _PATH, minimum=0.01),
             max_unacked=read_int(extra, "max_unacked", 10_000, _PATH, minimum=1),

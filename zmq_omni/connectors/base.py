@@ -116,7 +116,11 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
     * ``drain_failures`` -- the adapters, to learn which puts/gets failed for
       good and why (for failures found after ``put`` returned, such as a
       delivery that was never acknowledged).
-    * ``close`` -- the owner, once or more: idempotent, never hangs.
+    * ``flush`` -- the owner, before ``close``, when it would rather wait (a
+      bounded time) for puts still in flight than have ``close`` fail them.
+    * ``close`` -- the owner, once or more: idempotent, never hangs. A put
+      whose delivery is not confirmed yet is reported as failed, never dropped
+      silently.
 
     Transport faults never escape ``put``/``get`` as exceptions: they return
     ``False``/``None``, are counted in ``health()`` (``timeouts`` apart from
@@ -177,6 +181,14 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
     # -- vllm-omni hooks that most backends need not implement ------------------
     def abandon_get(self, key: str) -> None:
         """The caller stopped waiting for ``key`` (vllm-omni hook; no-op by default)."""
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no put depends on this connector staying open; True then.
+
+        Backends whose ``put`` completes before returning have nothing to wait
+        for (this default); buffering ones (``ZmqConnector``) wait for delivery.
+        """
+        return True
 
     def reap_consumed(self) -> None:
         """Reclaim resources of payloads consumed by the peer (no-op by default)."""

@@ -446,11 +446,37 @@ class ZmqConnector(OmniConnectorBase):
             if base["status"] == "ok":
                 base["status"] = "degraded"
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every put so far is safe without this connector.
+
+        Push mode: each put's arrival at its receiver was confirmed (the receiver
+        holds it until its ``get``). Pull mode: each stored payload was fetched.
+        Call it before :meth:`close` to shut down without failing puts that are
+        still in flight (``close_timeout_s`` makes ``close`` do it).
+
+        Returns:
+            True when nothing is left unconfirmed; False after ``timeout_s``
+            or once the connector is closed with puts still unconfirmed.
+        """
+        if self._sender is not None:
+            return self._sender.wait_delivered(timeout_s)
+        if self._server is not None:
+            return self._server.wait_fetched(timeout_s)
+        return True
+
     def close(self) -> None:
-        """Stop the I/O thread and close every socket; idempotent, returns in well under a second."""
+        """Stop the I/O thread and close every socket; idempotent.
+
+        Waits up to ``close_timeout_s`` (default 0) for unconfirmed puts, then
+        reports each one still unconfirmed through :meth:`drain_failures` as a
+        :class:`~zmq_omni.errors.DeliveryError`. Beyond that wait it returns in
+        well under a second, peer or no peer.
+        """
         with self._close_lock:
             if self._loop is None:
                 return
+            if self.config.close_timeout_s > 0:
+                self.flush(self.config.close_timeout_s)
             self._closed = True
             self._idle.set()
             for part in (self._sender, self._receiver, self._server, self._client):

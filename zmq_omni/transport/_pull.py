@@ -162,11 +162,31 @@ class PullServer:
                 "endpoint": self.endpoint,
             }
 
+    def wait_fetched(self, timeout_s: float) -> bool:
+        """Wait until every stored payload was fetched (or dropped); True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._store and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            return not self._store
+
     def close(self) -> None:
-        """Fail waiting and future puts; the socket closes on the loop thread."""
+        """Fail waiting and future puts; report every payload nobody fetched. The socket closes on the loop thread."""
         with self._cv:
             self._closed = True
+            unfetched = list(self._store)
+            self._store.clear()
+            self._bytes = 0
             self._cv.notify_all()
+        for from_stage, to_stage, key in unfetched:
+            self._counters.add("delivery_failures")
+            reason = f"connector closed before stage {to_stage!r} fetched the payload"
+            self._on_failure(
+                "put", from_stage, to_stage, key, reason, DeliveryError(reason, key=key, endpoint=self.endpoint)
+            )
 
     # -- I/O thread ---------------------------------------------------------------
     def _on_readable(self) -> None:

@@ -155,6 +155,7 @@ class PushSender:
         self._puts = 0
         self._bytes_sent = 0
         self._batches_sent = 0
+        self._delivery_waiters = 0  # threads in wait_delivered(): arrivals wake them
         self._closed = False
         loop.every(heartbeat_s, self._heartbeat)
         loop.every(min(0.05, heartbeat_s), self._expire)
@@ -531,11 +532,57 @@ class PushSender:
                 },
             }
 
+    def wait_delivered(self, timeout_s: float) -> bool:
+        """Wait until every put so far has arrived at its receiver; True when none is left unconfirmed."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._delivery_waiters += 1
+            try:
+                while not self._closed and self._undelivered():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cv.wait(remaining)
+                return not self._undelivered()
+            finally:
+                self._delivery_waiters -= 1
+
+    def _undelivered(self) -> int:
+        return sum(len(peer.unarrived) for peer in self._peers.values())
+
     def close(self) -> None:
-        """Fail waiting and future puts; sockets close on the loop thread."""
+        """Fail waiting and future puts, and report every put whose arrival was never confirmed.
+
+        A put that arrived but was not consumed yet is not reported: the receiver
+        holds it (only a receiver crash before its ``get`` could lose it now, since
+        no sender is left to resend). Sockets close on the loop thread.
+        """
+        lost: list[tuple[_Peer, _Out]] = []
         with self._lock:
             self._closed = True
+            for peer in self._peers.values():
+                # A put whose own thread is still handing it to ZeroMQ fails there and reports itself.
+                gone = [out for out in peer.unarrived.values() if out.sent_ping is not None or out.queued]
+                for out in gone:
+                    out.queued = False
+                    del peer.unarrived[out.seq]
+                    del peer.retained[out.seq]
+                    self._count -= 1
+                    self._bytes -= out.nbytes
+                    lost.append((peer, out))
             self._cv.notify_all()
+        self._discard(out for _, out in lost)
+        for peer, out in lost:
+            self._counters.add("delivery_failures")
+            reason = f"connector closed before stage {peer.to_stage!r} confirmed delivery"
+            self._on_failure(
+                "put",
+                out.from_stage,
+                peer.to_stage,
+                out.key,
+                reason,
+                DeliveryError(reason, key=out.key, endpoint=peer.endpoint),
+            )
 
     # -- I/O thread ---------------------------------------------------------------
     def _open_ctl(self, peer: _Peer) -> None:
@@ -627,6 +674,8 @@ class PushSender:
                         out = unarrived_pop(seq, None)
                         if out is not None:
                             out.arrived = True
+                if self._delivery_waiters:
+                    self._cv.notify_all()
                 if renewed:
                     resend = [o for o in peer.unarrived.values() if o.sent_ping is not None]
                 elif ping >= 0:

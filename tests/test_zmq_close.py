@@ -1,0 +1,100 @@
+"""Closing a ZmqConnector with puts in flight: flushed on request, reported otherwise, never dropped silently."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.errors import DeliveryError
+
+
+@pytest.fixture
+def connectors() -> Iterator[list[ZmqConnector]]:
+    """Connectors made by a test, closed at teardown; no I/O thread may survive them."""
+    made: list[ZmqConnector] = []
+    try:
+        yield made
+    finally:
+        for conn in made:
+            conn.close()
+        assert [t for t in threading.enumerate() if t.name.startswith("zmq-omni")] == []
+
+
+def make(made: list[ZmqConnector], **config: Any) -> ZmqConnector:
+    conn = ZmqConnector(config)
+    made.append(conn)
+    return conn
+
+
+def test_close_reports_every_put_whose_delivery_was_not_confirmed(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": f"ipc://{short_tmp}/nobody.sock"})
+    keys = [f"k{i}" for i in range(10)]
+    for key in keys:
+        assert sender.put("0", "1", key, {"n": key})[0]
+    start = time.monotonic()
+    sender.close()
+    assert time.monotonic() - start < 1.0
+    failures = sender.drain_failures()
+    assert sorted(f.key for f in failures) == sorted(keys)
+    assert all(f.op == "put" and f.to_stage == "1" and isinstance(f.error, DeliveryError) for f in failures)
+    assert all("closed before stage '1' confirmed delivery" in f.reason for f in failures)
+    health = sender.health()
+    assert health["delivery_failures"] == 10 and health["pending"] == 0 and health["status"] == "closed"
+
+
+def test_flush_waits_for_a_late_receiver_and_close_then_loses_nothing(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    # The sender outlives nothing: it puts before the receiver is up, flushes, closes, and the receiver
+    # (started late, as a next stage often is) still gets every item.
+    endpoint = f"ipc://{short_tmp}/late.sock"
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, heartbeat_s=0.05)
+    keys = [f"k{i}" for i in range(50)]
+    for key in keys:
+        assert sender.put("0", "1", key, {"n": key, "pad": b"x" * 3000})[0]
+    assert sender.flush(0.2) is False  # nobody there yet: bounded, and says so
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    assert sender.flush(10.0) is True
+    assert sender.health()["undelivered"] == 0
+    sender.close()
+    assert sender.drain_failures() == []
+    got = [receiver.get_with_deadline("0", "1", key, deadline=time.monotonic() + 5) for key in keys]
+    assert [g[0]["n"] if g else None for g in got] == keys
+
+
+def test_close_timeout_makes_close_flush_first(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoint = f"ipc://{short_tmp}/grace.sock"
+    sender = make(
+        connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, heartbeat_s=0.05, close_timeout_s=10.0
+    )
+    for i in range(20):
+        assert sender.put("0", "1", f"k{i}", i)[0]
+    late = threading.Timer(0.3, lambda: make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint}))
+    late.start()
+    sender.close()  # waits for the late receiver to confirm every put
+    late.join()
+    assert sender.drain_failures() == []
+    receiver = connectors[-1]
+    got = [receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 5) for i in range(20)]
+    assert [g[0] if g else None for g in got] == list(range(20))
+
+
+def test_pull_mode_close_reports_payloads_nobody_fetched(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoints = {"0": f"ipc://{short_tmp}/pull.sock"}
+    sender = make(connectors, stage_id="0", role="sender", mode="pull", endpoints=endpoints)
+    receiver = make(connectors, stage_id="1", role="receiver", mode="pull", endpoints=endpoints)
+    metadata = {key: sender.put("0", "1", key, key)[2] for key in ("a", "b", "c")}
+    assert receiver.get("0", "1", "a", metadata["a"]) is not None
+    assert sender.flush(0.2) is False
+    sender.close()
+    failures = sender.drain_failures()
+    assert sorted(f.key for f in failures) == ["b", "c"]
+    assert all(isinstance(f.error, DeliveryError) and "fetched" in f.reason for f in failures)
