@@ -743,17 +743,9 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
     try:
         if not flags:
             # Plain msgpack: the metadata-only hot path.
-            return _unpackb(
-                body,
-                ext_hook=_reject_ext,
-                raw=False,
-                strict_map_key=False,
-                max_str_len=size,
-                max_bin_len=size,
-                max_array_len=size,
-                max_map_len=size,
-                max_ext_len=size,
-            )
+            # msgpack bounds every declared length by the input's length when no limit is
+            # given (max_*_len=-1 means len(body)), so a forged count cannot make it allocate.
+            return _unpackb(body, ext_hook=_reject_ext, raw=False, strict_map_key=False)
         state = _Decoding(frames, count, flags, allow_pickle, lim, size + PREAMBLE_SIZE)
         obj = _unpackb(
             body,
@@ -761,11 +753,6 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
             list_hook=state.list_hook if flags & FLAG_TUPLE else None,
             raw=False,
             strict_map_key=False,
-            max_str_len=size,
-            max_bin_len=size,
-            max_array_len=size,
-            max_map_len=size,
-            max_ext_len=size,
         )
     except DecodeError:
         raise
