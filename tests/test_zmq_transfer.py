@@ -90,8 +90,8 @@ def test_256_mib_payload_is_bit_exact(transport: str, mode: str, short_tmp: Path
             with spawned(get_main, recv_cfg, [("0", "big", sent["big"][2])]) as (_, rq):
                 expect(rq, "ready")
                 results, rhealth = expect(rq, "done", timeout=90)
-            failures, _ = expect(sq, "done", timeout=90)
-            assert results["big"] is not None, rhealth
+            failures, shealth = expect(sq, "done", timeout=90)
+            assert results["big"] is not None, str(rhealth) + str(shealth)
     assert results["big"] == expected_digest(size, 42)
     assert failures == []
 

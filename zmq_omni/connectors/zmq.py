@@ -7,10 +7,12 @@ binds and keeps each payload until a receiver fetches it with the metadata
 ``put`` returned (or by key). The protocol and every config key are described
 in ``docs/zmq-connector.md``.
 
-Same-host fast path (push mode, ``shm: auto`` by default): payloads of at
-least ``shm_threshold`` bytes for a receiver that proved it reads our shared
-memory are written once into a reused slot, and only the slot handle crosses
-ZeroMQ; the receiver's arrays view the slot without a copy.
+Same-host fast path (``shm: auto`` by default): payloads of at least
+``shm_threshold`` bytes for a receiver that proved it reads our shared memory
+are written once into a reused slot, and only the slot handle crosses ZeroMQ;
+the receiver's arrays view the slot without a copy. Push mode writes the slot
+at ``put``; pull mode at fetch time, once the fetcher has shown it reads the
+server's probe segment (its first fetch from a server takes frames).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..errors import (
     ClosedResourceError,
     ConfigError,
     MessageTooLargeError,
+    ShmError,
     TransportError,
     ZmqOmniError,
 )
@@ -97,7 +100,7 @@ class ZmqConnector(OmniConnectorBase):
         sends = cfg.role in ("sender", "dual")
         receives = cfg.role in ("receiver", "dual")
         binds = receives if cfg.mode == "push" else sends
-        fast_path = cfg.mode == "push" and cfg.shm != "off"
+        fast_path = cfg.shm != "off"
         if cfg.malloc_tuning and receives:
             tune_malloc()  # before the context's I/O threads first allocate
         self.endpoint: str | None = None
@@ -158,6 +161,7 @@ class ZmqConnector(OmniConnectorBase):
                         on_failure=self._on_failure,
                         health=self.health,
                         curve=self._curve,
+                        shm=self._shm_send,
                     )
                     self.endpoint = self._server.endpoint
             if cfg.mode == "push" and sends:
@@ -188,6 +192,7 @@ class ZmqConnector(OmniConnectorBase):
                     decode=self._decode,
                     counters=self._counters,
                     curve=self._curve,
+                    shm=self._shm_receive,
                 )
             loop.start()
         except BaseException:
@@ -367,6 +372,10 @@ class ZmqConnector(OmniConnectorBase):
             if not isinstance(exc, ClosedResourceError):
                 self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
             return None
+        except ShmError as exc:  # the slot of a shared-memory reply was reclaimed (expired) first
+            self._counters.add("shm_stale")
+            self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
+            return None
         except ZmqOmniError as exc:  # a malformed or oversized reply
             self._counters.add("rejected_frames")
             self._record_failure("get", from_stage, to_stage, key, f"bad reply from {endpoint}: {exc}", exc)
@@ -425,7 +434,7 @@ class ZmqConnector(OmniConnectorBase):
 
     def _shm_health(self, base: dict[str, Any]) -> None:
         """The fast path's state: policy, pool, fallbacks; ``degraded`` while large puts cannot use it."""
-        base["shm"] = self.config.shm if self.config.mode == "push" else "off"
+        base["shm"] = self.config.shm
         for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
             base.setdefault(name, 0)
         shm = self._shm_send

@@ -320,6 +320,15 @@ class SlotPool:
                     return freed
         return False
 
+    def unopened(self, handle: SlotHandle) -> bool:
+        """True while ``handle``'s slot still holds its payload READY: no receiver has leased it yet."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.seg.name == handle.segment:
+                    mm = slot.seg.mm
+                    return mm[_STATE_AT] == READY and struct.unpack_from("<Q", mm, _GEN_AT)[0] == handle.gen
+        return False
+
     def owns(self, handle: SlotHandle) -> bool:
         """True when ``handle`` points into this pool."""
         with self._lock:

@@ -30,8 +30,11 @@ Headers by kind:
   ``false``: send frames, ``null``: not probed); ``batch_bytes`` is the largest ``BATCH`` frame the
   receiver accepts (0 or absent: it takes no ``BATCH``, so a sender never batches to an older receiver).
 * ``HEALTH``      ``[]``; ``HEALTH_REPLY`` ``[health dict]``
-* ``FETCH``       ``[req_id, from_stage, to_stage, key, wait_ms]``
-* ``FETCH_REPLY`` ``[req_id, found]``
+* ``FETCH``       ``[req_id, from_stage, to_stage, key, wait_ms]`` or ``[..., shm]``; ``shm`` (true)
+  says the fetcher read the server's probe segment, so a large payload may come as a slot handle.
+* ``FETCH_REPLY`` ``[req_id, found]``, ``[req_id, found, probe]`` or ``[req_id, found, probe, loc]``;
+  ``probe`` is the server's ``[segment, nonce]`` (or null), ``loc`` a packed
+  :class:`~zmq_omni.shm.SlotHandle`: the payload lies in the server's shared memory and no frame follows.
 """
 
 from __future__ import annotations
@@ -85,8 +88,8 @@ _ARITY = {
     Kind.REPLY: (4, 5, 6),
     Kind.HEALTH: (0,),
     Kind.HEALTH_REPLY: (1,),
-    Kind.FETCH: (5,),
-    Kind.FETCH_REPLY: (2,),
+    Kind.FETCH: (5, 6),
+    Kind.FETCH_REPLY: (2, 3, 4),
     Kind.BATCH: (4,),
 }
 

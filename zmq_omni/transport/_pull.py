@@ -1,12 +1,23 @@
 """Pull mode: the sender keeps each payload and serves it once, on request, from a bound ROUTER.
 
-A receiver sends FETCH ``[req_id, from_stage, to_stage, key, wait_ms]`` from a
-DEALER; the server answers FETCH_REPLY ``[req_id, found]`` (followed by the
-payload frames when found). With ``wait_ms > 0`` the server parks the request
-until the key is put or the wait ends (a long poll), so a receiver waiting
-for data costs one round trip, not a polling loop. A payload leaves the store
-when it is sent: each put is fetched at most once. Unfetched payloads expire
-after ``pull_ttl_s`` and are reported as failed puts.
+A receiver sends FETCH ``[req_id, from_stage, to_stage, key, wait_ms, shm]``
+from a DEALER; the server answers FETCH_REPLY ``[req_id, found, probe]``
+followed by the payload frames when found, or ``[req_id, found, probe, loc]``
+with no frames when the payload lies in the server's shared memory. With
+``wait_ms > 0`` the server parks the request until the key is put or the wait
+ends (a long poll), so a receiver waiting for data costs one round trip, not a
+polling loop. A payload leaves the store when it is sent: each put is fetched
+at most once. Unfetched payloads expire after ``pull_ttl_s`` and are reported
+as failed puts.
+
+Same-host fast path: a server with a slot pool names its probe segment
+(``[segment, nonce]``, as push mode's PING does) in every reply; the client
+attaches it in its own shm directory and, when it holds the nonce, sets ``shm``
+in its later FETCHes. For those, a payload of at least the threshold is copied
+once into a slot at fetch time and only the packed handle (``loc``) crosses
+ZeroMQ; the client leases the slot and decodes views of it. A client's first
+fetch from a server (verdict unknown) and every fetch by a client on another
+host get frames. Old peers send and accept the shorter headers.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from ..errors import (
     DecodeError,
     DeliveryError,
     MessageTooLargeError,
+    ShmError,
     TransportTimeoutError,
     from_zmq_error,
 )
@@ -34,6 +46,7 @@ from ._loop import IoLoop
 from ._push_protocol import FailureCallback
 from ._router import recv_routed
 from ._security import Curve
+from ._shm import ShmReceive, ShmSend
 from ._sockets import bind, close_socket, make_socket
 
 __all__ = ["PullClient", "PullServer"]
@@ -41,6 +54,9 @@ __all__ = ["PullClient", "PullServer"]
 log = logging.getLogger("zmq_omni.transport")
 
 _POLL_SLICE_S = 0.1  # a waiting fetch re-checks close() this often
+_SEND_CHECK_S = 0.01  # wait_fetched re-checks replies still leaving this often (ZeroMQ does not notify)
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
+_CLOSE_GRACE_S = 0.5  # close() lets replies still leaving finish this long, then reports them
 
 Slot = tuple[str, str, str]
 
@@ -52,6 +68,22 @@ class _Stored:
         self.frames = frames
         self.nbytes = nbytes
         self.expires = expires
+
+
+class _Leaving:
+    """A payload reply handed to ZeroMQ that has not left yet.
+
+    Its frames are still being written (``tracker`` not done), or its
+    shared-memory slot was not opened yet (``loc``).
+    """
+
+    __slots__ = ("loc", "nbytes", "slot", "tracker")
+
+    def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None) -> None:
+        self.slot = slot
+        self.nbytes = nbytes
+        self.tracker = tracker
+        self.loc = loc
 
 
 class PullServer:
@@ -73,8 +105,11 @@ class PullServer:
         on_failure: FailureCallback,
         health: Callable[[], dict[str, Any]],
         curve: Curve | None = None,
+        shm: ShmSend | None = None,
     ) -> None:
         self._loop = loop
+        self._shm = shm
+        self._probe = None if shm is None else shm.probe  # named in every reply
         self._put_timeout = put_timeout_s
         self._ttl = ttl_s
         self._max_count = max_unacked
@@ -86,9 +121,11 @@ class PullServer:
         self._cv = threading.Condition()
         self._store: dict[Slot, _Stored] = {}
         self._bytes = 0
+        self._leaving: list[_Leaving] = []  # pending like the store: close() before they left loses them
         self._puts = 0
         self._bytes_sent = 0
-        self._waiters: dict[Slot, list[tuple[bytes, int, float]]] = {}
+        # Parked FETCHes per slot: (identity, req_id, expiry, the fetcher reads our shared memory).
+        self._waiters: dict[Slot, list[tuple[bytes, int, float, bool]]] = {}
         self._closed = False
         # FETCH requests are tiny; a peer sending more is hostile.
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
@@ -154,24 +191,38 @@ class PullServer:
     def stats(self) -> dict[str, Any]:
         """Store occupancy."""
         with self._cv:
+            leaving = self._still_leaving()
             return {
                 "puts": self._puts,
                 "bytes_sent": self._bytes_sent,
-                "pending": len(self._store),
-                "pending_bytes": self._bytes,
+                "pending": len(self._store) + len(leaving),
+                "pending_bytes": self._bytes + sum(entry.nbytes for entry in leaving),
                 "endpoint": self.endpoint,
             }
 
+    def _still_leaving(self) -> list[_Leaving]:
+        """Forget replies that left; the rest (caller holds ``_cv``)."""
+        shm = self._shm
+        self._leaving = [
+            entry
+            for entry in self._leaving
+            if entry.tracker is None  # being sent
+            or not entry.tracker.done
+            or (entry.loc is not None and shm is not None and shm.unopened(entry.loc))
+        ]
+        return self._leaving
+
     def wait_fetched(self, timeout_s: float) -> bool:
-        """Wait until every stored payload was fetched (or dropped); True when none is left."""
+        """Wait until every stored payload was fetched and its reply has left; True when none is left."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._store and not self._closed:
+            while (self._store or self._still_leaving()) and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                self._cv.wait(remaining)
-            return not self._store
+                # A fetch notifies; a reply that finished leaving does not, so that part is re-checked.
+                self._cv.wait(remaining if self._store else min(remaining, _SEND_CHECK_S))
+            return not self._store and not self._still_leaving()
 
     def close(self) -> None:
         """Fail waiting and future puts; report every payload nobody fetched. The socket closes on the loop thread."""
@@ -200,8 +251,11 @@ class PullServer:
                     raise DecodeError("a request must be exactly one frame")
                 kind, header, _ = unpack(frames[0])
                 if kind is Kind.FETCH:
-                    check_types(header, (int, str, str, str, int), "FETCH")
-                    self._on_fetch(identity, header[0], (header[1], header[2], header[3]), header[4])
+                    check_types(header[:5], (int, str, str, str, int), "FETCH")
+                    local = header[5] if len(header) > 5 else False
+                    if type(local) is not bool:
+                        raise DecodeError(f"FETCH shm flag {local!r:.40} is not a bool")
+                    self._on_fetch(identity, header[0], (header[1], header[2], header[3]), header[4], local)
                 elif kind is Kind.HEALTH:
                     self._reply(identity, [pack(Kind.HEALTH_REPLY, (self._health(),))])
                 else:
@@ -210,25 +264,28 @@ class PullServer:
                 self._counters.add("rejected_frames")
                 log.debug("rejected a request on %s: %s", self.endpoint, exc)
 
-    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int) -> None:
+    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool) -> None:
         with self._cv:
-            entry = self._take(slot)
-            if entry is None and wait_ms > 0:
+            taken = self._take(slot)
+            if taken is None and wait_ms > 0:
                 expiry = time.monotonic() + min(wait_ms, 3_600_000) / 1000.0
-                self._waiters.setdefault(slot, []).append((identity, req_id, expiry))
+                self._waiters.setdefault(slot, []).append((identity, req_id, expiry, local))
                 return
-        if entry is None:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, (req_id, False))])
+        if taken is None:
+            self._reply(identity, [pack(Kind.FETCH_REPLY, (req_id, False, self._probe))])
         else:
-            self._deliver(identity, req_id, slot, entry)
+            self._deliver(identity, req_id, slot, *taken, local)
 
-    def _take(self, slot: Slot) -> _Stored | None:
-        # Caller holds _cv.
+    def _take(self, slot: Slot) -> tuple[_Stored, _Leaving] | None:
+        """Move a payload from the store to the replies leaving (caller holds ``_cv``): still pending."""
         entry = self._store.pop(slot, None)
-        if entry is not None:
-            self._bytes -= entry.nbytes
-            self._cv.notify_all()
-        return entry
+        if entry is None:
+            return None
+        self._bytes -= entry.nbytes
+        leaving = _Leaving(slot, entry.nbytes, None, None)
+        self._leaving.append(leaving)
+        self._cv.notify_all()
+        return entry, leaving
 
     def _serve_waiter(self, slot: Slot) -> None:
         now = time.monotonic()
@@ -236,38 +293,67 @@ class PullServer:
             waiters = [w for w in self._waiters.pop(slot, []) if w[2] > now]
             if not waiters:
                 return
-            entry = self._take(slot)
-            if entry is None:
+            taken = self._take(slot)
+            if taken is None:
                 self._waiters[slot] = waiters
                 return
-            identity, req_id, _ = waiters.pop(0)
+            identity, req_id, _, local = waiters.pop(0)
             if waiters:
                 self._waiters[slot] = waiters
-        self._deliver(identity, req_id, slot, entry)
+        self._deliver(identity, req_id, slot, *taken, local)
 
-    def _deliver(self, identity: bytes, req_id: int, slot: Slot, entry: _Stored) -> None:
-        head = pack(Kind.FETCH_REPLY, (req_id, True), entry.frames[0])
-        if self._reply(identity, [head, *entry.frames[1:]]):
-            self._counters.add("fetched")
-            return
+    def _deliver(
+        self, identity: bytes, req_id: int, slot: Slot, entry: _Stored, leaving: _Leaving, local: bool
+    ) -> None:
+        loc = self._to_shm(entry) if local else None
+        if loc is not None:
+            message = [pack(Kind.FETCH_REPLY, (req_id, True, self._probe, loc))]
+        else:
+            message = [pack(Kind.FETCH_REPLY, (req_id, True, self._probe), entry.frames[0]), *entry.frames[1:]]
+        # Tracked: a large reply takes a while to leave, and closing the socket meanwhile would drop it.
+        tracker = self._reply(identity, message, track=True)
+        with self._cv:
+            if tracker is not None:
+                self._counters.add("fetched")
+                leaving.tracker, leaving.loc = tracker, loc
+                return
+            self._leaving.remove(leaving)
+        if loc is not None and self._shm is not None:
+            self._shm.discard(loc)
         with self._cv:  # the fetcher is gone or full: keep the payload for the next fetch
             if slot not in self._store and not self._closed:
                 self._store[slot] = entry
                 self._bytes += entry.nbytes
 
-    def _reply(self, identity: bytes, frames: list[Any]) -> bool:
+    def _to_shm(self, entry: _Stored) -> bytes | None:
+        """Copy a large payload into a slot for a same-host fetcher; the packed handle, or None (frames)."""
+        shm = self._shm
+        if shm is None or entry.nbytes < shm.threshold:
+            return None
+        loc = shm.write(entry.frames)
+        self._counters.add("shm_fallbacks" if loc is None else "shm_puts")
+        return loc
+
+    def _reply(self, identity: bytes, frames: list[Any], *, track: bool = False) -> Any:
+        """Send a reply without blocking; its tracker (or True untracked), or None when ZeroMQ refused it."""
         try:
-            self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
-            return True
+            if not track:
+                self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+                return True
+            # One tracker per part: send_multipart tracks only the last, which may be a small copied one.
+            parts = [identity, *frames]
+            trackers = [self._sock.send(part, _MORE, copy=False, track=True) for part in parts[:-1]]
+            trackers.append(self._sock.send(parts[-1], zmq.NOBLOCK, copy=False, track=True))
+            return zmq.MessageTracker(*trackers)
         except zmq.ZMQError as exc:
             self._counters.add("replies_dropped")
             log.debug("reply on %s dropped: %s", self.endpoint, exc)
-            return False
+            return None
 
     def _expire(self) -> None:
         now = time.monotonic()
         expired: list[Slot] = []
-        unanswered: list[tuple[bytes, int]] = []
+        unanswered: list[tuple[bytes, int]] = []  # parked fetches whose wait ended
         with self._cv:
             for slot, entry in list(self._store.items()):
                 if entry.expires <= now:
@@ -283,7 +369,7 @@ class PullServer:
                 else:
                     del self._waiters[slot]
         for identity, req_id in unanswered:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, (req_id, False))])
+            self._reply(identity, [pack(Kind.FETCH_REPLY, (req_id, False, self._probe))])
         for from_stage, to_stage, key in expired:
             self._counters.add("expired")
             reason = f"not fetched by stage {to_stage!r} within pull_ttl_s={self._ttl}"
@@ -293,8 +379,23 @@ class PullServer:
 
     def _shutdown(self) -> None:
         self._loop.remove_reader(self._sock)
-        # A reply handed to ZeroMQ just before close may still be streaming out: give it a bounded moment.
-        close_socket(self._sock, linger_ms=500)
+        # Replies handed to ZeroMQ just before close may still be leaving: give them a bounded moment,
+        # then report those that did not make it (closing the socket drops them).
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        with self._cv:
+            leaving = self._still_leaving()
+        while leaving and time.monotonic() < deadline:
+            time.sleep(_SEND_CHECK_S)
+            with self._cv:
+                leaving = self._still_leaving()
+        close_socket(self._sock)
+        for entry in leaving:
+            from_stage, to_stage, key = entry.slot
+            self._counters.add("delivery_failures")
+            reason = f"connector closed while its reply to stage {to_stage!r}'s fetch was still leaving"
+            self._on_failure(
+                "put", from_stage, to_stage, key, reason, DeliveryError(reason, key=key, endpoint=self.endpoint)
+            )
 
 
 class PullClient:
@@ -309,9 +410,13 @@ class PullClient:
         decode: Callable[[list[Any]], Any],
         counters: Counters,
         curve: Curve | None = None,
+        shm: ShmReceive | None = None,
     ) -> None:
         self._ctx = ctx
         self._curve = curve
+        self._shm = shm
+        # Per server endpoint: the last probe it named and whether we read it (our fast-path verdict).
+        self._verdicts: dict[str, tuple[Any, bool]] = {}
         self._hwm = hwm
         self._max_message = max_message_bytes
         self._decode = decode
@@ -347,8 +452,12 @@ class PullClient:
         reusable = False
         try:
             req_id = next(self._ids)
+            request: tuple[Any, ...] = (req_id, from_stage, to_stage, key, int(wait_s * 1000))
+            verdict = self._verdicts.get(endpoint)
+            if verdict is not None and verdict[1]:
+                request += (True,)  # only then: a server too old for the flag never names a probe
             try:
-                sock.send(pack(Kind.FETCH, (req_id, from_stage, to_stage, key, int(wait_s * 1000))), zmq.NOBLOCK)
+                sock.send(pack(Kind.FETCH, request), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 raise from_zmq_error(exc, endpoint=endpoint, op="fetch") from exc
             while True:
@@ -363,18 +472,47 @@ class PullClient:
                 kind, header, payload = unpack(frames[0].buffer)
                 if kind is not Kind.FETCH_REPLY:
                     raise DecodeError(f"unexpected {kind.name} reply")
-                check_types(header, (int, bool), "FETCH_REPLY")
+                check_types(header[:2], (int, bool), "FETCH_REPLY")
                 if header[0] != req_id:
                     continue  # a late answer to an earlier request on this socket
                 reusable = True
+                if len(header) > 2:
+                    self._learn_probe(endpoint, header[2])
                 if not header[1]:
                     return None
+                if len(header) > 3:
+                    if len(frames) != 1 or payload.nbytes:
+                        raise DecodeError("a shared-memory FETCH_REPLY carries frames")
+                    return self._open_shm(header[3])
                 size = payload.nbytes + sum(f.buffer.nbytes for f in frames[1:])
                 if size > self._max_message:
                     raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
                 return self._decode([payload, *frames[1:]]), size
         finally:
             self._checkin(endpoint, sock, reusable)
+
+    def _learn_probe(self, endpoint: str, probe: Any) -> None:
+        """Check (once per probe) whether we read the server's shared memory; later FETCHes say so."""
+        if self._shm is None or probe is None:
+            return
+        known = self._verdicts.get(endpoint)
+        if known is not None and known[0] == probe:
+            return
+        verdict = self._shm.probe(probe)  # DecodeError when malformed
+        self._verdicts[endpoint] = (probe, verdict)
+        log.info("pull server %s: we %s its shared memory", endpoint, "read" if verdict else "cannot read")
+
+    def _open_shm(self, loc: Any) -> tuple[Any, int]:
+        """Lease the slot a FETCH_REPLY names and decode views of it."""
+        if self._shm is None or type(loc) is not bytes:
+            raise DecodeError(f"unexpected shared-memory handle {loc!r:.40} in a FETCH_REPLY")
+        size = ShmReceive.size(loc)
+        if size > self._max_message:
+            raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+        views = self._shm.open(loc)
+        if views is None:
+            raise ShmError("the payload's shared-memory slot was reclaimed before it could be opened")
+        return self._decode(views), size
 
     def _checkout(self, endpoint: str, server_key: bytes | None) -> Any:
         with self._lock:

@@ -533,7 +533,11 @@ class PushSender:
             }
 
     def wait_delivered(self, timeout_s: float) -> bool:
-        """Wait until every put so far has arrived at its receiver; True when none is left unconfirmed."""
+        """Wait until every put so far is safe without this sender; True when none is left.
+
+        Safe: arrived at its receiver, and for a put in shared memory also
+        consumed (closing unlinks our slots, so a handle not yet opened dies).
+        """
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._delivery_waiters += 1
@@ -548,24 +552,32 @@ class PushSender:
                 self._delivery_waiters -= 1
 
     def _undelivered(self) -> int:
-        return sum(len(peer.unarrived) for peer in self._peers.values())
+        return sum(
+            len(peer.unarrived) + sum(1 for out in peer.retained.values() if out.loc is not None)
+            for peer in self._peers.values()
+        )
 
     def close(self) -> None:
         """Fail waiting and future puts, and report every put whose arrival was never confirmed.
 
         A put that arrived but was not consumed yet is not reported: the receiver
         holds it (only a receiver crash before its ``get`` could lose it now, since
-        no sender is left to resend). Sockets close on the loop thread.
+        no sender is left to resend it), unless it lies in our shared memory, which
+        closing unlinks. Sockets close on the loop thread.
         """
         lost: list[tuple[_Peer, _Out]] = []
         with self._lock:
             self._closed = True
             for peer in self._peers.values():
                 # A put whose own thread is still handing it to ZeroMQ fails there and reports itself.
-                gone = [out for out in peer.unarrived.values() if out.sent_ping is not None or out.queued]
+                gone = [
+                    out
+                    for out in peer.retained.values()
+                    if (out.seq in peer.unarrived or out.loc is not None) and (out.sent_ping is not None or out.queued)
+                ]
                 for out in gone:
                     out.queued = False
-                    del peer.unarrived[out.seq]
+                    peer.unarrived.pop(out.seq, None)
                     del peer.retained[out.seq]
                     self._count -= 1
                     self._bytes -= out.nbytes

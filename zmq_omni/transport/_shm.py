@@ -75,6 +75,13 @@ class ShmSend:
                 log.debug("shared-memory slot refused, sending frames: %s", exc)
             return None
 
+    def unopened(self, loc: bytes) -> bool:
+        """True while the slot of ``loc`` waits READY for its receiver (not leased, not reclaimed)."""
+        try:
+            return self.pool.unopened(SlotHandle.unpack(loc))
+        except ShmError:
+            return False
+
     def discard(self, loc: bytes) -> None:
         """Free the slot of a put that will never be read (failed, forgotten, expired)."""
         with contextlib.suppress(ShmError):

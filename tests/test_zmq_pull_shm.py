@@ -1,0 +1,112 @@
+"""Pull mode's same-host fast path, and flushing puts that lie in shared memory, with real processes."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zmq_omni.connectors.zmq import ZmqConnector
+
+from .test_zmq_shm import MiB, digest, ours, receiver_proc, start
+from .zmq_peers import SPAWN
+
+
+def pull_configs(short_tmp: Path, shm_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    base = {"mode": "pull", "endpoints": {"0": f"ipc://{short_tmp}/s0"}, "shm_dir": shm_dir, "shm_min_free_bytes": 0}
+    return {**base, "stage_id": "0", "role": "sender"}, {**base, "stage_id": "1", "role": "receiver"}
+
+
+def fetch_in_another_process(rcfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    out = SPAWN.Queue()
+    proc = start(receiver_proc, rcfg, keys, out)
+    result: dict[str, Any] = out.get(timeout=60)
+    proc.join(10)
+    return result
+
+
+def test_pull_fetches_after_the_first_come_through_shared_memory_without_a_copy(
+    short_tmp: Path, shm_dir: str
+) -> None:
+    scfg, rcfg = pull_configs(short_tmp, shm_dir)
+    data = [np.random.default_rng(i).standard_normal(MiB // 8) for i in range(4)]  # 1 MiB each
+    keys = [f"k{i}" for i in range(4)]
+    with ZmqConnector(scfg) as sender:
+        for key, arr in zip(keys, data, strict=True):
+            assert sender.put("0", "1", key, {"data": arr})[0]
+        result = fetch_in_another_process(rcfg, keys)
+        assert sender.flush(10.0) is True
+        health = sender.health()
+        assert health["shm_puts"] == 3 and health["pending"] == 0 and health["fetched"] == 4
+    assert sender.drain_failures() == []
+    for i, key in enumerate(keys):
+        dtype, shape, sha, mapped, owndata = result[key]["data"]
+        assert [dtype, shape, sha] == digest(data[i])
+        in_shm = mapped is not None and Path(mapped).parent == Path(shm_dir) and Path(mapped).name.startswith("zomni_")
+        # The first fetch learns the server's probe (frames); every later one maps the server's slot.
+        assert in_shm is (i > 0) and owndata is False, (key, mapped)
+    assert ours(shm_dir) == []
+
+
+def test_pull_receiver_that_cannot_read_the_servers_shm_gets_frames(short_tmp: Path, shm_dir: str) -> None:
+    scfg, rcfg = pull_configs(short_tmp, shm_dir)
+    elsewhere = tempfile.mkdtemp(prefix="zo-elsewhere-", dir="/dev/shm")  # another tmpfs view: the probe fails
+    try:
+        data = np.arange(MiB // 4, dtype=np.float32)
+        with ZmqConnector(scfg) as sender:
+            for i in range(3):
+                assert sender.put("0", "1", f"k{i}", {"data": data})[0]
+            result = fetch_in_another_process({**rcfg, "shm_dir": elsewhere}, ["k0", "k1", "k2"])
+            assert sender.flush(10.0) is True
+            assert sender.health()["shm_puts"] == 0
+        for i in range(3):
+            dtype, shape, sha, mapped, _ = result[f"k{i}"]["data"]
+            assert [dtype, shape, sha] == digest(data)
+            assert mapped is None or not Path(mapped).name.startswith("zomni_")
+        assert ours(shm_dir) == [] and ours(elsewhere) == []
+    finally:
+        Path(elsewhere).rmdir()
+
+
+def test_push_flush_waits_until_a_put_in_shared_memory_is_consumed(short_tmp: Path, shm_dir: str) -> None:
+    # close() unlinks the sender's slots, so a handle that arrived but was never opened would die with it.
+    endpoints = {"1": f"ipc://{short_tmp}/r1"}
+    common = {"endpoints": endpoints, "shm_dir": shm_dir, "shm_min_free_bytes": 0, "heartbeat_s": 0.1}
+    with (
+        ZmqConnector({**common, "stage_id": "1", "role": "receiver"}) as receiver,
+        ZmqConnector({**common, "stage_id": "0", "role": "sender", "shm": "on"}) as sender,
+    ):
+        data = np.ones(MiB, dtype=np.uint8)
+        assert sender.put("0", "1", "big", {"data": data})[0]
+        assert sender.health()["shm_puts"] == 1
+        deadline = time.monotonic() + 10
+        while sender.health()["undelivered"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sender.health()["undelivered"] == 0  # it arrived...
+        assert sender.flush(0.3) is False  # ...but its slot was not opened yet
+        got = receiver.get_with_deadline("0", "1", "big", deadline=time.monotonic() + 10)
+        assert got is not None and np.array_equal(got[0]["data"], data)
+        assert sender.flush(10.0) is True
+
+
+def test_push_close_reports_a_put_in_shared_memory_that_was_never_consumed(short_tmp: Path, shm_dir: str) -> None:
+    endpoints = {"1": f"ipc://{short_tmp}/r1"}
+    common = {"endpoints": endpoints, "shm_dir": shm_dir, "shm_min_free_bytes": 0, "heartbeat_s": 0.1}
+    with ZmqConnector({**common, "stage_id": "1", "role": "receiver"}) as receiver:
+        sender = ZmqConnector({**common, "stage_id": "0", "role": "sender", "shm": "on"})
+        try:
+            assert sender.put("0", "1", "big", {"data": np.ones(MiB, dtype=np.uint8)})[0]
+            deadline = time.monotonic() + 10
+            while sender.health()["undelivered"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert sender.health()["undelivered"] == 0
+        finally:
+            sender.close()  # unlinks the slot the receiver has not opened
+        failures = sender.drain_failures()
+        assert [f.key for f in failures] == ["big"] and "confirmed delivery" in failures[0].reason
+        assert receiver.get("0", "1", "big") is None  # its handle is stale now: reported there too
+        assert [f.key for f in receiver.drain_failures()] == ["big"]
+    assert ours(shm_dir) == []
