@@ -24,7 +24,9 @@ differ, and those are measured by the tests, not here). Paths:
 * zmq-off     -- ZmqConnector push mode over ``ipc://`` with ``shm: off``
                  (ordinary frames, copy=False; the small-message baseline).
 * zmq-conn    -- ZmqConnector with ``shm: on``: its same-host fast path for
-                 payloads >= ``shm_threshold`` (256 KiB), frames below it.
+                 payloads >= ``shm_threshold`` (512 KiB), frames below it.
+* zmq-pull    -- ZmqConnector in pull mode with ``shm: on``: put, then get with
+                 put's metadata (the server copies into a slot at fetch time).
 
 The measurement code is ``zmq_omni.bench.shm``; this script prints its rows.
 """
@@ -49,7 +51,8 @@ def print_row(row: ShmRow) -> None:
         f"pickle-shm/fast {t['pickle-shm'] / best:.1f}x  "
         f"tcp/fast {t['zmq-tcp'] / best:.1f}x  "
         f"ipc/shm-conn {t['zmq-ipc'] / t['shm-conn']:.2f}x  "
-        f"vllm/shm-conn {t['vllm-style'] / t['shm-conn']:.1f}x"
+        f"vllm/shm-conn {t['vllm-style'] / t['shm-conn']:.1f}x  "
+        f"vllm/pull {t['vllm-style'] / t['zmq-pull']:.1f}x"
     )
     print(f"{size_label(row.size):>9} {cells}   {ratios}", flush=True)
 

@@ -27,6 +27,9 @@ wake-ups differ, and those are measured by the tests, not here). Paths
   (ordinary frames, copy=False; the small-message baseline).
 * ``zmq-conn``: ZmqConnector with ``shm: on``: its same-host fast path for
   payloads >= ``shm_threshold``, frames below it ("fast" in the ratios).
+* ``zmq-pull``: ZmqConnector in pull mode with ``shm: on``: put, then a get
+  with put's metadata; the server copies the payload into a slot at fetch
+  time and replies with the handle.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ __all__ = ["PATHS", "SIZES", "ShmRow", "repetitions", "run_shm"]
 
 SIZES = [1 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 PATHS = (
-    "memcpy", "zmq-ipc", "zmq-tcp", "vllm-style", "pickle-shm", "shm-conn", "zmq+slot", "zmq-off", "zmq-conn"
+    "memcpy", "zmq-ipc", "zmq-tcp", "vllm-style", "pickle-shm", "shm-conn", "zmq+slot", "zmq-off", "zmq-conn",
+    "zmq-pull",
 )
 _FAST = "shm fast path (ZmqConnector ipc)"
 _BASELINES = {
@@ -210,6 +214,26 @@ def _zmq_connector(arr: np.ndarray[Any, Any], reps: int, shm_dir: str, endpoint:
             return _timed_put_get(sender, receiver, arr, reps, fast_expected=shm != "off")
 
 
+def _zmq_pull(arr: np.ndarray[Any, Any], reps: int, shm_dir: str, endpoint: str) -> float:
+    base = {"mode": "pull", "endpoints": {"0": endpoint}, "shm_dir": shm_dir, "shm_min_free_bytes": 0, "shm": "on"}
+    sender = ZmqConnector({**base, "stage_id": "0", "role": "sender"})
+    receiver = ZmqConnector({**base, "stage_id": "1", "role": "receiver"})
+    with sender, receiver:
+
+        def once() -> None:
+            ok, _, meta = sender.put("0", "1", "k", {"data": arr})
+            got = receiver.get_with_deadline("0", "1", "k", meta, deadline=time.monotonic() + 30) if ok else None
+            if got is None or got[0]["data"].nbytes != arr.nbytes:
+                raise RuntimeError(f"ZmqConnector pull: get failed: {receiver.drain_failures()}")
+
+        once()  # the first fetch learns the server's probe (frames)
+        took = median_time(once, reps)
+        shm_puts = sender.health()["shm_puts"]
+    if arr.nbytes >= sender.config.shm_threshold and shm_puts < reps:
+        raise RuntimeError("ZmqConnector pull: the shared-memory fast path was not taken")
+    return took
+
+
 def _timed_put_get(
     sender: ZmqConnector, receiver: ZmqConnector, arr: np.ndarray[Any, Any], reps: int, *, fast_expected: bool
 ) -> float:
@@ -278,6 +302,7 @@ def run_shm(
         "zmq+slot": lambda arr, reps: _zmq_slot(arr, reps, shm_dir, f"ipc://{tmp}/slot.sock"),
         "zmq-off": lambda arr, reps: _zmq_connector(arr, reps, shm_dir, f"ipc://{tmp}/off.sock", "off"),
         "zmq-conn": lambda arr, reps: _zmq_connector(arr, reps, shm_dir, f"ipc://{tmp}/conn.sock", "on"),
+        "zmq-pull": lambda arr, reps: _zmq_pull(arr, reps, shm_dir, f"ipc://{tmp}/pull.sock"),
     }
     rows = []
     try:
