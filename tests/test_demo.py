@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import wave
 from pathlib import Path
@@ -123,11 +126,29 @@ def test_ctrl_c_leaves_no_stage_process_behind(short_tmp: Path) -> None:
     sweep_leftovers_of([kids[1]])  # the killed stage's segments do not outlive a sweep
 
 
+def _wait_audio_flowing(proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    """Read the demo's progress lines (stderr) until audio chunks come back."""
+    stderr = proc.stderr
+    assert stderr is not None
+    lines: queue.Queue[str] = queue.Queue()
+    # The reader stops at the first matching line, so communicate() gets the rest of stderr.
+    reader = threading.Thread(
+        target=lambda: any(lines.put(line) or re.search(r"audio chunks [1-9]", line) for line in stderr),
+        daemon=True,
+    )
+    reader.start()
+    reader.join(timeout)
+    seen = list(lines.queue)
+    assert seen and re.search(r"audio chunks [1-9]", seen[-1]), f"no audio came back: {''.join(seen)}"
+
+
 def test_crashed_stage_fails_requests_and_leaves_nothing_behind(short_tmp: Path) -> None:
     proc = _start_long_demo(short_tmp / "out")
     try:
         kids = _wait_children(proc)
-        time.sleep(1.0)
+        # Kill the talker while requests are in flight (not while the stages are still starting,
+        # which a loaded machine can stretch past any fixed sleep).
+        _wait_audio_flowing(proc)
         os.kill(kids[1], signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 1, out + err
