@@ -4,32 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import DeliveryError
 
+from .test_zmq_failures import connectors, make
 
-@pytest.fixture
-def connectors() -> Iterator[list[ZmqConnector]]:
-    """Connectors made by a test, closed at teardown; no I/O thread may survive them."""
-    made: list[ZmqConnector] = []
-    try:
-        yield made
-    finally:
-        for conn in made:
-            conn.close()
-        assert [t for t in threading.enumerate() if t.name.startswith("zmq-omni")] == []
-
-
-def make(made: list[ZmqConnector], **config: Any) -> ZmqConnector:
-    conn = ZmqConnector(config)
-    made.append(conn)
-    return conn
+__all__ = ["connectors"]  # the fixture, imported for pytest
 
 
 def test_close_reports_every_put_whose_delivery_was_not_confirmed(

@@ -583,10 +583,14 @@ class PushSender:
                     self._bytes -= out.nbytes
                     lost.append((peer, out))
             self._cv.notify_all()
+        self._report_lost(lost, lambda peer: f"connector closed before stage {peer.to_stage!r} confirmed delivery")
+
+    def _report_lost(self, lost: list[tuple[_Peer, _Out]], why: Callable[[_Peer], str]) -> None:
+        """Free the slots of puts given up on and report each one as a DeliveryError (no lock held)."""
         self._discard(out for _, out in lost)
         for peer, out in lost:
             self._counters.add("delivery_failures")
-            reason = f"connector closed before stage {peer.to_stage!r} confirmed delivery"
+            reason = why(peer)
             self._on_failure(
                 "put",
                 out.from_stage,
@@ -806,21 +810,13 @@ class PushSender:
                 self._cv.notify_all()
         for peer in {p for p, _ in failed}:
             self._reset_data_socket(peer)
-        self._discard(out for _, out in failed)
-        for peer, out in failed:
-            self._counters.add("delivery_failures")
-            reason = (
+        self._report_lost(
+            failed,
+            lambda peer: (
                 f"delivery to stage {peer.to_stage!r} not confirmed within {self._delivery_timeout}s "
                 f"(receiver {'never answered' if peer.incarnation is None else 'gone or not acknowledging'})"
-            )
-            self._on_failure(
-                "put",
-                out.from_stage,
-                peer.to_stage,
-                out.key,
-                reason,
-                DeliveryError(reason, key=out.key, endpoint=peer.endpoint),
-            )
+            ),
+        )
 
     def _reset_data_socket(self, peer: _Peer) -> None:
         # Drop what ZeroMQ still queues for this peer, so a put reported failed is never delivered later.
