@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 
 from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.transport._envelope import Kind, pack, unpack
 
 from .test_zmq_shm import MiB, digest, ours, receiver_proc, start
 from .zmq_peers import SPAWN
@@ -110,3 +112,27 @@ def test_push_close_reports_a_put_in_shared_memory_that_was_never_consumed(short
         assert receiver.get("0", "1", "big") is None  # its handle is stale now: reported there too
         assert [f.key for f in receiver.drain_failures()] == ["big"]
     assert ours(shm_dir) == []
+
+
+def test_pull_server_answers_a_client_of_the_previous_version_in_its_own_format(
+    short_tmp: Path, shm_dir: str, zmq_ctx: zmq.Context[Any]
+) -> None:
+    scfg, _ = pull_configs(short_tmp, shm_dir)
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "1", "k", {"data": np.ones(MiB, dtype=np.uint8)})[0]
+        sock = zmq_ctx.socket(zmq.DEALER)
+        sock.connect(scfg["endpoints"]["0"])
+
+        def ask(*fields: Any) -> list[Any]:
+            sock.send(pack(Kind.FETCH, fields))
+            assert sock.poll(10_000)
+            frames = sock.recv_multipart()
+            kind, header, _ = unpack(frames[0])
+            assert kind is Kind.FETCH_REPLY
+            return header
+
+        assert ask(1, "0", "1", "absent", 0) == [1, False]  # five fields in, two out
+        header = ask(2, "0", "1", "absent", 0, False)  # the flag asks for the probe
+        assert header[:2] == [2, False] and isinstance(header[2], list) and len(header[2]) == 2
+        assert ask(3, "0", "1", "k", 0)[:2] == [3, True]  # an old client gets frames, in the old shape
+        sock.close(linger=0)

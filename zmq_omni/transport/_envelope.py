@@ -30,8 +30,9 @@ Headers by kind:
   ``false``: send frames, ``null``: not probed); ``batch_bytes`` is the largest ``BATCH`` frame the
   receiver accepts (0 or absent: it takes no ``BATCH``, so a sender never batches to an older receiver).
 * ``HEALTH``      ``[]``; ``HEALTH_REPLY`` ``[health dict]``
-* ``FETCH``       ``[req_id, from_stage, to_stage, key, wait_ms]`` or ``[..., shm]``; ``shm`` (true)
-  says the fetcher read the server's probe segment, so a large payload may come as a slot handle.
+* ``FETCH``       ``[req_id, from_stage, to_stage, key, wait_ms]`` or ``[..., shm]``; ``shm`` (bool) says
+  whether the fetcher read the server's probe segment (true: a large payload may come as a slot handle);
+  its presence asks the server to name its probe in the reply.
 * ``FETCH_REPLY`` ``[req_id, found]``, ``[req_id, found, probe]`` or ``[req_id, found, probe, loc]``;
   ``probe`` is the server's ``[segment, nonce]`` (or null), ``loc`` a packed
   :class:`~zmq_omni.shm.SlotHandle`: the payload lies in the server's shared memory and no frame follows.

@@ -17,7 +17,10 @@ in its later FETCHes. For those, a payload of at least the threshold is copied
 once into a slot at fetch time and only the packed handle (``loc``) crosses
 ZeroMQ; the client leases the slot and decodes views of it. A client's first
 fetch from a server (verdict unknown) and every fetch by a client on another
-host get frames. Old peers send and accept the shorter headers.
+host get frames. A server names its probe only to a client that sent the flag,
+so clients of the previous version (five-field FETCH, two-field replies) keep
+working; a client with the fast path on needs a server of this version (one
+with ``shm: off`` sends the older FETCH).
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class PullServer:
     ) -> None:
         self._loop = loop
         self._shm = shm
-        self._probe = None if shm is None else shm.probe  # named in every reply
+        self._probe = None if shm is None else shm.probe  # named in every reply to a client that asks
         self._put_timeout = put_timeout_s
         self._ttl = ttl_s
         self._max_count = max_unacked
@@ -125,7 +128,7 @@ class PullServer:
         self._puts = 0
         self._bytes_sent = 0
         # Parked FETCHes per slot: (identity, req_id, expiry, the fetcher reads our shared memory).
-        self._waiters: dict[Slot, list[tuple[bytes, int, float, bool]]] = {}
+        self._waiters: dict[Slot, list[tuple[bytes, int, float, bool | None]]] = {}
         self._closed = False
         # FETCH requests are tiny; a peer sending more is hostile.
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
@@ -252,8 +255,9 @@ class PullServer:
                 kind, header, _ = unpack(frames[0])
                 if kind is Kind.FETCH:
                     check_types(header[:5], (int, str, str, str, int), "FETCH")
-                    local = header[5] if len(header) > 5 else False
-                    if type(local) is not bool:
+                    # None: a client of the previous version, which takes replies of two fields only.
+                    local = header[5] if len(header) > 5 else None
+                    if local is not None and type(local) is not bool:
                         raise DecodeError(f"FETCH shm flag {local!r:.40} is not a bool")
                     self._on_fetch(identity, header[0], (header[1], header[2], header[3]), header[4], local)
                 elif kind is Kind.HEALTH:
@@ -264,7 +268,7 @@ class PullServer:
                 self._counters.add("rejected_frames")
                 log.debug("rejected a request on %s: %s", self.endpoint, exc)
 
-    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool) -> None:
+    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool | None) -> None:
         with self._cv:
             taken = self._take(slot)
             if taken is None and wait_ms > 0:
@@ -272,7 +276,7 @@ class PullServer:
                 self._waiters.setdefault(slot, []).append((identity, req_id, expiry, local))
                 return
         if taken is None:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, (req_id, False, self._probe))])
+            self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
         else:
             self._deliver(identity, req_id, slot, *taken, local)
 
@@ -303,13 +307,14 @@ class PullServer:
         self._deliver(identity, req_id, slot, *taken, local)
 
     def _deliver(
-        self, identity: bytes, req_id: int, slot: Slot, entry: _Stored, leaving: _Leaving, local: bool
+        self, identity: bytes, req_id: int, slot: Slot, entry: _Stored, leaving: _Leaving, local: bool | None
     ) -> None:
         loc = self._to_shm(entry) if local else None
         if loc is not None:
             message = [pack(Kind.FETCH_REPLY, (req_id, True, self._probe, loc))]
         else:
-            message = [pack(Kind.FETCH_REPLY, (req_id, True, self._probe), entry.frames[0]), *entry.frames[1:]]
+            head = pack(Kind.FETCH_REPLY, self._reply_header(req_id, True, local), entry.frames[0])
+            message = [head, *entry.frames[1:]]
         # Tracked: a large reply takes a while to leave, and closing the socket meanwhile would drop it.
         tracker = self._reply(identity, message, track=True)
         with self._cv:
@@ -324,6 +329,10 @@ class PullServer:
             if slot not in self._store and not self._closed:
                 self._store[slot] = entry
                 self._bytes += entry.nbytes
+
+    def _reply_header(self, req_id: int, found: bool, local: bool | None) -> tuple[Any, ...]:
+        """FETCH_REPLY fields: with our probe for a client that sent the shm flag, without for an older one."""
+        return (req_id, found) if local is None else (req_id, found, self._probe)
 
     def _to_shm(self, entry: _Stored) -> bytes | None:
         """Copy a large payload into a slot for a same-host fetcher; the packed handle, or None (frames)."""
@@ -353,7 +362,7 @@ class PullServer:
     def _expire(self) -> None:
         now = time.monotonic()
         expired: list[Slot] = []
-        unanswered: list[tuple[bytes, int]] = []  # parked fetches whose wait ended
+        unanswered: list[tuple[bytes, int, bool | None]] = []  # parked fetches whose wait ended
         with self._cv:
             for slot, entry in list(self._store.items()):
                 if entry.expires <= now:
@@ -363,13 +372,13 @@ class PullServer:
                 self._cv.notify_all()
             for slot, waiters in list(self._waiters.items()):
                 live = [w for w in waiters if w[2] > now]
-                unanswered.extend((w[0], w[1]) for w in waiters if w[2] <= now)
+                unanswered.extend((w[0], w[1], w[3]) for w in waiters if w[2] <= now)
                 if live:
                     self._waiters[slot] = live
                 else:
                     del self._waiters[slot]
-        for identity, req_id in unanswered:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, (req_id, False, self._probe))])
+        for identity, req_id, local in unanswered:
+            self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
         for from_stage, to_stage, key in expired:
             self._counters.add("expired")
             reason = f"not fetched by stage {to_stage!r} within pull_ttl_s={self._ttl}"
@@ -453,9 +462,10 @@ class PullClient:
         try:
             req_id = next(self._ids)
             request: tuple[Any, ...] = (req_id, from_stage, to_stage, key, int(wait_s * 1000))
-            verdict = self._verdicts.get(endpoint)
-            if verdict is not None and verdict[1]:
-                request += (True,)  # only then: a server too old for the flag never names a probe
+            if self._shm is not None:
+                # The flag also tells the server we take its probe in the reply (older clients do not).
+                verdict = self._verdicts.get(endpoint)
+                request += (verdict is not None and verdict[1],)
             try:
                 sock.send(pack(Kind.FETCH, request), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
