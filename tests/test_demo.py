@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 import wave
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -109,21 +111,28 @@ def _wait_children(proc: subprocess.Popen[str], count: int = 3, timeout: float =
     raise AssertionError("the demo did not start its stage processes")
 
 
-def test_ctrl_c_leaves_no_stage_process_behind(short_tmp: Path) -> None:
-    proc = _start_long_demo(short_tmp / "out")
+@contextmanager
+def _long_demo(out: Path) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """A long demo run and its stage pids; afterwards no stage may be left, nor the talker's segments."""
+    proc = _start_long_demo(out)
     try:
         kids = _wait_children(proc)
-        time.sleep(1.0)  # let requests flow
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode != 0
-        assert "Traceback" not in err
+        yield proc, kids
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert _wait_gone(kids) == []
-    sweep_leftovers_of([kids[1]])  # the killed stage's segments do not outlive a sweep
+    sweep_leftovers_of([kids[1]])  # a killed stage's segments do not outlive a sweep
+
+
+def test_ctrl_c_leaves_no_stage_process_behind(short_tmp: Path) -> None:
+    with _long_demo(short_tmp / "out") as (proc, _):
+        time.sleep(1.0)  # let requests flow
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert "Traceback" not in err
 
 
 def _wait_audio_flowing(proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
@@ -143,9 +152,7 @@ def _wait_audio_flowing(proc: subprocess.Popen[str], timeout: float = 60.0) -> N
 
 
 def test_crashed_stage_fails_requests_and_leaves_nothing_behind(short_tmp: Path) -> None:
-    proc = _start_long_demo(short_tmp / "out")
-    try:
-        kids = _wait_children(proc)
+    with _long_demo(short_tmp / "out") as (proc, kids):
         # Kill the talker while requests are in flight (not while the stages are still starting,
         # which a loaded machine can stretch past any fixed sleep).
         _wait_audio_flowing(proc)
@@ -153,9 +160,3 @@ def test_crashed_stage_fails_requests_and_leaves_nothing_behind(short_tmp: Path)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 1, out + err
         assert "FAILED req-000: stage" in out and "exited with status -9" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert _wait_gone(kids) == []
-    sweep_leftovers_of([kids[1]])  # the killed stage's segments do not outlive a sweep

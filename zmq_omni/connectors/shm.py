@@ -40,6 +40,7 @@ from ..shm._owner import is_our_name, make_name
 from ..shm._watch import DirWatch
 from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
+from ..shm.segment import shm_error
 from ..wire import decode, encode, frames_nbytes
 from .base import OmniConnectorBase, key_matches_prefix
 
@@ -190,7 +191,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             if undo is not None:
                 undo()
             if exc.errno != errno.ENOSPC or kind == KIND_SPILL:
-                raise _shm_error(f"cannot publish {key!r} in {self._box.path}", exc) from exc
+                raise shm_error(f"cannot publish {key!r} in {self._box.path}", exc) from exc
             self._note_fallback(exc)
         # The record with its payload did not fit in the tmpfs: move the payload to disk.
         kind, body, undo = self._spill(frames)
@@ -199,7 +200,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             self._box.post(key, from_stage, to_stage, parts, self._discard)
         except OSError as exc:
             undo()
-            raise _shm_error(f"cannot publish {key!r} in {self._box.path}", exc) from exc
+            raise shm_error(f"cannot publish {key!r} in {self._box.path}", exc) from exc
         return kind
 
     def _note_fallback(self, exc: BaseException) -> None:
@@ -218,7 +219,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         except OSError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            raise _shm_error(f"cannot spill to {path}", exc) from exc
+            raise shm_error(f"cannot spill to {path}", exc) from exc
         return KIND_SPILL, [name.encode()], lambda: _unlink_quietly(path)
 
     # -- get ---------------------------------------------------------------------
@@ -376,12 +377,6 @@ class SharedMemoryConnector(OmniConnectorBase):
     def __repr__(self) -> str:
         namespace, stage = getattr(self, "namespace", None), getattr(self, "stage_id", None)
         return f"<SharedMemoryConnector namespace={namespace!r} stage_id={stage!r}>"
-
-
-def _shm_error(what: str, exc: OSError) -> ShmError:
-    if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-        return ShmSpaceError(f"{what}: {exc.strerror}")
-    return ShmError(f"{what}: {exc}")
 
 
 def _unlink_quietly(path: str) -> None:

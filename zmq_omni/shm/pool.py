@@ -47,7 +47,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -160,6 +160,31 @@ def _slot_capacity(need: int, minimum: int) -> int:
     return -(-cap // step) * step
 
 
+class _Closing:
+    """What the pool and the reader share: ``with`` closes, and an unclosed one warns when collected."""
+
+    _closed: bool
+    directory: str
+
+    def close(self) -> None:  # pragma: no cover - both subclasses define it
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):  # also after a constructor that raised
+            return
+        warnings.warn(
+            f"unclosed {type(self).__name__} in {self.directory}", ResourceWarning, stacklevel=2, source=self
+        )
+        with contextlib.suppress(Exception):
+            self.close()
+
+
 class _Slot:
     __slots__ = ("busy_since", "capacity", "gen", "seg")
 
@@ -174,7 +199,7 @@ class _Slot:
         return self.seg.mm[_STATE_AT]
 
 
-class SlotPool:
+class SlotPool(_Closing):
     """The sender side: copies frames into reused slots and hands out handles.
 
     Args:
@@ -374,19 +399,6 @@ class SlotPool:
             slot.seg.unlink()
             slot.seg.close()
 
-    def __enter__(self) -> SlotPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        warnings.warn(f"unclosed SlotPool in {self.directory}", ResourceWarning, stacklevel=2, source=self)
-        with contextlib.suppress(Exception):
-            self.close()
-
 
 def _ready_at(seg: Segment) -> float:
     return float(struct.unpack_from("<d", seg.mm, _READY_AT)[0])
@@ -460,7 +472,7 @@ def _end_lease(attachment: _Attachment, gen: int) -> None:
     attachment.close_if_idle()
 
 
-class SlotReader:
+class SlotReader(_Closing):
     """The receiver side: maps slots (cached) and leases them as zero-copy views.
 
     Args:
@@ -562,16 +574,3 @@ class SlotReader:
             cache, self._cache = self._cache, OrderedDict()
         for att in cache.values():
             self._evict(att)
-
-    def __enter__(self) -> SlotReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        warnings.warn(f"unclosed SlotReader in {self.directory}", ResourceWarning, stacklevel=2, source=self)
-        with contextlib.suppress(Exception):
-            self.close()

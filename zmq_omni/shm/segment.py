@@ -105,14 +105,14 @@ class Segment:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise _shm_error(f"cannot create {path}", exc) from exc
+            raise shm_error(f"cannot create {path}", exc) from exc
         try:
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
         except OSError as exc:
             os.close(fd)
             _unlink_quietly(path)
-            raise _shm_error(f"cannot reserve {size} bytes in {path}", exc) from exc
+            raise shm_error(f"cannot reserve {size} bytes in {path}", exc) from exc
         return cls(name, path, fd, mm, owned=True)
 
     @classmethod
@@ -172,7 +172,8 @@ class Segment:
         return f"<Segment {self.name} size={self.size}{' owned' if self.owned else ''}>"
 
 
-def _shm_error(what: str, exc: OSError) -> ShmError:
+def shm_error(what: str, exc: OSError) -> ShmError:
+    """The ShmError for an OSError on shared memory: ShmSpaceError when the tmpfs is full."""
     if exc.errno in (errno.ENOSPC, errno.ENOMEM):
         return ShmSpaceError(f"{what}: {exc.strerror}")
     return ShmError(f"{what}: {exc}")

@@ -235,9 +235,17 @@ class PullServer:
             self._store.clear()
             self._bytes = 0
             self._cv.notify_all()
-        for from_stage, to_stage, key in unfetched:
-            self._counters.add("delivery_failures")
-            reason = f"connector closed before stage {to_stage!r} fetched the payload"
+        self._report_lost(
+            unfetched,
+            "delivery_failures",
+            lambda to_stage: f"connector closed before stage {to_stage!r} fetched the payload",
+        )
+
+    def _report_lost(self, slots: list[Slot], counter: str, why: Callable[[str], str]) -> None:
+        """Count and report each payload given up on as a DeliveryError (no lock held)."""
+        for from_stage, to_stage, key in slots:
+            self._counters.add(counter)
+            reason = why(to_stage)
             self._on_failure(
                 "put", from_stage, to_stage, key, reason, DeliveryError(reason, key=key, endpoint=self.endpoint)
             )
@@ -379,12 +387,9 @@ class PullServer:
                     del self._waiters[slot]
         for identity, req_id, local in unanswered:
             self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
-        for from_stage, to_stage, key in expired:
-            self._counters.add("expired")
-            reason = f"not fetched by stage {to_stage!r} within pull_ttl_s={self._ttl}"
-            self._on_failure(
-                "put", from_stage, to_stage, key, reason, DeliveryError(reason, key=key, endpoint=self.endpoint)
-            )
+        self._report_lost(
+            expired, "expired", lambda to_stage: f"not fetched by stage {to_stage!r} within pull_ttl_s={self._ttl}"
+        )
 
     def _shutdown(self) -> None:
         self._loop.remove_reader(self._sock)
@@ -398,13 +403,11 @@ class PullServer:
             with self._cv:
                 leaving = self._still_leaving()
         close_socket(self._sock)
-        for entry in leaving:
-            from_stage, to_stage, key = entry.slot
-            self._counters.add("delivery_failures")
-            reason = f"connector closed while its reply to stage {to_stage!r}'s fetch was still leaving"
-            self._on_failure(
-                "put", from_stage, to_stage, key, reason, DeliveryError(reason, key=key, endpoint=self.endpoint)
-            )
+        self._report_lost(
+            [entry.slot for entry in leaving],
+            "delivery_failures",
+            lambda to_stage: f"connector closed while its reply to stage {to_stage!r}'s fetch was still leaving",
+        )
 
 
 class PullClient:

@@ -397,20 +397,7 @@ class PushReceiver:
         self._flush_taken()
         source.reported.update(source.consumed)
         source.consumed.clear()
-        self._reply(
-            source.ctl,
-            pack(
-                Kind.REPLY,
-                (
-                    self.incarnation,
-                    ping,
-                    to_ranges(source.arrived),
-                    to_ranges(source.reported),
-                    source.shm,
-                    self._max_message,
-                ),
-            ),
-        )
+        self._send_reply(source, ping, source.reported)
         source.arrived.clear()
 
     def _arm_flush(self) -> None:
@@ -438,24 +425,23 @@ class PushReceiver:
             source = self._sources.get(sid)
             if source is None or not (source.arrived or source.consumed):
                 continue
-            self._reply(
-                source.ctl,
-                pack(
-                    Kind.REPLY,
-                    (
-                        self.incarnation,
-                        -1,
-                        to_ranges(source.arrived),
-                        to_ranges(source.consumed),
-                        source.shm,
-                        self._max_message,
-                    ),
-                ),
-            )
+            self._send_reply(source, -1, source.consumed)
             source.arrived.clear()
             source.reported.update(source.consumed)
             source.consumed.clear()
         self._dirty.clear()
+
+    def _send_reply(self, source: _Source, ping: int, consumed: Iterable[int]) -> None:
+        """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), its arrivals and ``consumed``."""
+        header = (
+            self.incarnation,
+            ping,
+            to_ranges(source.arrived),
+            to_ranges(consumed),
+            source.shm,
+            self._max_message,
+        )
+        self._reply(source.ctl, pack(Kind.REPLY, header))
 
     def _reply(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -478,19 +464,6 @@ class PushReceiver:
             source.reported.update(source.consumed)
             source.consumed.clear()
             if source.reported or source.arrived:
-                self._reply(
-                    source.ctl,
-                    pack(
-                        Kind.REPLY,
-                        (
-                            self.incarnation,
-                            -1,
-                            to_ranges(source.arrived),
-                            to_ranges(source.reported),
-                            source.shm,
-                            self._max_message,
-                        ),
-                    ),
-                )
+                self._send_reply(source, -1, source.reported)
         self._loop.remove_reader(self._sock)
         close_socket(self._sock, linger_ms=200)

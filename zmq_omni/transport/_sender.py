@@ -5,11 +5,12 @@ The socket layout and the delivery protocol are described in :mod:`zmq_omni.tran
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import zmq
@@ -711,14 +712,24 @@ class PushSender:
             peer.unarrived[out.seq] = out
             out.deadline = now + self._delivery_timeout
 
-    def _resend(self, peer: _Peer, outs: list[_Out]) -> None:
-        # Never wait for a put thread blocked at the high-water mark: the next pong retries.
+    @contextlib.contextmanager
+    def _idle_data_socket(self, peer: _Peer) -> Iterator[Any]:
+        """The I/O thread's turn at ``peer``'s data socket: None when a put thread holds it or we are closed.
+
+        Never waits: a put thread may be blocked at the high-water mark, and the next beat or pong retries.
+        """
         if not peer.data_lock.acquire(blocking=False):
+            yield None
             return
         try:
-            if self._closed:
+            yield None if self._closed else (peer.data_sock or self._open_data(peer))
+        finally:
+            peer.data_lock.release()
+
+    def _resend(self, peer: _Peer, outs: list[_Out]) -> None:
+        with self._idle_data_socket(peer) as sock:
+            if sock is None:
                 return
-            sock = peer.data_sock or self._open_data(peer)
             small = [o for o in outs if o.seq in peer.unarrived and self._batchable(peer, o)]
             large = [o for o in outs if o.seq in peer.unarrived and not self._batchable(peer, o)]
             sent = 0
@@ -736,8 +747,6 @@ class PushSender:
                 pass  # full or gone: the next pong retries what is still unacknowledged
             if sent:
                 self._counters.add("resends", sent)
-        finally:
-            peer.data_lock.release()
 
     def _batchable(self, peer: _Peer, out: _Out) -> bool:
         return bool(
@@ -765,12 +774,9 @@ class PushSender:
             self._ping(peer)
 
     def _ping(self, peer: _Peer) -> None:
-        if not peer.data_lock.acquire(blocking=False):
-            return
-        try:
-            if self._closed:
+        with self._idle_data_socket(peer) as sock:
+            if sock is None:
                 return
-            sock = peer.data_sock or self._open_data(peer)
             header: tuple[Any, ...] = (self.sid, peer.ping_no + 1, peer.low)
             if self._probe is not None:
                 header += (self._probe,)
@@ -779,8 +785,6 @@ class PushSender:
                 peer.ping_no += 1
             except zmq.ZMQError:  # queue full while the receiver is away: the next beat tries again
                 pass
-        finally:
-            peer.data_lock.release()
 
     def _expire(self) -> None:
         now = time.monotonic()
