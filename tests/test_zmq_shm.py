@@ -42,10 +42,15 @@ def mapped_file(address: int) -> str | None:
     return None
 
 
-def run_receiver(config: dict[str, Any], keys: list[str], hold_s: float = 0.0) -> dict[str, Any]:
-    """Get every key; report digests, where each array lives, and the connector's health."""
+def run_receiver(config: dict[str, Any], keys: list[str], hold_s: float = 0.0, ready: Any = None) -> dict[str, Any]:
+    """Get every key; report digests, where each array lives, and the connector's health.
+
+    ``ready`` (an event), when given, is set once the receiver is bound.
+    """
     result: dict[str, Any] = {}
     with ZmqConnector(config) as conn:
+        if ready is not None:
+            ready.set()
         held = []
         for key in keys:
             got = conn.get_with_deadline("0", config["stage_id"], key, deadline=time.monotonic() + 30)
@@ -65,8 +70,8 @@ def run_receiver(config: dict[str, Any], keys: list[str], hold_s: float = 0.0) -
     return result
 
 
-def receiver_proc(config: dict[str, Any], keys: list[str], out: Any, hold_s: float = 0.0) -> None:
-    out.put(run_receiver(config, keys, hold_s))
+def receiver_proc(config: dict[str, Any], keys: list[str], out: Any, hold_s: float = 0.0, ready: Any = None) -> None:
+    out.put(run_receiver(config, keys, hold_s, ready))
 
 
 def drain_proc(config: dict[str, Any], ready: Any) -> None:
@@ -81,6 +86,20 @@ def drain_proc(config: dict[str, Any], ready: Any) -> None:
                 i += 1
             if i == 20:
                 ready.set()
+
+
+def drain_until_end_proc(config: dict[str, Any], ready: Any, out: Any) -> None:
+    """Get k0, k1, ... in order until a payload says ``end``; report how many came."""
+    with ZmqConnector(config) as conn:
+        ready.set()
+        i = 0
+        while True:
+            got = conn.get_with_deadline("0", config["stage_id"], f"k{i}", deadline=time.monotonic() + 30)
+            assert got is not None, f"k{i} never came"
+            i += 1
+            if got[0].get("end"):
+                out.put(i)
+                return
 
 
 def stream_proc(config: dict[str, Any], n: int, ready: Any) -> None:
@@ -318,4 +337,36 @@ def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(sho
         assert near[:3] == far[:3] == digest(data)
         assert Path(near[3]).name.startswith("zomni_")
         assert far[3] is None or not Path(far[3]).name.startswith("zomni_")
+    assert ours(shm_dir) == []
+
+
+
+
+def test_a_stream_of_puts_gets_the_shm_verdict_without_waiting_for_a_heartbeat(short_tmp: Path, shm_dir: str) -> None:
+    # Beats every 30 s: the verdict must come from the ping the connector sends when it first meets the
+    # receiver, although the put thread, streaming from its first put on, holds the data socket when that
+    # ping is due (the ping is then owed, and the put thread sends it as it lets go).
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60, max_unacked=32)
+    rcfg = {**rcfg, "heartbeat_s": 30, "peer_timeout_s": 60}
+    out, ready = SPAWN.Queue(), SPAWN.Event()
+    proc = start(drain_until_end_proc, rcfg, ready, out)
+    assert ready.wait(60)
+    data = np.zeros(MiB, dtype=np.uint8)
+    with ZmqConnector(scfg) as sender:
+        started = time.monotonic()
+        i = 0
+        while sender.health()["shm_puts"] == 0 and time.monotonic() - started < 10:
+            assert sender.put("0", "1", f"k{i}", {"data": data})[0]
+            i += 1
+        learned_after = time.monotonic() - started
+        for _ in range(3):  # the fast path, from now on
+            assert sender.put("0", "1", f"k{i}", {"data": data})[0]
+            i += 1
+        assert sender.put("0", "1", f"k{i}", {"end": True})[0]
+        got = out.get(timeout=60)
+        wait_empty(sender)
+        health = sender.health()
+    proc.join(10)
+    assert got == i + 1
+    assert learned_after < 10 and health["shm_puts"] >= 3, (learned_after, health)
     assert ours(shm_dir) == []

@@ -81,6 +81,9 @@ class _Peer:
         self.data_sock: Any = None
         self.ctl_sock: Any = None
         self.ping_no = 0
+        # A beat found a put thread holding the data socket: that thread sends the PING when it lets go,
+        # so a stream of puts can neither starve the heartbeat nor delay the first shm verdict.
+        self.ping_owed = False
         self.next_seq = 0
         self.low = 0  # smallest seq still retained (or next_seq): the receiver forgets dedup state below it
         self.retained: dict[int, _Out] = {}
@@ -440,7 +443,9 @@ class PushSender:
             return False
 
     def _release(self, peer: _Peer) -> None:
-        """Let go of ``data_lock``; make sure puts queued meanwhile are not left without a flush."""
+        """Let go of ``data_lock`` (after a PING a beat left owed); make sure queued puts get a flush."""
+        if peer.ping_owed and peer.data_sock is not None and not self._closed:
+            self._send_ping(peer, peer.data_sock)
         peer.data_lock.release()
         if peer.outbox and not peer.flush_armed:
             with self._lock:
@@ -776,15 +781,22 @@ class PushSender:
     def _ping(self, peer: _Peer) -> None:
         with self._idle_data_socket(peer) as sock:
             if sock is None:
+                # A put thread holds the socket: it pings as it lets go (see _release).
+                peer.ping_owed = not self._closed
                 return
-            header: tuple[Any, ...] = (self.sid, peer.ping_no + 1, peer.low)
-            if self._probe is not None:
-                header += (self._probe,)
-            try:
-                sock.send(pack(Kind.PING, header), zmq.NOBLOCK)
-                peer.ping_no += 1
-            except zmq.ZMQError:  # queue full while the receiver is away: the next beat tries again
-                pass
+            self._send_ping(peer, sock)
+
+    def _send_ping(self, peer: _Peer, sock: Any) -> None:
+        """Send a PING (with our probe) on the data socket; the caller holds ``data_lock``."""
+        header: tuple[Any, ...] = (self.sid, peer.ping_no + 1, peer.low)
+        if self._probe is not None:
+            header += (self._probe,)
+        try:
+            sock.send(pack(Kind.PING, header), zmq.NOBLOCK)
+            peer.ping_no += 1
+            peer.ping_owed = False
+        except zmq.ZMQError:  # queue full while the receiver is away: the next beat tries again
+            pass
 
     def _expire(self) -> None:
         now = time.monotonic()
