@@ -28,13 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=20)
     parser.add_argument("--size", type=int, default=1 << 20)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--interval", type=float, default=0.0, help="send: seconds between puts")
+    parser.add_argument("--linger", type=float, default=0.0, help="recv: seconds to stay up after the last get")
     args = parser.parse_args(argv)
     config = json.loads(args.config)
     keys = [f"req{i}_0_0" for i in range(args.count)]
     with ZmqConnector(config) as conn:
         _say(event="ready", endpoint=conn.endpoint)
         if args.role == "send":
-            results = [conn.put("0", "1", key, make_payload(args.size, seed))[0] for seed, key in enumerate(keys)]
+            results = []
+            for seed, key in enumerate(keys):
+                results.append(conn.put("0", "1", key, make_payload(args.size, seed))[0])
+                time.sleep(args.interval)
             deadline = time.monotonic() + args.timeout
             while conn.health()["pending"] and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -46,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in keys:
                 item = conn.get_with_deadline("0", "1", key, deadline=deadline)
                 got[key] = None if item is None else digest(item[0])
+            time.sleep(args.linger)  # a late duplicate would land in the mailbox meanwhile
             _say(event="done", digests=got, health=conn.health())
     return 0
 
