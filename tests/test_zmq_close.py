@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
 
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import DeliveryError
+from zmq_omni.transport._envelope import Kind, pack
 
 from .test_zmq_failures import connectors, make
+from .test_zmq_shm import MiB, start
+from .zmq_peers import SPAWN
 
 __all__ = ["connectors"]  # the fixture, imported for pytest
 
@@ -80,3 +89,44 @@ def test_pull_mode_close_reports_payloads_nobody_fetched(connectors: list[ZmqCon
     failures = sender.drain_failures()
     assert sorted(f.key for f in failures) == ["b", "c"]
     assert all(isinstance(f.error, DeliveryError) and "fetched" in f.reason for f in failures)
+
+
+def stalled_fetcher(endpoint: str, ready: Any) -> None:
+    """Ask for key ``big`` with a tiny receive buffer, then freeze this whole process mid-reply."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVBUF, 4096)  # the reply trickles in: it is still streaming when we stop
+    sock.connect(endpoint)
+    sock.send(pack(Kind.FETCH, (1, "0", "1", "big", 0)))
+    ready.set()
+    time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGSTOP)  # the kernel buffers fill and the server's send stalls
+
+
+def test_pull_mode_close_reports_a_reply_that_was_still_leaving(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    sender = make(connectors, stage_id="0", role="sender", mode="pull", shm="off",
+                  endpoints={"0": "tcp://127.0.0.1:0"})  # fmt: skip
+    assert sender.endpoint is not None
+    big = np.ones(128 * MiB, dtype=np.uint8)
+    assert sender.put("0", "1", "big", {"data": big})[0]
+    ready = SPAWN.Event()
+    proc = start(stalled_fetcher, sender.endpoint, ready)
+    try:
+        assert ready.wait(60)
+        deadline = time.monotonic() + 30
+        while sender.health().get("fetched", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sender.health().get("fetched") == 1
+        # Handed to ZeroMQ is not delivered: the payload stays pending while its reply is stuck.
+        assert sender.flush(0.3) is False and sender.health()["pending"] == 1
+        started = time.monotonic()
+        sender.close()
+        assert time.monotonic() - started < 2.0
+    finally:
+        proc.kill()
+        proc.join(10)
+    failures = sender.drain_failures()
+    assert [f.key for f in failures] == ["big"]
+    assert isinstance(failures[0].error, DeliveryError) and "still leaving" in failures[0].reason
