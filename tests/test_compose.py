@@ -8,7 +8,9 @@
 
 Needs a Docker engine and docker-compose; without them the tests skip, except on
 CI (``CI=true``) where they fail with the reason. Everything a test starts is
-removed by ``docker-compose down -v --remove-orphans`` in the fixture.
+removed by ``docker-compose down -v --remove-orphans`` in the fixture; what a run
+killed before its teardown left behind is removed by the next run (project names
+carry the pytest pid).
 """
 
 from __future__ import annotations
@@ -113,6 +115,37 @@ class Compose:
         assert f"zmq-omni stage {service}: stopped (" in logs, logs
 
 
+_PROJECT_PREFIX = "zotest"
+
+
+def _remove_projects_of_dead_runs() -> None:
+    """``down`` every compose project of this test whose pytest process is gone (killed before teardown).
+
+    Left running, their stages' health checks keep using CPU. A project of a live run is left alone.
+    """
+    listed = [
+        subprocess.run(["docker", kind, "ls", *flags, "--filter", "label=com.docker.compose.project",
+                        "--format", '{{.Label "com.docker.compose.project"}}'],
+                       capture_output=True, text=True, timeout=60, check=False).stdout.split()
+        for kind, flags in (("container", ["-a"]), ("network", []), ("volume", []))
+    ]  # fmt: skip
+    for name in sorted({name for names in listed for name in names}):
+        match = re.fullmatch(rf"{_PROJECT_PREFIX}(\d+)x[0-9a-f]+", name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        Compose(name).run("down", "-v", "--remove-orphans", "-t", "0", check=False, timeout=180)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 @pytest.fixture(scope="module")
 def compose() -> Iterator[Compose]:
     """Images built by docker/build-images.sh; a unique compose project, torn down at the end."""
@@ -129,7 +162,9 @@ def compose() -> Iterator[Compose]:
         pytest.fail(f"docker/build-images.sh took over {BUILD_TIMEOUT_S}s")
     if build.returncode != 0:
         pytest.fail(f"docker/build-images.sh exited {build.returncode}:\n{_tail(build.stdout)}")
-    project = Compose(f"zotest{uuid.uuid4().hex[:10]}")
+    _remove_projects_of_dead_runs()
+    # The pid in the name lets a later run tell a project whose pytest was killed (no teardown) from a live one.
+    project = Compose(f"{_PROJECT_PREFIX}{os.getpid()}x{uuid.uuid4().hex[:6]}")
     try:
         yield project
     finally:
