@@ -340,15 +340,22 @@ def test_torch_tensors_round_trip_bit_exact_including_bfloat16() -> None:
         "transposed": base.T,
         "grad": base.clone().requires_grad_(True),
         "conj": torch.complex(base, base).conj(),
+        "neg": torch.complex(base, base).conj().imag,  # the negative bit on a stride-2 view
+        # One element is "contiguous" whatever its stride, yet has no stride-1 byte view.
+        "one_of_strided": base[:, ::2][:1, :1],
+        "neg_one": torch.complex(base, base).conj().imag[:1, :1],
+        "one_of_strided_1d": base.reshape(-1)[::3][:1],
+        "none_of_strided": base.reshape(-1)[::2][:0],
     }
     for threshold in THRESHOLDS:
         back = roundtrip(cases, threshold)
         for key, want in cases.items():
             got = back[key]
-            want = want.detach().resolve_conj()
+            want = want.detach().resolve_conj().resolve_neg()
             assert isinstance(got, torch.Tensor), key
             assert got.dtype == want.dtype and got.shape == want.shape, key
-            assert got.view(-1).view(torch.uint8).tolist() == want.contiguous().view(-1).view(torch.uint8).tolist(), key
+            want_bytes = want.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+            assert got.view(-1).view(torch.uint8).tolist() == want_bytes.tolist(), key
 
 
 def test_torch_tensor_frames_view_the_tensor_and_decode_views_writable_frames() -> None:

@@ -267,9 +267,14 @@ class _Encoder:
             tensor = tensor.resolve_neg()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
+        flat = tensor.reshape(-1)
+        if flat.stride(0) != 1:
+            # Zero or one element counts as contiguous whatever its stride (x[:, :1] of a strided view),
+            # but a byte view needs stride 1: copy it (a plain clone would keep the stride).
+            flat = flat.clone(memory_format=torch.contiguous_format)
         # A uint8 numpy view of the storage: no copy, and it works for
         # bfloat16, which numpy cannot represent.
-        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        raw = flat.view(torch.uint8).numpy()
         return self._descriptor(EXT_TENSOR, name, tuple(tensor.shape), 0, raw)
 
     def _descriptor(
