@@ -18,6 +18,7 @@ from typing import Any
 import ml_dtypes
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -57,13 +58,19 @@ def arrays(draw: st.DrawFn) -> np.ndarray[Any, Any]:
     arr = np.frombuffer(raw, dtype=dtype).reshape(shape).copy() if count else np.empty(shape, dtype)
     if dtype.kind == "b":
         arr = arr.view(np.uint8) % 2 == 1
-    layout = draw(st.sampled_from(["c", "f", "strided", "transposed"]))
+    layout = draw(st.sampled_from(["c", "f", "strided", "transposed", "reversed", "last_step", "one_of_strided"]))
     if layout == "f":
         arr = np.asfortranarray(arr)
     elif layout == "strided" and arr.ndim:
         arr = arr[::2]
     elif layout == "transposed":
         arr = arr.T
+    elif layout == "reversed" and arr.ndim:
+        arr = arr[::-1]  # a negative stride
+    elif layout == "last_step" and arr.ndim:
+        arr = arr[..., ::3]
+    elif layout == "one_of_strided" and arr.ndim:
+        arr = arr[..., ::2][..., :1]  # one column of a strided view: "contiguous" with an odd stride
     return arr
 
 
@@ -205,3 +212,53 @@ def test_forged_headers_raise_only_decode_error_and_never_allocate_from_declared
     # Python objects for the parsed header cost a constant factor over its
     # bytes; a forged shape or size would show up as megabytes here.
     assert peak < 64 * received + 256 * 1024, (peak, received)
+
+
+# -- torch views: every stride pattern slicing, transposing, conjugating and expanding can make -------------
+TORCH_DTYPES = ["float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int8", "int16",
+                "int32", "int64", "uint8", "bool"]  # fmt: skip
+
+
+@st.composite
+def torch_views(draw: st.DrawFn) -> Any:
+    torch = pytest.importorskip("torch")
+
+    dtype = getattr(torch, draw(st.sampled_from(TORCH_DTYPES)))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    base = torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * 50
+    if dtype.is_complex:
+        tensor = torch.complex(base, -base).to(dtype)
+    else:
+        tensor = (base > 0) if dtype == torch.bool else base.to(dtype)
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["slice", "transpose", "conj", "imag_of_conj", "expand", "select"]))
+        if op == "slice" and tensor.dim():
+            dim = draw(st.integers(0, tensor.dim() - 1))
+            size = tensor.shape[dim]
+            start = draw(st.integers(0, size))
+            stop = draw(st.integers(start, size))
+            step = draw(st.integers(1, 3))
+            tensor = tensor.narrow(dim, start, stop - start)[(slice(None),) * dim + (slice(None, None, step),)]
+        elif op == "transpose" and tensor.dim() >= 2:
+            tensor = tensor.transpose(0, tensor.dim() - 1)
+        elif op == "conj" and tensor.is_complex():
+            tensor = tensor.conj()
+        elif op == "imag_of_conj" and tensor.is_complex():
+            tensor = tensor.conj().imag  # a float view with the negative bit and stride 2
+        elif op == "expand" and tensor.dim() and tensor.shape[-1] == 1:
+            tensor = tensor.expand(*tensor.shape[:-1], draw(st.integers(0, 4)))  # stride 0
+        elif op == "select" and tensor.dim() and tensor.shape[0]:
+            tensor = tensor[draw(st.integers(0, tensor.shape[0] - 1))]
+    return tensor
+
+
+@settings(FUZZ, max_examples=400)
+@given(tensor=torch_views(), threshold=st.sampled_from([0, 64, 1 << 20]))
+def test_torch_views_round_trip_bit_exact(tensor: Any, threshold: int) -> None:
+    torch = pytest.importorskip("torch")
+
+    got = decode(encode({"t": tensor}, inline_threshold=threshold))["t"]
+    want = tensor.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+    assert got.reshape(-1).view(torch.uint8).tolist() == want.reshape(-1).view(torch.uint8).tolist()
