@@ -67,6 +67,22 @@ def test_each_put_is_consumed_exactly_once(pair: Pair) -> None:
     assert receiver.get(*edge, "once") is None
 
 
+def test_stages_and_keys_that_are_not_str_are_taken_as_their_str(pair: Pair) -> None:
+    # Callers pass stage ids as ints and, now and then, a key too: a get must never miss its put over it.
+    sender, receiver, edge = pair
+    ints = (int(edge[0]), int(edge[1]))
+    assert sender.put(*ints, 7, {"n": 7})[0]
+    got = receiver.get_with_deadline(*edge, "7", deadline=time.monotonic() + WAIT_S)
+    assert got is not None and got[0] == {"n": 7}
+    assert sender.put(*edge, "8", {"n": 8})[0]
+    got = receiver.get_with_deadline(*ints, 8, deadline=time.monotonic() + WAIT_S)
+    assert got is not None and got[0] == {"n": 8}
+    assert sender.put(*edge, "9", {"n": 9})[0]
+    flush(sender, receiver, edge)
+    assert receiver.cleanup(9) | sender.cleanup(9)
+    assert receiver.get(*edge, "9") is None
+
+
 def test_re_put_of_unconsumed_key_replaces_it(pair: Pair) -> None:
     sender, receiver, edge = pair
     assert sender.put(*edge, "k", "first")[0]

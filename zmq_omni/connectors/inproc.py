@@ -126,6 +126,7 @@ class InProcConnector(OmniConnectorBase):
 
     def cleanup(self, key: str) -> bool:
         """Drop every unconsumed payload stored under ``key``."""
+        key = str(key)
         with self._box.cond:
             doomed = [slot for slot in self._box.items if slot[2] == key]
             for slot in doomed:

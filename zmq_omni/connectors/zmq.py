@@ -225,8 +225,8 @@ class ZmqConnector(OmniConnectorBase):
             EncodeError: ``data`` holds an unsupported type (a programming error).
             ValueError: this connector's role cannot put.
         """
-        if type(from_stage) is not str or type(to_stage) is not str:
-            from_stage, to_stage = str(from_stage), str(to_stage)
+        if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
+            from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if self._closed:
             return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
         sender = self._sender
@@ -310,7 +310,7 @@ class ZmqConnector(OmniConnectorBase):
         Push mode never waits. Pull mode asks the sender (one round trip; at
         most ``fetch_timeout_s`` when the sender does not answer).
         """
-        return self._get(str(from_stage), str(to_stage), key, metadata, None)
+        return self._get(str(from_stage), str(to_stage), str(key), metadata, None)
 
     def get_with_deadline(
         self,
@@ -322,7 +322,7 @@ class ZmqConnector(OmniConnectorBase):
         deadline: float,
     ) -> tuple[Any, int] | None:
         """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``."""
-        return self._get(str(from_stage), str(to_stage), key, metadata, deadline)
+        return self._get(str(from_stage), str(to_stage), str(key), metadata, deadline)
 
     def _get(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
@@ -383,6 +383,7 @@ class ZmqConnector(OmniConnectorBase):
 
     def cleanup(self, key: str) -> bool:
         """Drop everything held for ``key`` (mailbox, unconsumed sends, unfetched payloads)."""
+        key = str(key)
         return self._forget(lambda k: k == key) > 0
 
     def cleanup_prefix(self, prefix: str) -> int:
