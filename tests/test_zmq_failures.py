@@ -207,6 +207,8 @@ def test_hostile_frames_are_rejected_and_counted(
         [b"garbage"],
         [b"ZT\x01\x01\xff\xff\xff\xff"],  # header length beyond the frame
         [b"XX" + pack(Kind.PING, ("s", 1, 0))[2:]],  # bad magic
+        [pack(Kind.PING, ("s", 1, 0))[:3] + b"\x63" + pack(Kind.PING, ("s", 1, 0))[4:]],  # unknown kind 99
+        [pack(Kind.PING, ("s", 1, 0))[:2] + b"\x09" + pack(Kind.PING, ("s", 1, 0))[3:]],  # unknown version 9
         [pack(Kind.DATA, ("sid", "not-int", 0, "0", "1", "k", None), good_wire)],  # wrong field type
         [pack(Kind.DATA, ("sid", 0, 0, "0", "1", "k", None), b"\x00" * 40)],  # not a wire encoding
         [pack(Kind.DATA, ("sid", 1, 0, "0", "1", "k", {"shm": 1}), good_wire)],  # unknown location table

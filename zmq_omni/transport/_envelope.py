@@ -94,6 +94,8 @@ _ARITY = {
     Kind.BATCH: (4,),
 }
 
+_KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: Kind(n) costs ~0.5 us per message
+
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 
 
@@ -115,10 +117,9 @@ def unpack(frame: bytes | memoryview) -> tuple[Kind, list[Any], memoryview]:
         raise DecodeError(f"transport frame starts with {bytes(magic)!r}, not {MAGIC!r}")
     if version != VERSION:
         raise DecodeError(f"transport version {version} is not supported (this side speaks {VERSION})")
-    try:
-        kind = Kind(kind_no)
-    except ValueError:
-        raise DecodeError(f"unknown transport message kind {kind_no}") from None
+    kind = _KINDS.get(kind_no)
+    if kind is None:
+        raise DecodeError(f"unknown transport message kind {kind_no}")
     end = PREAMBLE_SIZE + size
     if size > MAX_HEADER_BYTES or end > view.nbytes:
         raise DecodeError(f"transport header length {size} exceeds the frame ({view.nbytes} bytes)")
