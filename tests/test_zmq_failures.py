@@ -317,3 +317,41 @@ def test_ack_ranges_are_validated_without_expanding_them() -> None:
     for bad in (huge, [[3, 1]], [[-1, 2]], [[0, True]], [[0]], "x", [[0, 1], [2, 3]]):
         with pytest.raises(DecodeError):
             check_ranges(bad, 3)
+
+
+def test_pull_server_bounds_the_long_polls_it_parks(
+    connectors: list[ZmqConnector], short_tmp: Path, zmq_ctx: zmq.Context[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fetcher flooding long polls for keys that never come (a bug, or an attack) gets "not found" at once
+    # beyond the bound, instead of making the server hold every one of them for up to an hour.
+    from zmq_omni.transport import _pull
+    from zmq_omni.transport._envelope import Kind, pack, unpack
+
+    monkeypatch.setattr(_pull, "_MAX_PARKED", 100)
+    endpoints = {"0": f"ipc://{short_tmp}/park.sock"}
+    sender = make(connectors, stage_id="0", role="sender", mode="pull", endpoints=endpoints)
+    flooder = zmq_ctx.socket(zmq.DEALER)
+    flooder.connect(endpoints["0"])
+    try:
+        for i in range(150):
+            flooder.send(pack(Kind.FETCH, (i, "0", "1", f"never{i}", 3_600_000)))
+        answered = []
+        while len(answered) < 50 and flooder.poll(10_000):
+            kind, header, _ = unpack(flooder.recv())
+            assert kind is Kind.FETCH_REPLY and header[1] is False
+            answered.append(header[0])
+        assert sorted(answered) == list(range(100, 150))  # the first 100 are parked, the rest refused
+        assert not flooder.poll(200)
+        assert sender.health()["fetches_not_parked"] == 50
+        # The parked ones are still served: a put of one of their keys answers it.
+        assert sender.put("0", "1", "never7", {"n": 7})[0]
+        assert flooder.poll(10_000)
+        frames = flooder.recv_multipart()
+        kind, header, _ = unpack(frames[0])
+        assert kind is Kind.FETCH_REPLY and header[:2] == [7, True]
+        # Room again: one more long poll is parked, not refused.
+        flooder.send(pack(Kind.FETCH, (999, "0", "1", "later", 3_600_000)))
+        assert not flooder.poll(300)
+        assert sender.health()["fetches_not_parked"] == 50
+    finally:
+        flooder.close(linger=0)

@@ -60,6 +60,9 @@ _POLL_SLICE_S = 0.1  # a waiting fetch re-checks close() this often
 _SEND_CHECK_S = 0.01  # wait_fetched re-checks replies still leaving this often (ZeroMQ does not notify)
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 _CLOSE_GRACE_S = 0.5  # close() lets replies still leaving finish this long, then reports them
+# Long polls parked at once; beyond it a FETCH is answered "not found" at once. A bound on what fetchers
+# (buggy or hostile) can make the server hold, and on the expiry scan's cost, far above real fan-in.
+_MAX_PARKED = 65536
 
 Slot = tuple[str, str, str]
 
@@ -129,6 +132,7 @@ class PullServer:
         self._bytes_sent = 0
         # Parked FETCHes per slot: (identity, req_id, expiry, the fetcher reads our shared memory).
         self._waiters: dict[Slot, list[tuple[bytes, int, float, bool | None]]] = {}
+        self._parked = 0  # waiters in all the lists of _waiters
         self._closed = False
         # FETCH requests are tiny; a peer sending more is hostile.
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
@@ -280,9 +284,12 @@ class PullServer:
         with self._cv:
             taken = self._take(slot)
             if taken is None and wait_ms > 0:
-                expiry = time.monotonic() + min(wait_ms, 3_600_000) / 1000.0
-                self._waiters.setdefault(slot, []).append((identity, req_id, expiry, local))
-                return
+                if self._parked < _MAX_PARKED:
+                    expiry = time.monotonic() + min(wait_ms, 3_600_000) / 1000.0
+                    self._waiters.setdefault(slot, []).append((identity, req_id, expiry, local))
+                    self._parked += 1
+                    return
+                self._counters.add("fetches_not_parked")
         if taken is None:
             self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
         else:
@@ -302,17 +309,19 @@ class PullServer:
     def _serve_waiter(self, slot: Slot) -> None:
         now = time.monotonic()
         with self._cv:
-            waiters = [w for w in self._waiters.pop(slot, []) if w[2] > now]
+            parked = self._waiters.pop(slot, [])
+            self._parked -= len(parked)
+            waiters = [w for w in parked if w[2] > now]
             if not waiters:
                 return
             taken = self._take(slot)
-            if taken is None:
+            served = waiters.pop(0) if taken is not None else None
+            if waiters:  # still parked: the next put of the key serves the next one
                 self._waiters[slot] = waiters
-                return
-            identity, req_id, _, local = waiters.pop(0)
-            if waiters:
-                self._waiters[slot] = waiters
-        self._deliver(identity, req_id, slot, *taken, local)
+                self._parked += len(waiters)
+        if taken is not None and served is not None:
+            identity, req_id, _, local = served
+            self._deliver(identity, req_id, slot, *taken, local)
 
     def _deliver(
         self, identity: bytes, req_id: int, slot: Slot, entry: _Stored, leaving: _Leaving, local: bool | None
@@ -381,6 +390,7 @@ class PullServer:
             for slot, waiters in list(self._waiters.items()):
                 live = [w for w in waiters if w[2] > now]
                 unanswered.extend((w[0], w[1], w[3]) for w in waiters if w[2] <= now)
+                self._parked -= len(waiters) - len(live)
                 if live:
                     self._waiters[slot] = live
                 else:
