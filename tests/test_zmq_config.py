@@ -28,6 +28,8 @@ def test_defaults_are_bounded() -> None:
         ({"stage_id": "0", "mode": "shove"}, "mode"),
         ({"stage_id": "0", "hwm": 0}, "hwm"),
         ({"stage_id": "0", "put_timeout_s": "soon"}, "put_timeout_s"),
+        ({"stage_id": "0", "put_timeout_s": float("nan")}, "put_timeout_s"),
+        ({"stage_id": "0", "delivery_timeout_s": float("inf")}, "delivery_timeout_s"),
         ({"stage_id": "0", "endpoints": {"1": 5555}}, "endpoints.1"),
         ({"stage_id": "0", "copy_on_put": "yes"}, "copy_on_put"),
         ({"stage_id": "0", "heartbeat_s": 2.0, "peer_timeout_s": 1.0}, "peer_timeout_s"),

@@ -7,6 +7,7 @@ Every reader raises :class:`~zmq_omni.errors.ConfigError` naming the key
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -76,12 +77,15 @@ def read_int(
 def read_float(
     data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: float | None = None
 ) -> Any:
-    """Read a number as float, optionally with a lower bound."""
+    """Read a finite number as float, optionally with a lower bound."""
     value = _read(data, key, default, path)
     if value is default:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"config key {_where(path, key)!r} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        # YAML's .nan/.inf: a NaN deadline expires at once, an infinite one breaks "nothing waits unbounded".
+        raise ConfigError(f"config key {_where(path, key)!r} must be a finite number, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(f"config key {_where(path, key)!r} must be >= {minimum}, got {value}")
     return float(value)
