@@ -27,6 +27,8 @@ def test_defaults_are_bounded() -> None:
         ({"stage_id": "0", "role": "boss"}, "role"),
         ({"stage_id": "0", "mode": "shove"}, "mode"),
         ({"stage_id": "0", "hwm": 0}, "hwm"),
+        ({"stage_id": "0", "hwm": 2**31}, "hwm"),
+        ({"stage_id": "0", "max_message_bytes": 2**63}, "max_message_bytes"),
         ({"stage_id": "0", "put_timeout_s": "soon"}, "put_timeout_s"),
         ({"stage_id": "0", "put_timeout_s": float("nan")}, "put_timeout_s"),
         ({"stage_id": "0", "delivery_timeout_s": float("inf")}, "delivery_timeout_s"),

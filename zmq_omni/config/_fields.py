@@ -61,9 +61,15 @@ def read_str(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: s
 
 
 def read_int(
-    data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: int | None = None
+    data: Mapping[str, Any],
+    key: str,
+    default: Any = _MISSING,
+    path: str = "",
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
 ) -> Any:
-    """Read an integer, optionally with a lower bound."""
+    """Read an integer, optionally with a lower and an upper bound."""
     value = _read(data, key, default, path)
     if value is default:
         return value
@@ -71,6 +77,8 @@ def read_int(
         raise ConfigError(f"config key {_where(path, key)!r} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(f"config key {_where(path, key)!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"config key {_where(path, key)!r} must be <= {maximum}, got {value}")
     return value
 
 

@@ -143,8 +143,9 @@ class ZmqConnectorConfig:
             peer_timeout_s=read_float(extra, "peer_timeout_s", 3.0, _PATH, minimum=0.01),
             max_unacked=read_int(extra, "max_unacked", 10_000, _PATH, minimum=1),
             max_unacked_bytes=read_int(extra, "max_unacked_bytes", 1 << 30, _PATH, minimum=1),
-            max_message_bytes=read_int(extra, "max_message_bytes", 1 << 30, _PATH, minimum=1024),
-            hwm=read_int(extra, "hwm", 1000, _PATH, minimum=1),
+            # ZeroMQ takes MAXMSGSIZE as an int64 and the high-water marks as a C int.
+            max_message_bytes=read_int(extra, "max_message_bytes", 1 << 30, _PATH, minimum=1024, maximum=2**63 - 1),
+            hwm=read_int(extra, "hwm", 1000, _PATH, minimum=1, maximum=2**31 - 1),
             batch_max_messages=read_int(extra, "batch_max_messages", 256, _PATH, minimum=1),
             batch_max_bytes=read_int(extra, "batch_max_bytes", 64 << 10, _PATH, minimum=1024),
             pull_ttl_s=read_float(extra, "pull_ttl_s", 300.0, _PATH, minimum=0.001),
