@@ -100,6 +100,19 @@ def test_get_with_deadline_times_out_without_data(pair: Pair) -> None:
     assert time.monotonic() >= start + 0.2 - 0.01  # it waited until the deadline, not less
 
 
+def test_an_infinite_deadline_waits_until_the_data_arrives_and_a_nan_one_is_refused(pair: Pair) -> None:
+    sender, receiver, edge = pair
+    timer = threading.Timer(0.2, lambda: sender.put(*edge, "late", {"x": 1}))
+    timer.start()
+    try:
+        got = receiver.get_with_deadline(*edge, "late", deadline=float("inf"))
+    finally:
+        timer.join()
+    assert got is not None and got[0] == {"x": 1}
+    with pytest.raises(ValueError, match="NaN"):
+        receiver.get_with_deadline(*edge, "late", deadline=float("nan"))
+
+
 def test_get_with_deadline_wakes_when_data_arrives(pair: Pair) -> None:
     sender, receiver, edge = pair
     timer = threading.Timer(0.2, lambda: sender.put(*edge, "late", [1, 2, 3]))

@@ -82,6 +82,9 @@ def read_int(
     return value
 
 
+_MAX_NUMBER = 1e9  # seconds: 31 years
+
+
 def read_float(
     data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: float | None = None
 ) -> Any:
@@ -91,9 +94,10 @@ def read_float(
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"config key {_where(path, key)!r} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        # YAML's .nan/.inf: a NaN deadline expires at once, an infinite one breaks "nothing waits unbounded".
-        raise ConfigError(f"config key {_where(path, key)!r} must be a finite number, got {value!r}")
+    if not math.isfinite(value) or abs(value) > _MAX_NUMBER:
+        # YAML's .nan/.inf: a NaN deadline expires at once, an infinite one breaks "nothing waits unbounded",
+        # and waits of more than ~292 years overflow threading's.
+        raise ConfigError(f"config key {_where(path, key)!r} must be a finite number up to 1e9, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(f"config key {_where(path, key)!r} must be >= {minimum}, got {value}")
     return float(value)

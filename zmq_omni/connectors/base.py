@@ -7,6 +7,7 @@ worker written for vllm-omni can use any zmq_omni connector unchanged.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import warnings
@@ -19,7 +20,41 @@ from typing import Any, Literal
 from ..errors import ZmqOmniError
 from ..metrics import Counters
 
-__all__ = ["HEALTH_COUNTERS", "OmniConnectorBase", "TransferFailure", "key_matches_prefix"]
+__all__ = [
+    "HEALTH_COUNTERS",
+    "MAX_WAIT_S",
+    "OmniConnectorBase",
+    "TransferFailure",
+    "bounded_deadline",
+    "bounded_timeout",
+    "key_matches_prefix",
+]
+
+#: The longest one call waits, whatever deadline or timeout it is given (``float("inf")`` included):
+#: the waits of ``threading`` and ZeroMQ overflow long before an infinite one.
+MAX_WAIT_S = 365 * 24 * 3600.0
+
+
+def bounded_deadline(deadline: float) -> float:
+    """``deadline`` (``time.monotonic()`` based) brought within :data:`MAX_WAIT_S` of now.
+
+    Raises:
+        ValueError: ``deadline`` is NaN (a programming error: it would expire at once, or never).
+    """
+    if math.isnan(deadline):
+        raise ValueError("deadline is NaN")
+    return min(deadline, time.monotonic() + MAX_WAIT_S)
+
+
+def bounded_timeout(timeout_s: float) -> float:
+    """``timeout_s`` brought into ``[0, MAX_WAIT_S]``.
+
+    Raises:
+        ValueError: ``timeout_s`` is NaN.
+    """
+    if math.isnan(timeout_s):
+        raise ValueError("timeout is NaN")
+    return min(max(timeout_s, 0.0), MAX_WAIT_S)
 
 #: Counters every connector reports in ``health()``; backends may add more.
 HEALTH_COUNTERS = (

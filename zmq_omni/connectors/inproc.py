@@ -22,7 +22,7 @@ from typing import Any
 from ..config._fields import check_known_keys, read_str
 from ..errors import ClosedResourceError
 from ..wire import decode, encode
-from .base import OmniConnectorBase, key_matches_prefix
+from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix
 
 __all__ = ["InProcConnector"]
 
@@ -111,6 +111,7 @@ class InProcConnector(OmniConnectorBase):
         deadline: float,
     ) -> tuple[Any, int] | None:
         """Wait on the mailbox condition until the payload arrives or ``deadline`` passes."""
+        deadline = bounded_deadline(deadline)
         slot = (str(from_stage), str(to_stage), str(key))
         with self._box.cond:
             while not self._closed:

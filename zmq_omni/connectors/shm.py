@@ -42,7 +42,7 @@ from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
 from ..shm.segment import shm_error
 from ..wire import decode, encode, frames_nbytes
-from .base import OmniConnectorBase, key_matches_prefix
+from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix
 
 __all__ = ["SharedMemoryConfig", "SharedMemoryConnector"]
 
@@ -290,6 +290,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         The watch is armed before each check, so a put landing between the
         check and the sleep wakes us at once; no CPU is used while waiting.
         """
+        deadline = bounded_deadline(deadline)
         while not self._closed:
             self._box.ensure()
             with DirWatch(self._box.path) as watch:

@@ -47,7 +47,7 @@ from ..transport import (
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, encode, frames_nbytes
-from .base import OmniConnectorBase, key_matches_prefix
+from .base import OmniConnectorBase, bounded_deadline, bounded_timeout, key_matches_prefix
 
 __all__ = ["ZmqConnector"]
 
@@ -295,6 +295,7 @@ class ZmqConnector(OmniConnectorBase):
         Waits on the mailbox condition (no polling); returns ``gen`` unchanged after
         a timeout or ``close()``. Without a push receiver it waits ``timeout`` (or until closed).
         """
+        timeout = bounded_timeout(timeout)
         receiver = self._receiver
         if receiver is not None:
             return receiver.wait_for_change(gen, timeout)
@@ -322,7 +323,7 @@ class ZmqConnector(OmniConnectorBase):
         deadline: float,
     ) -> tuple[Any, int] | None:
         """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``."""
-        return self._get(str(from_stage), str(to_stage), str(key), metadata, deadline)
+        return self._get(str(from_stage), str(to_stage), str(key), metadata, bounded_deadline(deadline))
 
     def _get(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
@@ -468,6 +469,7 @@ class ZmqConnector(OmniConnectorBase):
             True when nothing is left unconfirmed; False after ``timeout_s``
             or once the connector is closed with puts still unconfirmed.
         """
+        timeout_s = bounded_timeout(timeout_s)
         if self._sender is not None:
             return self._sender.wait_delivered(timeout_s)
         if self._server is not None:
