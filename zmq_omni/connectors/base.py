@@ -56,6 +56,7 @@ def bounded_timeout(timeout_s: float) -> float:
         raise ValueError("timeout is NaN")
     return min(max(timeout_s, 0.0), MAX_WAIT_S)
 
+
 #: Counters every connector reports in ``health()``; backends may add more.
 HEALTH_COUNTERS = (
     "puts",
