@@ -46,6 +46,15 @@ def shm_dir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     """Poll ``predicate`` until it holds or ``timeout`` passes; its last verdict."""
     deadline = time.monotonic() + timeout

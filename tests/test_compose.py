@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import pid_alive
+
 pytestmark = pytest.mark.docker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,19 +133,9 @@ def _remove_projects_of_dead_runs() -> None:
     ]  # fmt: skip
     for name in sorted({name for names in listed for name in names}):
         match = re.fullmatch(rf"{_PROJECT_PREFIX}(\d+)x[0-9a-f]+", name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         Compose(name).run("down", "-v", "--remove-orphans", "-t", "0", check=False, timeout=180)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 @pytest.fixture(scope="module")

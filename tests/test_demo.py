@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import sweep_leftovers_of
+from tests.conftest import pid_alive, sweep_leftovers_of
 from zmq_omni.cli.demo_stages import GROUP, HIDDEN, SAMPLE_RATE, SAMPLES_PER_CODE
 
 CLI = [sys.executable, "-m", "zmq_omni.cli"]
@@ -44,22 +44,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        left = [pid for pid in pids if _alive(pid)]
+        left = [pid for pid in pids if pid_alive(pid)]
         if not left:
             return []
         time.sleep(0.1)
-    return [pid for pid in pids if _alive(pid)]
+    return [pid for pid in pids if pid_alive(pid)]
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])

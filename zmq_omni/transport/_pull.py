@@ -310,15 +310,12 @@ class PullServer:
         now = time.monotonic()
         with self._cv:
             parked = self._waiters.pop(slot, [])
-            self._parked -= len(parked)
             waiters = [w for w in parked if w[2] > now]
-            if not waiters:
-                return
-            taken = self._take(slot)
+            taken = self._take(slot) if waiters else None
             served = waiters.pop(0) if taken is not None else None
             if waiters:  # still parked: the next put of the key serves the next one
                 self._waiters[slot] = waiters
-                self._parked += len(waiters)
+            self._parked += len(waiters) - len(parked)
         if taken is not None and served is not None:
             identity, req_id, _, local = served
             self._deliver(identity, req_id, slot, *taken, local)
