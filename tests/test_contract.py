@@ -81,6 +81,11 @@ def test_stages_and_keys_that_are_not_str_are_taken_as_their_str(pair: Pair) -> 
     flush(sender, receiver, edge)
     assert receiver.cleanup(9) | sender.cleanup(9)
     assert receiver.get(*edge, "9") is None
+    for key in ("50", "51"):
+        assert sender.put(*edge, key, {"k": key})[0]
+    flush(sender, receiver, edge)
+    assert receiver.cleanup_prefix(5) + sender.cleanup_prefix(5) == 2  # prefix "5": "50" and "51"
+    assert receiver.get(*edge, "50") is None and receiver.get(*edge, "51") is None
 
 
 def test_re_put_of_unconsumed_key_replaces_it(pair: Pair) -> None:

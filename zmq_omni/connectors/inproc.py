@@ -136,6 +136,7 @@ class InProcConnector(OmniConnectorBase):
 
     def cleanup_prefix(self, prefix: str) -> int:
         """Drop every unconsumed payload whose key is ``prefix`` + digits."""
+        prefix = str(prefix)
         with self._box.cond:
             doomed = [slot for slot in self._box.items if key_matches_prefix(slot[2], prefix)]
             for slot in doomed:

@@ -389,6 +389,7 @@ class ZmqConnector(OmniConnectorBase):
 
     def cleanup_prefix(self, prefix: str) -> int:
         """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many."""
+        prefix = str(prefix)
         return self._forget(lambda k: key_matches_prefix(k, prefix))
 
     def _forget(self, match: Callable[[str], bool]) -> int:
