@@ -57,6 +57,7 @@ def test_public_surface_is_sorted_and_complete() -> None:
         "WIRE_VERSION",
         "DecodeLimits",
         "decode",
+        "decode_each",
         "encode",
         "frames_nbytes",
     }

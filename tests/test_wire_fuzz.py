@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from zmq_omni.errors import DecodeError
-from zmq_omni.wire import WIRE_DTYPES, decode, encode, frames_nbytes
+from zmq_omni.wire import WIRE_DTYPES, DecodeLimits, decode, decode_each, encode, frames_nbytes
 from zmq_omni.wire._codec import (
     EXT_ARRAY,
     EXT_BIGINT,
@@ -146,6 +146,37 @@ def _decode_or_decode_error(frames: list[bytes]) -> None:
 @given(frames=corrupted())
 def test_corrupted_frame_sets_raise_only_decode_error(frames: list[bytes]) -> None:
     _decode_or_decode_error(frames)
+
+
+def _decode_one(frame: bytes) -> Any:
+    try:
+        return decode([frame])
+    except DecodeError as exc:
+        return exc
+
+
+@FUZZ
+@given(batch=st.lists(corrupted().map(lambda frames: frames[0] if frames else b""), min_size=1, max_size=4),
+       valid=st.lists(objects.map(lambda obj: bytes(encode(obj, inline_threshold=1 << 20)[0])), max_size=4))
+def test_decode_each_decodes_each_frame_as_decode_does(batch: list[bytes], valid: list[bytes]) -> None:
+    frames = [*batch, *valid]
+    for got, frame in zip(decode_each(frames), frames, strict=True):
+        want = _decode_one(frame)
+        if isinstance(want, DecodeError):
+            assert isinstance(got, DecodeError), (frame, got)
+        else:
+            assert same(got, want), (frame, got, want)
+
+
+def test_decode_each_applies_the_limits_on_its_fast_path() -> None:
+    small, large = encode({"a": 1})[0], encode({"a": "x" * 100})[0]
+    assert isinstance(small, bytes) and isinstance(large, bytes)
+    limits = DecodeLimits(max_header_bytes=len(small))  # frame 0 here is larger than the header it bounds
+    got = decode_each([small, large, small], limits=limits)
+    assert got[0] == {"a": 1} and got[2] == {"a": 1}
+    assert isinstance(got[1], DecodeError) and "limit" in str(got[1])
+    with pytest.raises(DecodeError):
+        decode([large], limits=limits)
 
 
 # Forged headers: well-formed msgpack with hostile extension payloads.

@@ -41,6 +41,9 @@ def bounded_deadline(deadline: float) -> float:
     Raises:
         ValueError: ``deadline`` is NaN (a programming error: it would expire at once, or never).
     """
+    if deadline < MAX_WAIT_S:
+        # time.monotonic() is never negative, so such a deadline is within bounds (the per-get hot path).
+        return deadline
     if math.isnan(deadline):
         raise ValueError("deadline is NaN")
     return min(deadline, time.monotonic() + MAX_WAIT_S)

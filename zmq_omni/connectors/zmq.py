@@ -46,7 +46,7 @@ from ..transport import (
     ShmSend,
     tune_malloc,
 )
-from ..wire import DecodeLimits, decode, encode, frames_nbytes
+from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes
 from .base import OmniConnectorBase, bounded_deadline, bounded_timeout, key_matches_prefix
 
 __all__ = ["ZmqConnector"]
@@ -135,6 +135,9 @@ class ZmqConnector(OmniConnectorBase):
                         bind_at,
                         incarnation=uuid.uuid4().hex[:16],
                         decode=self._decode,
+                        decode_each=functools.partial(
+                            decode_each, allow_pickle=cfg.allow_pickle, limits=self._limits
+                        ),
                         hwm=cfg.hwm,
                         max_message_bytes=cfg.max_message_bytes,
                         max_frames=_MAX_FRAMES,
@@ -311,7 +314,9 @@ class ZmqConnector(OmniConnectorBase):
         Push mode never waits. Pull mode asks the sender (one round trip; at
         most ``fetch_timeout_s`` when the sender does not answer).
         """
-        return self._get(str(from_stage), str(to_stage), str(key), metadata, None)
+        if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
+            from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        return self._get(from_stage, to_stage, key, metadata, None)
 
     def get_with_deadline(
         self,
@@ -323,7 +328,9 @@ class ZmqConnector(OmniConnectorBase):
         deadline: float,
     ) -> tuple[Any, int] | None:
         """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``."""
-        return self._get(str(from_stage), str(to_stage), str(key), metadata, bounded_deadline(deadline))
+        if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
+            from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        return self._get(from_stage, to_stage, key, metadata, bounded_deadline(deadline))
 
     def _get(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None

@@ -6,7 +6,7 @@ specified in ``docs/wire-format.md``.
 
 from __future__ import annotations
 
-from ._codec import DEFAULT_INLINE_THRESHOLD, WIRE_VERSION, decode, encode, frames_nbytes
+from ._codec import DEFAULT_INLINE_THRESHOLD, WIRE_VERSION, decode, decode_each, encode, frames_nbytes
 from ._dtypes import WIRE_DTYPES
 from ._limits import DecodeLimits
 
@@ -16,6 +16,7 @@ __all__ = [
     "WIRE_DTYPES",
     "WIRE_VERSION",
     "decode",
+    "decode_each",
     "encode",
     "frames_nbytes",
 ]

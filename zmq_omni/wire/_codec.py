@@ -98,6 +98,8 @@ _ExtType = msgpack.ExtType
 _new_ext = tuple.__new__
 _DEFAULT_LIMITS = DecodeLimits()
 _unpackb = msgpack.unpackb
+# Frame 0 of a plain-msgpack encoding (no extension types, no out-of-band frames) starts with exactly this.
+_PLAIN_PREAMBLE: Final = _PREAMBLE.pack(MAGIC, WIRE_VERSION, 0, 0)
 
 
 class _TupleMark:
@@ -665,6 +667,38 @@ class _Decoding:
             # would let a write corrupt it, so copy once.
             buf = bytearray(buf)
         return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+
+
+def decode_each(
+    frames: Sequence[bytes], *, allow_pickle: bool = False, limits: DecodeLimits | None = None
+) -> list[Any]:
+    """Decode many single-frame encodings (frame 0 only, ``bytes``), each on its own.
+
+    Each item of the result is the decoded object, or the :class:`DecodeError`
+    that decoding that frame raised (the others are decoded all the same):
+    ``[decode([f]) or its DecodeError for f in frames]``, with a faster path for
+    plain-msgpack frames, which small metadata puts are.
+    """
+    lim = _DEFAULT_LIMITS if limits is None else limits
+    largest = min(lim.max_header_bytes, lim.max_total_bytes - PREAMBLE_SIZE)
+    plain, skip, unpackb, reject = _PLAIN_PREAMBLE, PREAMBLE_SIZE, _unpackb, _reject_ext
+    out: list[Any] = []
+    add = out.append
+    for frame in frames:
+        if type(frame) is bytes and frame.startswith(plain) and len(frame) - skip <= largest:
+            try:
+                # As decode's plain path: msgpack bounds every declared length by the input's.
+                add(unpackb(frame[skip:], ext_hook=reject, raw=False, strict_map_key=False))
+            except DecodeError as exc:
+                add(exc)
+            except Exception as exc:
+                add(DecodeError(f"invalid header: {exc!r}"))
+            continue
+        try:
+            add(decode([frame], allow_pickle=allow_pickle, limits=lim))
+        except DecodeError as exc:
+            add(exc)
+    return out
 
 
 _PREAMBLE_CHECK = struct.Struct("<4sBI")
