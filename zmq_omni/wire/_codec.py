@@ -678,6 +678,15 @@ def decode_each(
     that decoding that frame raised (the others are decoded all the same):
     ``[decode([f]) or its DecodeError for f in frames]``, with a faster path for
     plain-msgpack frames, which small metadata puts are.
+
+    Args:
+        frames: frame 0 of each encoding; one that refers to out-of-band frames
+            gets a DecodeError (it has none here).
+        allow_pickle: accept pickled objects (trusted peers only).
+        limits: bounds on each frame; defaults to ``DecodeLimits()``.
+
+    Returns:
+        One item per frame, in order. Nothing is raised for a bad frame.
     """
     lim = _DEFAULT_LIMITS if limits is None else limits
     largest = min(lim.max_header_bytes, lim.max_total_bytes - PREAMBLE_SIZE)
