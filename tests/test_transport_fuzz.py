@@ -32,6 +32,9 @@ from zmq_omni.transport._envelope import _PREAMBLE, MAGIC, VERSION, Kind, pack, 
 from zmq_omni.wire import encode
 
 from .conftest import wait_until
+from .test_zmq_failures import connectors, make
+
+__all__ = ["connectors"]  # the fixture, imported for pytest
 
 FUZZ = settings(
     max_examples=400,
@@ -58,7 +61,8 @@ atoms = st.one_of(
     st.sampled_from([WIRE, b"", b"\x00" * 40, HANDLE, HANDLE[:-3]]),
 )
 values = st.recursive(
-    atoms, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    atoms,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=12,
 )
 # Acknowledged seq runs: mostly valid ``[first, last]`` pairs (so replies get past the range checks into the
@@ -140,79 +144,54 @@ def loop_errors() -> Iterator[LoopErrors]:
         logger.removeHandler(handler)
 
 
-@pytest.fixture
-def made() -> Iterator[list[ZmqConnector]]:
-    conns: list[ZmqConnector] = []
-    try:
-        yield conns
-    finally:
-        for conn in conns:
-            conn.close()
+def fuzz_peer(endpoint: str, zmq_ctx: zmq.Context[Any], loop_errors: LoopErrors, sync: bytes, answer: Kind) -> None:
+    """Send each example's mutated messages to ``endpoint``, then ``sync``, and wait for its ``answer``.
 
-
-def connector(made: list[ZmqConnector], **config: Any) -> ZmqConnector:
-    conn = ZmqConnector(config)
-    made.append(conn)
-    return conn
-
-
-def answered(sock: zmq.Socket[bytes], kinds: tuple[Kind, ...]) -> None:
-    """Read until a reply of one of ``kinds`` comes (the peer handled everything sent before it)."""
-    while True:
-        assert sock.poll(5000), "no answer: the peer's I/O thread is stuck or dead"
-        kind, _, _ = unpack(sock.recv_multipart()[0])
-        if kind in kinds:
-            return
-
-
-def test_push_receiver_survives_mutated_messages(
-    made: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
-) -> None:
-    receiver = connector(made, stage_id="1", role="receiver", endpoints={"1": "tcp://127.0.0.1:0"})
-    assert receiver.endpoint is not None
+    The peer answers in order, so once ``answer`` comes, every message before it was handled.
+    """
     attacker = zmq_ctx.socket(zmq.DEALER)
-    attacker.connect(receiver.endpoint)
+    attacker.connect(endpoint)
 
     @FUZZ
     @given(st.lists(mutated(list(Kind)), min_size=1, max_size=5))
     def run(messages: list[list[bytes]]) -> None:
         for frames in messages:
             attacker.send_multipart(frames)
-        attacker.send(pack(Kind.HEALTH, ()))  # answered in order: everything above was handled
-        answered(attacker, (Kind.HEALTH_REPLY,))
+        attacker.send(sync)
+        while True:
+            assert attacker.poll(5000), "no answer: the peer's I/O thread is stuck or dead"
+            if unpack(attacker.recv_multipart()[0])[0] is answer:
+                break
         loop_errors.check(messages)
 
     run()
+
+
+def test_push_receiver_survives_mutated_messages(
+    connectors: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
+) -> None:
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": "tcp://127.0.0.1:0"})
+    assert receiver.endpoint is not None
+    fuzz_peer(receiver.endpoint, zmq_ctx, loop_errors, pack(Kind.HEALTH, ()), Kind.HEALTH_REPLY)
     assert receiver.health()["rejected_frames"] > 0 and receiver.health()["status"] == "ok"
-    sender = connector(made, stage_id="0", role="sender", endpoints={"1": receiver.endpoint})
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": receiver.endpoint})
     assert sender.put("0", "1", "after", {"ok": True})[0]
     got = receiver.get_with_deadline("0", "1", "after", deadline=time.monotonic() + 5)
     assert got is not None and got[0] == {"ok": True}
 
 
 def test_pull_server_survives_mutated_messages(
-    made: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
+    connectors: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
 ) -> None:
-    server = connector(made, stage_id="0", role="sender", mode="pull", endpoints={"0": "tcp://127.0.0.1:0"})
+    server = make(connectors, stage_id="0", role="sender", mode="pull", endpoints={"0": "tcp://127.0.0.1:0"})
     assert server.endpoint is not None
     for key in ("k", "a", "b"):
         assert server.put("0", "1", key, {"key": key})[0]
-    attacker = zmq_ctx.socket(zmq.DEALER)
-    attacker.connect(server.endpoint)
-
-    @FUZZ
-    @given(st.lists(mutated(list(Kind)), min_size=1, max_size=5))
-    def run(messages: list[list[bytes]]) -> None:
-        for frames in messages:
-            attacker.send_multipart(frames)
-        attacker.send(pack(Kind.FETCH, (2**40, "0", "1", "never-put", 0)))
-        answered(attacker, (Kind.FETCH_REPLY,))
-        loop_errors.check(messages)
-
-    run()
+    absent = pack(Kind.FETCH, (2**40, "0", "1", "never-put", 0))  # answered at once: "not found"
+    fuzz_peer(server.endpoint, zmq_ctx, loop_errors, absent, Kind.FETCH_REPLY)
     assert server.health()["rejected_frames"] > 0 and server.health()["status"] == "ok"
     assert server.put("0", "1", "after", {"ok": True})[0]
-    client = connector(made, stage_id="1", role="receiver", mode="pull", endpoints={"0": server.endpoint})
+    client = make(connectors, stage_id="1", role="receiver", mode="pull", endpoints={"0": server.endpoint})
     got = client.get_with_deadline("0", "1", "after", deadline=time.monotonic() + 5)
     assert got is not None and got[0] == {"ok": True}
 
@@ -235,16 +214,18 @@ def _reply_header(draw: st.DrawFn, kind: Kind) -> list[Any]:
     return header
 
 
+def fake_peer(zmq_ctx: zmq.Context[Any]) -> tuple[zmq.Socket[bytes], str]:
+    """A ROUTER on a random loopback port, standing in for a connector's peer, and its endpoint."""
+    sock = zmq_ctx.socket(zmq.ROUTER)
+    return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
 def test_push_sender_survives_mutated_replies(
-    made: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
+    connectors: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
 ) -> None:
-    # A fake receiver: the sender's data and control sockets connect to this ROUTER.
-    fake = zmq_ctx.socket(zmq.ROUTER)
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
-    sender = connector(
-        made, stage_id="0", role="sender", endpoints={"1": f"tcp://127.0.0.1:{port}"},
-        heartbeat_s=0.05, delivery_timeout_s=60.0,
-    )
+    fake, endpoint = fake_peer(zmq_ctx)  # the receiver: the sender's data and control sockets connect here
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, heartbeat_s=0.05,
+                  delivery_timeout_s=60.0)
     assert sender.put("0", "1", "first", {"n": 0})[0]
     assert fake.poll(5000)
     data_identity = fake.recv_multipart()[0]
@@ -276,16 +257,13 @@ def test_push_sender_survives_mutated_replies(
 
 
 def test_pull_client_get_returns_whatever_its_server_answers(
-    made: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
+    connectors: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
 ) -> None:
     # A fake server answers each FETCH with the next mutated reply, carrying the FETCH's own req_id
     # most of the time (a wrong one is ignored, and the get then times out: that path is fuzzed too).
-    fake = zmq_ctx.socket(zmq.ROUTER)
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
-    client = connector(
-        made, stage_id="1", role="receiver", mode="pull", endpoints={"0": f"tcp://127.0.0.1:{port}"},
-        fetch_timeout_s=0.2,
-    )
+    fake, endpoint = fake_peer(zmq_ctx)
+    client = make(connectors, stage_id="1", role="receiver", mode="pull", endpoints={"0": endpoint},
+                  fetch_timeout_s=0.2)
     answers: list[tuple[bool, list[bytes]]] = []
     stop = threading.Event()
 
