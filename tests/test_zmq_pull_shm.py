@@ -6,6 +6,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import numpy as np
 import zmq
@@ -68,6 +69,32 @@ def test_pull_receiver_that_cannot_read_the_servers_shm_gets_frames(short_tmp: P
             dtype, shape, sha, mapped, _ = result[f"k{i}"]["data"]
             assert [dtype, shape, sha] == digest(data)
             assert mapped is None or not Path(mapped).name.startswith("zomni_")
+        assert ours(shm_dir) == [] and ours(elsewhere) == []
+    finally:
+        Path(elsewhere).rmdir()
+
+
+def test_pull_receiver_with_shm_on_reports_a_server_whose_shm_it_cannot_read(short_tmp: Path, shm_dir: str) -> None:
+    scfg, rcfg = pull_configs(short_tmp, shm_dir)
+    server = scfg["endpoints"]["0"]
+    elsewhere = tempfile.mkdtemp(prefix="zo-elsewhere-", dir="/dev/shm")  # another tmpfs view: the probe fails
+    try:
+        with (
+            ZmqConnector(scfg) as sender,
+            ZmqConnector({**rcfg, "shm": "on", "shm_dir": elsewhere}) as blind,
+            ZmqConnector({**rcfg, "shm": "on"}) as seeing,
+            ZmqConnector({**rcfg, "shm_dir": elsewhere}) as blind_but_auto,
+        ):
+            for i, conn in enumerate((blind, seeing, blind_but_auto)):
+                assert sender.put("0", "1", f"k{i}", {"x": i})[0]
+                assert conn.get("0", "1", f"k{i}") == ({"x": i}, ANY)
+            health = blind.health()
+            assert health["status"] == "degraded" and health["shm_servers"] == {server: False}
+            assert server in health["shm_problems"][0]
+            health = seeing.health()
+            assert health["status"] == "ok" and health["shm_servers"] == {server: True}
+            health = blind_but_auto.health()  # auto: frames are the expected fallback, not a problem
+            assert health["status"] == "ok" and health["shm_servers"] == {server: False}
         assert ours(shm_dir) == [] and ours(elsewhere) == []
     finally:
         Path(elsewhere).rmdir()

@@ -447,19 +447,27 @@ class ZmqConnector(OmniConnectorBase):
         base["shm"] = self.config.shm
         for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
             base.setdefault(name, 0)
-        shm = self._shm_send
-        if shm is None:
-            return
-        base.update({f"shm_{k}": v for k, v in shm.stats().items()})
         problems = []
-        if shm.error is not None:
-            problems.append(shm.error)
-        if self._shm_degraded:
-            problems.append("large puts fall back to frames: no shared-memory slot (shm_dir full or pool at its limit)")
-        if self.config.shm == "on":
-            refused = [stage for stage, p in base.get("peers", {}).items() if p.get("shm") is False]
-            if refused:
-                problems.append(f"receivers of stages {refused} cannot read our shared memory")
+        if self._client is not None and self._shm_receive is not None:
+            # A pull receiver learns each server's verdict from its first reply.
+            servers = self._client.shm_verdicts()
+            base["shm_servers"] = servers
+            unread = sorted(endpoint for endpoint, readable in servers.items() if not readable)
+            if unread and self.config.shm == "on":
+                problems.append(f"we cannot read the shared memory of pull servers {unread}: their replies are frames")
+        shm = self._shm_send
+        if shm is not None:
+            base.update({f"shm_{k}": v for k, v in shm.stats().items()})
+            if shm.error is not None:
+                problems.append(shm.error)
+            if self._shm_degraded:
+                problems.append(
+                    "large puts fall back to frames: no shared-memory slot (shm_dir full or pool at its limit)"
+                )
+            if self.config.shm == "on":
+                refused = [stage for stage, p in base.get("peers", {}).items() if p.get("shm") is False]
+                if refused:
+                    problems.append(f"receivers of stages {refused} cannot read our shared memory")
         if problems:
             base["shm_problems"] = problems
             if base["status"] == "ok":

@@ -511,6 +511,10 @@ class PullClient:
         finally:
             self._checkin(endpoint, sock, reusable)
 
+    def shm_verdicts(self) -> dict[str, bool]:
+        """Per server endpoint heard from: whether we read its shared memory (its large replies come as handles)."""
+        return {endpoint: verdict for endpoint, (_, verdict) in dict(self._verdicts).items()}
+
     def _learn_probe(self, endpoint: str, probe: Any) -> None:
         """Check (once per probe) whether we read the server's shared memory; later FETCHes say so."""
         if self._shm is None or probe is None:
