@@ -443,7 +443,11 @@ class ZmqConnector(OmniConnectorBase):
         return base
 
     def _shm_health(self, base: dict[str, Any]) -> None:
-        """The fast path's state: policy, pool, fallbacks; ``degraded`` while large puts cannot use it."""
+        """The fast path's state: policy, pool, fallbacks, verdicts; ``degraded`` while large transfers cannot use it.
+
+        Degraded: our pool cannot take large puts, or, with ``shm: on``, a receiver cannot read our shared
+        memory (push) or we cannot read a server's (pull).
+        """
         base["shm"] = self.config.shm
         for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
             base.setdefault(name, 0)
