@@ -307,10 +307,15 @@ class PushReceiver:
         seen, arrived, arrivals = source.seen, source.arrived, self._arrivals
         floor = source.low
         duplicates = rejected = 0
-        wires = entries[3::4]
-        # Decoded in one call (a duplicate too: resends are rare, and it is then dropped unused).
-        objs = self._decode_each(wires)
-        seqs, from_stages, keys = entries[::4], entries[1::4], entries[2::4]
+        seqs, from_stages, keys, wires = entries[::4], entries[1::4], entries[2::4], entries[3::4]
+        # One decode call per batch. A batch of resends (puts we already have) decodes only what is new.
+        if min(seqs) >= floor and seen.isdisjoint(seqs):
+            objs: list[Any] = self._decode_each(wires)
+        else:
+            fresh = [i for i, seq in enumerate(seqs) if seq >= floor and seq not in seen]
+            objs = [None] * len(seqs)
+            for i, obj in zip(fresh, self._decode_each([wires[i] for i in fresh]), strict=True):
+                objs[i] = obj
         for seq, from_stage, key, wire, obj in zip(seqs, from_stages, keys, wires, objs, strict=True):
             if seq < floor or seq in seen:
                 duplicates += 1  # already have (or had) it: acknowledge again, keep one copy
