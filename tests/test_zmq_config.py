@@ -15,7 +15,7 @@ from zmq_omni.transport import EndpointMap, env_name
 
 def test_defaults_are_bounded() -> None:
     cfg = ZmqConnectorConfig.from_dict({"stage_id": 3})
-    assert cfg.stage_id == "3" and cfg.role == "dual" and cfg.mode == "push"
+    assert cfg.stage_id == "3" and cfg.role is None and cfg.mode == "push"  # no role: binds lazily
     assert cfg.hwm > 0 and cfg.max_unacked > 0 and cfg.max_unacked_bytes > 0
 
 

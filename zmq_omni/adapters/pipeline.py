@@ -242,11 +242,13 @@ def load_pipeline_config(
         duplicates = sorted({value for value in values if values.count(value) > 1})
         if duplicates:
             raise ConfigError(f"pipeline: duplicate stage {label} {duplicates[0]!r} (the driver counts too)")
+    transfer = load_omni_transfer_config(data)
+    assert transfer is not None  # a document was given
     return PipelineConfig(
         name=read_str(section, "name", "pipeline", "pipeline"),
         stages=stages,
         driver=driver,
-        transfer=load_omni_transfer_config(data),
+        transfer=transfer,
         stall_timeout_s=read_float(section, "stall_timeout_s", 10.0, "pipeline", minimum=0.001),
         request_timeout_s=read_float(section, "request_timeout_s", 120.0, "pipeline", minimum=0.001),
         retry=RetryPolicy.from_dict(read_mapping(section, "retry", {}, "pipeline"), "pipeline.retry"),

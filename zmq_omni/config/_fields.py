@@ -21,6 +21,7 @@ __all__ = [
     "read_float",
     "read_int",
     "read_mapping",
+    "read_stage_id",
     "read_str",
 ]
 
@@ -58,6 +59,20 @@ def read_str(data: Mapping[str, Any], key: str, default: Any = _MISSING, path: s
             return value
         raise ConfigError(f"config key {_where(path, key)!r} must be a string, got {value!r}")
     return str(value)
+
+
+def read_stage_id(data: Mapping[str, Any], key: str, path: str = "") -> str | int | None:
+    """Read a stage id (a string or an int) and keep its type; None when absent.
+
+    vllm-omni's adapters do arithmetic on ``connector.stage_id`` (``stage_id - 1``),
+    so an int must stay an int; routing compares ``str(stage_id)``.
+    """
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"config key {_where(path, key)!r} must be a string or an integer, got {value!r}")
+    return value
 
 
 def read_int(

@@ -29,10 +29,19 @@ from typing import Any
 from ..errors import ConfigError
 from ._fields import check_known_keys, read_mapping, read_str
 
-__all__ = ["ConnectorSpec", "OmniTransferConfig", "load_omni_transfer_config", "read_config_document"]
+__all__ = [
+    "ConnectorSpec",
+    "OmniTransferConfig",
+    "get_connectors_config_for_stage",
+    "get_stage_connector_config",
+    "load_omni_transfer_config",
+    "read_config_document",
+]
 
 #: The connector an edge gets when it is declared but names none (vllm-omni's default).
 DEFAULT_EDGE_CONNECTOR = "SharedMemoryConnector"
+#: vllm-omni's ``default_shm_threshold``: written as ``shm_threshold_bytes`` into those edges.
+DEFAULT_SHM_THRESHOLD = 65536
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,10 @@ class OmniTransferConfig:
             known = ", ".join(f"{a}->{b}" for a, b in sorted(self.connectors)) or "none"
             raise ConfigError(f"no connector configured for edge {edge[0]}->{edge[1]} (edges: {known})")
         return spec
+
+    def has_connector_for_edge(self, from_stage: str | int, to_stage: str | int) -> bool:
+        """True when :meth:`get_connector_for_edge` has an answer (vllm-omni's helper of the same name)."""
+        return (str(from_stage), str(to_stage)) in self.connectors or self.default_connector is not None
 
     def edges(self) -> list[tuple[str, str]]:
         """Every configured edge, sorted."""
@@ -131,20 +144,53 @@ def _edge_stage(key: str, prefix: str, where: str) -> str:
     return key[len(prefix) :]
 
 
-def load_omni_transfer_config(source: str | Path | Mapping[str, Any]) -> OmniTransferConfig:
-    """Load a vllm-omni-style stage config from a dict, a YAML file or a JSON file.
+def load_omni_transfer_config(
+    config_path: str | Path | Mapping[str, Any] | None = None,
+    config_dict: Mapping[str, Any] | None = None,
+    default_shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+) -> OmniTransferConfig | None:
+    """Load a vllm-omni-style stage config from a YAML/JSON file or a dict; None when given neither.
+
+    The call forms are vllm-omni's (``load_omni_transfer_config(path)``,
+    ``load_omni_transfer_config(config_dict=d, default_shm_threshold=n)``);
+    a dict may also come as the first argument.
 
     Reads ``runtime.connectors`` (named specs), each stage's
     ``input_connectors`` (``from_stage_X``) and ``output_connectors``
     (``to_stage_Y``), and declared edges without a connector
     (``runtime.edges`` entries, ``engine_input_source``), which get
-    ``runtime.default_connector`` or ``SharedMemoryConnector``.
+    ``runtime.default_connector``, else ``SharedMemoryConnector`` with
+    ``shm_threshold_bytes: default_shm_threshold`` as vllm-omni does. A
+    top-level ``stages``/``connectors``/``edges`` document is read as
+    ``stage_args``/``runtime.connectors``/``runtime.edges``.
 
     Raises:
         ConfigError: a key is missing or malformed, a connector name is
             unknown, or the two ends of an edge choose different connectors.
     """
-    data = read_config_document(source)
+    if config_path is None and config_dict is None:
+        return None
+    source = config_path if config_path is not None else config_dict
+    assert source is not None
+    return _load_transfer_config(source, default_shm_threshold)
+
+
+def _normalise_stages_schema(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """vllm-omni's newer top-level ``connectors``/``edges``/``stages`` document as ``runtime`` + ``stage_args``."""
+    if "stages" not in data or "stage_args" in data:
+        return data
+    out = dict(data)
+    runtime = dict(read_mapping(out, "runtime", {}, ""))
+    for key in ("connectors", "edges"):
+        if key in out and key not in runtime:
+            runtime[key] = out.pop(key)
+    out["runtime"] = runtime
+    out["stage_args"] = out.pop("stages")
+    return out
+
+
+def _load_transfer_config(source: str | Path | Mapping[str, Any], default_shm_threshold: int) -> OmniTransferConfig:
+    data = _normalise_stages_schema(read_config_document(source))
     runtime = read_mapping(data, "runtime", {}, "")
     raw_named = read_mapping(runtime, "connectors", {}, "runtime")
     named = {
@@ -157,7 +203,7 @@ def load_omni_transfer_config(source: str | Path | Mapping[str, Any]) -> OmniTra
     default = (
         _spec_ref(default_raw, named, "runtime.default_connector")
         if default_raw is not None
-        else ConnectorSpec(DEFAULT_EDGE_CONNECTOR)
+        else ConnectorSpec(DEFAULT_EDGE_CONNECTOR, {"shm_threshold_bytes": default_shm_threshold})
     )
 
     chosen: dict[tuple[str, str], tuple[ConnectorSpec, str]] = {}
@@ -203,3 +249,42 @@ def load_omni_transfer_config(source: str | Path | Mapping[str, Any]) -> OmniTra
     for edge in implicit:
         connectors.setdefault(edge, default)
     return OmniTransferConfig(MappingProxyType(connectors), default if default_raw is not None else None)
+
+
+def get_connectors_config_for_stage(
+    transfer_config: OmniTransferConfig | None, stage_id: str | int
+) -> dict[str, Any]:
+    """The connector specs one stage worker needs, in vllm-omni's shape (its function of the same name).
+
+    Returns ``{"from_stage_X": {"spec": {"name", "extra"}}}`` for each inbound
+    edge, with ``role: receiver`` (unless set) and ``from_stage``/``to_stage``
+    as ints where they are numeric; stage ``0`` also gets ``to_stage_Y``
+    entries for its outbound edges with ``role: sender``. ``{}`` for no config.
+    """
+    if transfer_config is None:
+        return {}
+    target = str(stage_id)
+    out: dict[str, Any] = {}
+    for (from_stage, to_stage), spec in transfer_config.connectors.items():
+        if to_stage == target:
+            name, role = f"from_stage_{from_stage}", "receiver"
+        elif from_stage == target and target == "0":
+            name, role = f"to_stage_{to_stage}", "sender"
+        else:
+            continue
+        extra = dict(spec.extra)
+        extra.setdefault("role", role)
+        extra["from_stage"] = _as_int(from_stage)
+        extra["to_stage"] = _as_int(to_stage)
+        out[name] = {"spec": {"name": spec.name, "extra": extra}}
+    return out
+
+
+def get_stage_connector_config(transfer_config: OmniTransferConfig | None, stage_id: int | str) -> dict[str, Any]:
+    """vllm-omni's wrapper of :func:`get_connectors_config_for_stage` (``{}`` for no config)."""
+    return get_connectors_config_for_stage(transfer_config, stage_id)
+
+
+def _as_int(stage: str) -> str | int:
+    # vllm-omni injects int(from_stage); our stage ids may also be names, which stay strings.
+    return int(stage) if stage.isdigit() else stage

@@ -5,15 +5,39 @@ Every key, its default and its meaning is documented in ``docs/zmq-connector.md`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Literal
 
 from ..errors import ConfigError
-from ._fields import check_known_keys, read_bool, read_choice, read_float, read_int, read_mapping, read_str
+from ._fields import (
+    check_known_keys,
+    read_bool,
+    read_choice,
+    read_float,
+    read_int,
+    read_mapping,
+    read_stage_id,
+    read_str,
+)
 
-__all__ = ["ZmqConnectorConfig"]
+__all__ = ["TRANSFER_ENGINE_KEYS", "ZmqConnectorConfig"]
+
+#: Keys vllm-omni's factory writes into a dual-merged ``extra`` (its transfer-engine connectors'
+#: ports and rank maps). They mean nothing to ZeroMQ endpoints and are accepted and ignored.
+TRANSFER_ENGINE_KEYS = (
+    "zmq_port",
+    "sender_host",
+    "sender_zmq_port",
+    "rank_mapping",
+    "recv_rank_mapping",
+    "send_rank_mapping",
+)
+#: Our own names of the other keys vllm-omni writes (an edge's ``extra`` may be switched
+#: from ``SharedMemoryConnector`` to ``ZmqConnector`` unchanged).
+_ALIASES = {"shm_threshold_bytes": "shm_threshold"}
 
 Role = Literal["sender", "receiver", "dual"]
 Mode = Literal["push", "pull"]
@@ -27,8 +51,13 @@ class ZmqConnectorConfig:
     """Settings of one ZeroMQ connector; build it with :meth:`from_dict`.
 
     Attributes:
-        stage_id: this stage's id (ints are accepted and turned into strings).
-        role: ``sender`` (puts only), ``receiver`` (gets only) or ``dual``.
+        stage_id: this stage's id as a string (routing compares strings); the
+            connector's ``.stage_id`` keeps the type it was given. Absent: a
+            receiver takes ``to_stage`` (push) and a pull-mode sender ``from_stage``
+            when those are given, else the stage of its first ``get``/``put``.
+        role: ``sender`` (puts only), ``receiver`` (gets only), ``dual``, or
+            None (not given: puts at once, and binds only when it first has to
+            receive, so one ``extra`` serves both ends of an edge).
         mode: ``push`` (the receiver binds, senders push and keep payloads until
             consumed) or ``pull`` (the sender binds and keeps payloads; receivers fetch).
         endpoints: stage id -> the endpoint peers connect to for that stage
@@ -36,8 +65,15 @@ class ZmqConnectorConfig:
             environment variables override entries.
         bind: the address this stage binds when it differs from the address peers
             connect to (containers: ``tcp://0.0.0.0:5555``); ``ZMQ_OMNI_BIND`` overrides.
-        from_stage: informational (vllm-omni injects it); not used for routing.
-        to_stage: informational (vllm-omni injects it); not used for routing.
+        from_stage: vllm-omni injects it; names the stage to bind when ``stage_id`` is absent.
+        to_stage: vllm-omni injects it; names the stage to bind when ``stage_id`` is absent.
+        replica_id: this process's replica of its stage (default ``$VLLM_OMNI_REPLICA_ID`` or 0);
+            replaces ``{replica}`` in ``endpoints`` and ``bind``.
+        local_rank: this process's tensor-parallel rank (default ``$LOCAL_RANK`` or 0);
+            replaces ``{rank}`` in ``endpoints`` and ``bind``.
+        metadata_get_timeout_s: push mode: longest a ``get`` handed the metadata
+            of one of our puts waits for that put to arrive (vllm-omni's
+            orchestrator calls ``get`` once); a ``get`` without such metadata never waits.
         put_timeout_s: longest a ``put`` waits for window room and for ZeroMQ.
         delivery_timeout_s: longest a put may stay unconfirmed before it is
             reported as a :class:`~zmq_omni.errors.DeliveryError`.
@@ -66,7 +102,8 @@ class ZmqConnectorConfig:
             meanwhile, and ``health()`` is degraded when it fails), ``off`` (never).
         shm_dir: the tmpfs directory of the fast path's segments (default
             ``$ZMQ_OMNI_SHM_DIR`` or ``/dev/shm``); both ends must see the same one.
-        shm_threshold: payloads of at least this many bytes take the fast path.
+        shm_threshold: payloads of at least this many bytes take the fast path
+            (``shm_threshold_bytes``, vllm-omni's name, is accepted for it).
         shm_pool_max_bytes: most shared memory a sender's slot pool may hold.
         shm_min_free_bytes: never grow the pool if less would stay free in ``shm_dir``.
         shm_ttl_s: a slot nobody opened is reclaimed after this long (a get then fails).
@@ -78,13 +115,16 @@ class ZmqConnectorConfig:
             bound socket (none: any client that knows the server key).
     """
 
-    stage_id: str
-    role: Role = "dual"
+    stage_id: str | None = None
+    role: Role | None = None
     mode: Mode = "push"
     endpoints: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     bind: str | None = None
     from_stage: str | None = None
     to_stage: str | None = None
+    replica_id: int = 0
+    local_rank: int = 0
+    metadata_get_timeout_s: float = 5.0
     put_timeout_s: float = 10.0
     delivery_timeout_s: float = 30.0
     close_timeout_s: float = 0.0
@@ -115,27 +155,49 @@ class ZmqConnectorConfig:
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        """Every accepted key, in declaration order."""
-        return tuple(f.name for f in fields(cls))
+        """Every accepted key: the attributes, vllm-omni's names for some, and its transfer-engine keys."""
+        return (*(f.name for f in fields(cls)), *_ALIASES, *TRANSFER_ENGINE_KEYS)
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any]) -> ZmqConnectorConfig:
         """Build from a plain dict; unknown, missing or bad keys raise ``ConfigError`` naming the key."""
         check_known_keys(extra, cls.keys(), _PATH)
+        extra = dict(extra)
+        for alias, name in _ALIASES.items():
+            if alias in extra:
+                value = extra.pop(alias)
+                if name in extra and extra[name] != value:
+                    raise ConfigError(
+                        f"config keys '{_PATH}.{name}' and '{_PATH}.{alias}' name the same setting and disagree "
+                        f"({extra[name]!r} != {value!r})"
+                    )
+                extra[name] = value
+        replica_id = read_int(extra, "replica_id", _env_int("VLLM_OMNI_REPLICA_ID"), _PATH, minimum=0)
+        local_rank = read_int(extra, "local_rank", _env_int("LOCAL_RANK"), _PATH, minimum=0)
         endpoints_raw = read_mapping(extra, "endpoints", {}, _PATH)
         endpoints: dict[str, str] = {}
         for stage, endpoint in endpoints_raw.items():
             if not isinstance(endpoint, str):
                 raise ConfigError(f"config key '{_PATH}.endpoints.{stage}' must be a string, got {endpoint!r}")
-            endpoints[str(stage)] = endpoint
+            endpoints[str(stage)] = _place(endpoint, replica_id, local_rank)
+        bind = read_str(extra, "bind", None, _PATH)
+        stage_id = read_stage_id(extra, "stage_id", _PATH)
+        from_stage = read_stage_id(extra, "from_stage", _PATH)
+        to_stage = read_stage_id(extra, "to_stage", _PATH)
+        role = extra.get("role")
+        if role == "auto":  # vllm-omni's "auto" (a transfer-engine role it could not decide) means "not given"
+            role = None
         config = cls(
-            stage_id=read_str(extra, "stage_id", path=_PATH),
-            role=read_choice(extra, "role", ("sender", "receiver", "dual"), "dual", _PATH),
+            stage_id=None if stage_id is None else str(stage_id),
+            role=None if role is None else read_choice(extra, "role", ("sender", "receiver", "dual"), None, _PATH),
             mode=read_choice(extra, "mode", ("push", "pull"), "push", _PATH),
             endpoints=MappingProxyType(endpoints),
-            bind=read_str(extra, "bind", None, _PATH),
-            from_stage=read_str(extra, "from_stage", None, _PATH),
-            to_stage=read_str(extra, "to_stage", None, _PATH),
+            bind=None if bind is None else _place(bind, replica_id, local_rank),
+            from_stage=None if from_stage is None else str(from_stage),
+            to_stage=None if to_stage is None else str(to_stage),
+            replica_id=replica_id,
+            local_rank=local_rank,
+            metadata_get_timeout_s=read_float(extra, "metadata_get_timeout_s", 5.0, _PATH, minimum=0.0),
             put_timeout_s=read_float(extra, "put_timeout_s", 10.0, _PATH, minimum=0.0),
             delivery_timeout_s=read_float(extra, "delivery_timeout_s", 30.0, _PATH, minimum=0.001),
             close_timeout_s=read_float(extra, "close_timeout_s", 0.0, _PATH, minimum=0.0),
@@ -171,6 +233,17 @@ class ZmqConnectorConfig:
                 f"heartbeat_s ({config.heartbeat_s})"
             )
         return config
+
+
+def _env_int(name: str) -> int:
+    """An integer environment variable, 0 when unset or not a non-negative integer."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else 0
+
+
+def _place(endpoint: str, replica_id: int, local_rank: int) -> str:
+    """``endpoint`` with ``{replica}`` and ``{rank}`` replaced (plain replacement: no format syntax)."""
+    return endpoint.replace("{replica}", str(replica_id)).replace("{rank}", str(local_rank))
 
 
 def _read_server_key(value: Any) -> str | Mapping[str, str] | None:

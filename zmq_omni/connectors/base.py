@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from ..errors import ZmqOmniError
 from ..metrics import Counters
+from ..wire import DecodeLimits, decode, encode
 
 __all__ = [
     "HEALTH_COUNTERS",
@@ -69,6 +70,10 @@ HEALTH_COUNTERS = (
     "errors",
     "timeouts",
 )
+
+#: An inline threshold no array reaches: ``serialize_obj`` keeps everything in frame 0.
+_ONE_BUFFER = 1 << 62
+_ONE_BUFFER_LIMITS = DecodeLimits(max_header_bytes=64 << 30, max_frames=0)
 
 #: How many undrained failures a connector keeps; older ones are dropped (and counted).
 MAX_KEPT_FAILURES = 10_000
@@ -177,22 +182,31 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
         self._failures_lock = threading.Lock()
 
     # -- the contract ---------------------------------------------------------
+    # The parameter names are vllm-omni's (``put_key``, ``get_key``, ``request_id``): its callers pass
+    # them by keyword, so they are part of the contract like the positions are.
     @abstractmethod
-    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
-        """Hand ``data`` to ``to_stage`` under ``key``; return ``(ok, nbytes, metadata)``."""
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Hand ``data`` to ``to_stage`` under ``put_key``; return ``(ok, nbytes, metadata)``."""
 
     @abstractmethod
     def get(
-        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
     ) -> tuple[Any, int] | None:
-        """Take the object put under ``key``: ``(obj, nbytes)``, or ``None`` if not there yet."""
+        """Take the object put under ``get_key``: ``(obj, nbytes)``, or ``None`` if not there yet.
+
+        With the ``metadata`` of a put that returned ok, the data is found even
+        if it is still in flight (a backend may wait a bounded time for it);
+        without metadata, or with metadata of another transport, never waits.
+        """
 
     @abstractmethod
     def get_with_deadline(
         self,
         from_stage: str,
         to_stage: str,
-        key: str,
+        get_key: str,
         metadata: dict[str, Any] | None = None,
         *,
         deadline: float,
@@ -200,8 +214,8 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
         """Like :meth:`get`, waiting until ``time.monotonic() >= deadline`` at most."""
 
     @abstractmethod
-    def cleanup(self, key: str) -> bool:
-        """Drop everything held for ``key``; True when something was dropped."""
+    def cleanup(self, request_id: str) -> bool:
+        """Drop everything held for the key ``request_id`` (exact match); True when something was dropped."""
 
     @abstractmethod
     def cleanup_prefix(self, prefix: str) -> int:
@@ -218,8 +232,8 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
         return {"status": "closed" if self._closed else "ok", **snap}
 
     # -- vllm-omni hooks that most backends need not implement ------------------
-    def abandon_get(self, key: str) -> None:
-        """The caller stopped waiting for ``key`` (vllm-omni hook; no-op by default)."""
+    def abandon_get(self, get_key: str) -> None:
+        """The caller stopped waiting for ``get_key`` (vllm-omni hook; no-op by default)."""
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no put depends on this connector staying open; True then.
@@ -231,6 +245,28 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
 
     def reap_consumed(self) -> None:
         """Reclaim resources of payloads consumed by the peer (no-op by default)."""
+
+    # -- vllm-omni's serializer hooks ------------------------------------------------
+    @staticmethod
+    def serialize_obj(obj: Any) -> bytes:
+        """``obj`` as one ``bytes`` object in zmq_omni's wire format (vllm-omni's ``serialize_obj``).
+
+        Arrays are copied into the one buffer (the connectors themselves send
+        them as separate frames without copying). No pickle.
+
+        Raises:
+            EncodeError: ``obj`` holds a type the codec does not carry.
+        """
+        return bytes(encode(obj, inline_threshold=_ONE_BUFFER)[0])
+
+    @staticmethod
+    def deserialize_obj(data: bytes | bytearray | memoryview) -> Any:
+        """The object :meth:`serialize_obj` turned into ``data``.
+
+        Raises:
+            DecodeError: ``data`` is not a valid single-buffer encoding.
+        """
+        return decode([data], limits=_ONE_BUFFER_LIMITS)
 
     # -- failures kept for the adapters ----------------------------------------
     def drain_failures(self) -> list[TransferFailure]:

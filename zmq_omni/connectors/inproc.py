@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from ..config._fields import check_known_keys, read_str
+from ..config._fields import check_known_keys, read_stage_id, read_str
 from ..errors import ClosedResourceError
 from ..wire import decode, encode
 from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix
@@ -55,20 +55,24 @@ class InProcConnector(OmniConnectorBase):
 
     Config keys (the ``extra`` dict):
         namespace: connectors with the same namespace share payloads (default ``"default"``).
-        stage_id: informational, exposed as ``.stage_id`` like the other backends.
+        stage_id: informational, exposed as ``.stage_id`` with the type it was given.
+        role, from_stage, to_stage: accepted (vllm-omni injects them) and ignored.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         config = dict(config or {})
-        check_known_keys(config, ("namespace", "stage_id", "role"), "InProcConnector")
+        check_known_keys(config, ("namespace", "stage_id", "role", "from_stage", "to_stage"), "InProcConnector")
         self.namespace: str = read_str(config, "namespace", "default")
-        self.stage_id: str | None = read_str(config, "stage_id", None)
+        self.stage_id: str | int | None = read_stage_id(config, "stage_id", "InProcConnector")
         # Holding a strong reference keeps the namespace's mailbox alive while any connector uses it.
         self._box = _mailbox(self.namespace)
 
-    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
-        """Copy ``data`` into the namespace mailbox, replacing an unconsumed put of ``key``."""
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Copy ``data`` into the namespace mailbox, replacing an unconsumed put of ``put_key``."""
+        key = put_key
         frames = [bytearray(frame) for frame in encode(data)]
         nbytes = sum(len(frame) for frame in frames)
         if self._closed:
@@ -93,26 +97,26 @@ class InProcConnector(OmniConnectorBase):
         return decode(frames), nbytes
 
     def get(
-        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
     ) -> tuple[Any, int] | None:
-        """Take the payload of ``key`` if it is there; never blocks."""
+        """Take the payload of ``get_key`` if it is there; never blocks (a put is there once it returned)."""
         if self._closed:
             return None
         with self._box.cond:
-            return self._take((str(from_stage), str(to_stage), str(key)))
+            return self._take((str(from_stage), str(to_stage), str(get_key)))
 
     def get_with_deadline(
         self,
         from_stage: str,
         to_stage: str,
-        key: str,
+        get_key: str,
         metadata: dict[str, Any] | None = None,
         *,
         deadline: float,
     ) -> tuple[Any, int] | None:
         """Wait on the mailbox condition until the payload arrives or ``deadline`` passes."""
         deadline = bounded_deadline(deadline)
-        slot = (str(from_stage), str(to_stage), str(key))
+        slot = (str(from_stage), str(to_stage), str(get_key))
         with self._box.cond:
             while not self._closed:
                 found = self._take(slot)
@@ -125,9 +129,9 @@ class InProcConnector(OmniConnectorBase):
                 self._box.cond.wait(remaining)
         return None
 
-    def cleanup(self, key: str) -> bool:
-        """Drop every unconsumed payload stored under ``key``."""
-        key = str(key)
+    def cleanup(self, request_id: str) -> bool:
+        """Drop every unconsumed payload stored under the key ``request_id``."""
+        key = str(request_id)
         with self._box.cond:
             doomed = [slot for slot in self._box.items if slot[2] == key]
             for slot in doomed:

@@ -33,8 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config._fields import check_known_keys, read_float, read_int, read_str
-from ..errors import ClosedResourceError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
+from ..config._fields import check_known_keys, read_float, read_int, read_stage_id, read_str
+from ..errors import ClosedResourceError, ConfigError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
 from ..shm import Mailbox, Record, SlotPool, SlotReader, default_shm_dir, namespace_dir, self_owner
 from ..shm._owner import is_our_name, make_name
 from ..shm._watch import DirWatch
@@ -61,15 +61,19 @@ class SharedMemoryConfig:
     Attributes:
         namespace: connectors of one deployment share it; others never collide
             (letters, digits, ``_ . -``). Default ``"default"``.
-        stage_id: informational, exposed as ``.stage_id``.
+        stage_id: informational, exposed as ``.stage_id`` with the type it
+            was given (vllm-omni injects an int).
         role: informational (``sender`` / ``receiver`` / ``dual``); every
             instance can put and get.
+        from_stage: informational (vllm-omni injects it).
+        to_stage: informational (vllm-omni injects it).
         shm_dir: tmpfs directory for records and slots. Default
             ``$ZMQ_OMNI_SHM_DIR`` or ``/dev/shm``.
         spill_dir: disk directory for payloads shared memory cannot take.
             Default the system temp directory.
         inline_max_bytes: payloads up to this size travel inside the record.
-            Default 64 KiB.
+            Default 64 KiB. ``shm_threshold_bytes`` (the key vllm-omni's loader
+            injects into automatically chosen edges) is another name for it.
         pool_max_bytes: most slot memory one connector holds. Default 1 GiB.
         min_free_bytes: never grow the pool if less would stay free in
             ``shm_dir``. Default 16 MiB.
@@ -77,8 +81,10 @@ class SharedMemoryConfig:
     """
 
     namespace: str = "default"
-    stage_id: str | None = None
+    stage_id: str | int | None = None
     role: str | None = None
+    from_stage: str | int | None = None
+    to_stage: str | int | None = None
     shm_dir: str = ""
     spill_dir: str = ""
     inline_max_bytes: int = 64 << 10
@@ -91,11 +97,20 @@ class SharedMemoryConfig:
         """Build from a plain dict. Raises :class:`~zmq_omni.errors.ConfigError` naming a bad key."""
         data = dict(data or {})
         where = "SharedMemoryConnector"
-        check_known_keys(data, [f.name for f in cls.__dataclass_fields__.values()], where)
+        check_known_keys(data, [*cls.__dataclass_fields__, "shm_threshold_bytes"], where)
+        if "shm_threshold_bytes" in data:
+            if "inline_max_bytes" in data and data["inline_max_bytes"] != data["shm_threshold_bytes"]:
+                raise ConfigError(
+                    f"config keys '{where}.inline_max_bytes' and '{where}.shm_threshold_bytes' name the same "
+                    f"setting and disagree ({data['inline_max_bytes']!r} != {data['shm_threshold_bytes']!r})"
+                )
+            data["inline_max_bytes"] = data.pop("shm_threshold_bytes")
         config = cls(
             namespace=read_str(data, "namespace", "default", where),
-            stage_id=read_str(data, "stage_id", None, where),
+            stage_id=read_stage_id(data, "stage_id", where),
             role=read_str(data, "role", None, where),
+            from_stage=read_stage_id(data, "from_stage", where),
+            to_stage=read_stage_id(data, "to_stage", where),
             shm_dir=read_str(data, "shm_dir", "", where) or default_shm_dir(),
             spill_dir=read_str(data, "spill_dir", "", where) or tempfile.gettempdir(),
             inline_max_bytes=read_int(data, "inline_max_bytes", 64 << 10, where, minimum=0),
@@ -143,9 +158,11 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._next_maintenance = time.monotonic() + self._maintain_every
 
     # -- put ---------------------------------------------------------------------
-    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
-        """Publish ``data`` under ``key``, replacing an unconsumed put of the same address."""
-        from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Publish ``data`` under ``put_key``, replacing an unconsumed put of the same address."""
+        from_stage, to_stage, key = str(from_stage), str(to_stage), str(put_key)
         frames = encode(data)
         if self._closed:
             self._record_failure("put", from_stage, to_stage, key, "connector is closed",
@@ -224,12 +241,15 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     # -- get ---------------------------------------------------------------------
     def get(
-        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
     ) -> tuple[Any, int] | None:
-        """Claim and decode the put of ``key``; None at once when it is not there (metadata is ignored)."""
+        """Claim and decode the put of ``get_key``; None at once when it is not there (metadata is ignored).
+
+        A put is in the mailbox once it returned, so its metadata needs no wait.
+        """
         if self._closed:
             return None
-        from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        from_stage, to_stage, key = str(from_stage), str(to_stage), str(get_key)
         self._maybe_maintain()
         record = self._box.take(key, from_stage, to_stage)
         if record is None:
@@ -280,7 +300,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self,
         from_stage: str,
         to_stage: str,
-        key: str,
+        get_key: str,
         metadata: dict[str, Any] | None = None,
         *,
         deadline: float,
@@ -294,7 +314,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         while not self._closed:
             self._box.ensure()
             with DirWatch(self._box.path) as watch:
-                found = self.get(from_stage, to_stage, key, metadata)
+                found = self.get(from_stage, to_stage, get_key, metadata)
                 if found is not None:
                     return found
                 remaining = deadline - time.monotonic()
@@ -305,9 +325,9 @@ class SharedMemoryConnector(OmniConnectorBase):
         return None
 
     # -- cleanup -----------------------------------------------------------------
-    def cleanup(self, key: str) -> bool:
-        """Drop every unconsumed put of ``key`` in the namespace (any edge)."""
-        key = str(key)
+    def cleanup(self, request_id: str) -> bool:
+        """Drop every unconsumed put of the key ``request_id`` in the namespace (any edge)."""
+        key = str(request_id)
         taken = self._box.take_where(lambda k: k == key)
         for record in taken:
             self._discard(record)

@@ -32,6 +32,7 @@ from ..errors import (
     MessageTooLargeError,
     ShmError,
     TransportError,
+    TransportTimeoutError,
     ZmqOmniError,
 )
 from ..transport import (
@@ -54,6 +55,10 @@ __all__ = ["ZmqConnector"]
 log = logging.getLogger("zmq_omni.connectors")
 
 _MAX_FRAMES = 65536
+#: Longest a lazy bind waits for the I/O thread (it only creates and binds one socket).
+_BIND_WAIT_S = 10.0
+#: Marks the metadata of our push-mode puts: a ``get`` handed it waits for that put to arrive.
+_PUSH_METADATA_TAG = "zmq_omni.push"
 
 
 class ZmqConnector(OmniConnectorBase):
@@ -79,10 +84,15 @@ class ZmqConnector(OmniConnectorBase):
         self._shm_receive: ShmReceive | None = None
         self._shm_degraded = False
         self._close_lock = threading.Lock()
+        self._bind_lock = threading.Lock()  # one lazy bind at a time (the receive and save threads race to it)
         self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
         cfg = ZmqConnectorConfig.from_dict(config)
         self.config = cfg
-        self.stage_id = cfg.stage_id
+        #: The stage id exactly as given (vllm-omni's adapters compute ``stage_id - 1``); without one,
+        #: the injected ``to_stage`` of a receiver or ``from_stage`` of a sender, as given.
+        self.stage_id: str | int | None = config.get("stage_id")
+        if self.stage_id is None:
+            self.stage_id = config.get({"receiver": "to_stage", "sender": "from_stage"}.get(cfg.role or "", ""))
         self._endpoints = EndpointMap(cfg.endpoints)
         self._curve = Curve.from_config(
             cfg.curve_secret_key, cfg.curve_public_key, cfg.curve_server_key, cfg.curve_allowed_clients
@@ -97,9 +107,13 @@ class ZmqConnector(OmniConnectorBase):
         self._decode: Callable[[list[Any]], Any] = functools.partial(
             decode, allow_pickle=cfg.allow_pickle, limits=self._limits
         )
-        sends = cfg.role in ("sender", "dual")
-        receives = cfg.role in ("receiver", "dual")
-        binds = receives if cfg.mode == "push" else sends
+        # Without a role the connector can do both, but binds only when it first has to (a get in push
+        # mode, a put in pull mode): one extra then serves both ends of an edge, and the end that never
+        # receives never takes the endpoint.
+        sends = cfg.role != "receiver"
+        receives = cfg.role != "sender"
+        bind_stage = self._bind_stage(None)
+        binds_now = cfg.role in ("dual", "receiver" if cfg.mode == "push" else "sender") and bind_stage is not None
         fast_path = cfg.shm != "off"
         if cfg.malloc_tuning and receives:
             tune_malloc()  # before the context's I/O threads first allocate
@@ -118,55 +132,9 @@ class ZmqConnector(OmniConnectorBase):
                     ttl_s=cfg.shm_ttl_s,
                 )
                 loop.every(1.0, shm_send.reap)
-            if binds and self._curve is not None:
-                auth = self._curve.start_authenticator(loop.ctx)
-                if auth is not None:
-                    loop.on_term(auth.stop)
-            if binds:
-                advertised = self._endpoints.get(cfg.stage_id)
-                bind_at = self._endpoints.env_bind or cfg.bind or advertised
-                if bind_at is None:
-                    raise ConfigError(
-                        f"stage {cfg.stage_id!r} must bind: set config key 'endpoints.{cfg.stage_id}' or 'bind'"
-                    )
-                if cfg.mode == "push":
-                    self._receiver = PushReceiver(
-                        loop,
-                        bind_at,
-                        incarnation=uuid.uuid4().hex[:16],
-                        decode=self._decode,
-                        decode_each=functools.partial(
-                            decode_each, allow_pickle=cfg.allow_pickle, limits=self._limits
-                        ),
-                        hwm=cfg.hwm,
-                        max_message_bytes=cfg.max_message_bytes,
-                        max_frames=_MAX_FRAMES,
-                        source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
-                        counters=self._counters,
-                        health=self.health,
-                        curve=self._curve,
-                        shm=self._shm_receive,
-                    )
-                    self.endpoint = self._receiver.endpoint
-                else:
-                    fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
-                    self._server = PullServer(
-                        loop,
-                        bind_at,
-                        fixed,
-                        put_timeout_s=cfg.put_timeout_s,
-                        ttl_s=cfg.pull_ttl_s,
-                        max_unacked=cfg.max_unacked,
-                        max_unacked_bytes=cfg.max_unacked_bytes,
-                        hwm=cfg.hwm,
-                        max_frames=_MAX_FRAMES,
-                        counters=self._counters,
-                        on_failure=self._on_failure,
-                        health=self.health,
-                        curve=self._curve,
-                        shm=self._shm_send,
-                    )
-                    self.endpoint = self._server.endpoint
+            if binds_now:
+                assert bind_stage is not None
+                self._bind(bind_stage)
             if cfg.mode == "push" and sends:
                 self._sender = PushSender(
                     loop,
@@ -203,6 +171,113 @@ class ZmqConnector(OmniConnectorBase):
             raise
         log.info("ZmqConnector stage=%s role=%s mode=%s endpoint=%s", cfg.stage_id, cfg.role, cfg.mode, self.endpoint)
 
+    # -- binding ----------------------------------------------------------------------
+    def _bind_stage(self, call_stage: str | None) -> str | None:
+        """The stage whose endpoint this connector binds: its own id, else the injected edge end, else the call's."""
+        cfg = self.config
+        if cfg.stage_id is not None:
+            return cfg.stage_id
+        own = cfg.to_stage if cfg.mode == "push" else cfg.from_stage
+        return own if own is not None else call_stage
+
+    def _bind(self, stage: str) -> None:
+        """Bind ``stage``'s endpoint: the push receiver or the pull server (constructor, or under ``_bind_lock``).
+
+        Once the I/O thread runs, the part is built on it (it owns the poller).
+
+        Raises:
+            ConfigError: no endpoint is configured for ``stage``.
+            TransportError: the bind failed, or a live process listens on that ipc path (the endpoint is named).
+        """
+        cfg, loop = self.config, self._loop
+        if loop is None:
+            raise ClosedResourceError("connector closed")
+        advertised = self._endpoints.get(stage)
+        bind_at = self._endpoints.env_bind or cfg.bind or advertised
+        if bind_at is None:
+            raise ConfigError(f"stage {stage!r} must bind: set config key 'endpoints.{stage}' or 'bind'")
+        if self._curve is not None:
+            auth = self._curve.start_authenticator(loop.ctx)
+            if auth is not None:
+                loop.on_term(auth.stop)
+        if cfg.mode == "push":
+
+            def build() -> PushReceiver | PullServer:
+                return PushReceiver(
+                    loop,
+                    bind_at,
+                    incarnation=uuid.uuid4().hex[:16],
+                    decode=self._decode,
+                    decode_each=functools.partial(decode_each, allow_pickle=cfg.allow_pickle, limits=self._limits),
+                    hwm=cfg.hwm,
+                    max_message_bytes=cfg.max_message_bytes,
+                    max_frames=_MAX_FRAMES,
+                    source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
+                    counters=self._counters,
+                    health=self.health,
+                    curve=self._curve,
+                    shm=self._shm_receive,
+                )
+
+        else:
+            fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
+
+            def build() -> PushReceiver | PullServer:
+                return PullServer(
+                    loop,
+                    bind_at,
+                    fixed,
+                    put_timeout_s=cfg.put_timeout_s,
+                    ttl_s=cfg.pull_ttl_s,
+                    max_unacked=cfg.max_unacked,
+                    max_unacked_bytes=cfg.max_unacked_bytes,
+                    hwm=cfg.hwm,
+                    max_frames=_MAX_FRAMES,
+                    counters=self._counters,
+                    on_failure=self._on_failure,
+                    health=self.health,
+                    curve=self._curve,
+                    shm=self._shm_send,
+                )
+
+        part = self._on_loop(build) if loop.started else build()
+        if isinstance(part, PushReceiver):
+            self._receiver = part
+        else:
+            self._server = part
+        self.endpoint = part.endpoint
+        log.info("ZmqConnector stage=%s bound %s", stage, self.endpoint)
+
+    def _on_loop(self, build: Callable[[], PushReceiver | PullServer]) -> PushReceiver | PullServer:
+        """Run ``build`` on the I/O thread and return its result (or raise its error)."""
+        assert self._loop is not None
+        done = threading.Event()
+        result: list[PushReceiver | PullServer | BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(build())
+            except BaseException as exc:
+                result.append(exc)
+            finally:
+                done.set()
+
+        self._loop.call_soon(run)
+        if not done.wait(_BIND_WAIT_S) or not result:
+            raise TransportTimeoutError(f"the I/O thread did not bind within {_BIND_WAIT_S}s")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    def _ensure_bound(self, call_stage: str) -> None:
+        """Bind now, for a connector that binds lazily (no role, or no stage to bind at construction)."""
+        with self._bind_lock:
+            if self._receiver is not None or self._server is not None or self._closed:
+                return
+            stage = self._bind_stage(call_stage)
+            assert stage is not None
+            self._bind(stage)
+
     # -- helpers ------------------------------------------------------------------
 
     def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
@@ -213,8 +288,10 @@ class ZmqConnector(OmniConnectorBase):
         return False, 0, None
 
     # -- the contract ---------------------------------------------------------------
-    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
-        """Send ``data`` to ``to_stage`` under ``key``; ``(True, nbytes, metadata)`` once ZeroMQ has it.
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Send ``data`` to ``to_stage`` under ``put_key``; ``(True, nbytes, metadata)`` once ZeroMQ has it.
 
         Push mode returns when the put is in the send window and handed to
         ZeroMQ, not when it is acknowledged; a delivery that is never confirmed
@@ -224,17 +301,23 @@ class ZmqConnector(OmniConnectorBase):
         the put took the same-host fast path (its bytes were copied into
         shared memory; ``health()["shm_puts"]`` counts those).
 
+        A pull-mode connector without a role binds its server at its first put.
+
         Raises:
             EncodeError: ``data`` holds an unsupported type (a programming error).
             ValueError: this connector's role cannot put.
+            TransportError: a first put had to bind and the bind failed (the endpoint is named).
         """
+        key = put_key
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if self._closed:
             return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
         sender = self._sender
         if sender is None and self._server is None:
-            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot put")
+            if self.config.role == "receiver" or self.config.mode == "push":
+                raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot put")
+            self._ensure_bound(from_stage)
         cfg = self.config
         frames = encode(data, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle)
         nbytes = len(frames[0]) if len(frames) == 1 else frames_nbytes(frames)  # frame 0 is bytes
@@ -257,7 +340,7 @@ class ZmqConnector(OmniConnectorBase):
                     if loc is not None and shm is not None:
                         shm.discard(loc)
                     raise
-                metadata: dict[str, Any] = {"key": key, "size": nbytes}
+                metadata: dict[str, Any] = {"key": key, "size": nbytes, "transport": _PUSH_METADATA_TAG}
             else:
                 assert self._server is not None
                 metadata = self._server.store(from_stage, to_stage, key, frames, nbytes)
@@ -307,36 +390,66 @@ class ZmqConnector(OmniConnectorBase):
         return gen
 
     def get(
-        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
     ) -> tuple[Any, int] | None:
-        """Take the object put under ``key``: ``(obj, nbytes)``, or None when it is not there (yet).
+        """Take the object put under ``get_key``: ``(obj, nbytes)``, or None when it is not there (yet).
 
-        Push mode never waits. Pull mode asks the sender (one round trip; at
-        most ``fetch_timeout_s`` when the sender does not answer).
+        Push mode: without metadata (or with metadata that is not ours, such as
+        vllm-omni's ``{source_host, source_port}`` hints) it never waits. With the
+        metadata one of our puts returned it waits up to ``metadata_get_timeout_s``
+        for that put to arrive, and records a timeout failure if it does not
+        (vllm-omni's orchestrator hands a stage that metadata and calls ``get`` once).
+        Pull mode asks the sender (one round trip; at most ``fetch_timeout_s``
+        when the sender does not answer). A connector without a role binds at its
+        first push-mode ``get``.
         """
+        key = get_key
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        if metadata is not None and self._receiver_or_bind(to_stage) and _announces(metadata, key):
+            deadline = time.monotonic() + self.config.metadata_get_timeout_s
+            got = self._get(from_stage, to_stage, key, metadata, deadline)
+            if got is None and not self._closed:
+                self._record_failure(
+                    "get",
+                    from_stage,
+                    to_stage,
+                    key,
+                    f"the put of {key!r} its metadata announced did not arrive within "
+                    f"metadata_get_timeout_s={self.config.metadata_get_timeout_s}s",
+                    TransportTimeoutError(f"put of {key!r} not arrived", endpoint=self.endpoint),
+                )
+            return got
         return self._get(from_stage, to_stage, key, metadata, None)
 
     def get_with_deadline(
         self,
         from_stage: str,
         to_stage: str,
-        key: str,
+        get_key: str,
         metadata: dict[str, Any] | None = None,
         *,
         deadline: float,
     ) -> tuple[Any, int] | None:
         """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``."""
+        key = get_key
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         return self._get(from_stage, to_stage, key, metadata, bounded_deadline(deadline))
+
+    def _receiver_or_bind(self, to_stage: str) -> bool:
+        """True when gets go to a push receiver, binding it first for a connector that binds lazily."""
+        if self._receiver is None and self.config.mode == "push" and self.config.role != "sender" and not self._closed:
+            self._ensure_bound(to_stage)
+        return self._receiver is not None
 
     def _get(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
     ) -> tuple[Any, int] | None:
         if self._closed:
             return None
+        if self._receiver is None and self._client is None:
+            self._receiver_or_bind(to_stage)
         if self._receiver is not None:
             try:
                 if deadline is None:
@@ -389,9 +502,9 @@ class ZmqConnector(OmniConnectorBase):
             self._record_failure("get", from_stage, to_stage, key, f"bad reply from {endpoint}: {exc}", exc)
             return None
 
-    def cleanup(self, key: str) -> bool:
-        """Drop everything held for ``key`` (mailbox, unconsumed sends, unfetched payloads)."""
-        key = str(key)
+    def cleanup(self, request_id: str) -> bool:
+        """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads)."""
+        key = str(request_id)
         return self._forget(lambda k: k == key) > 0
 
     def cleanup_prefix(self, prefix: str) -> int:
@@ -526,3 +639,13 @@ class ZmqConnector(OmniConnectorBase):
         if cfg is None:
             return "<ZmqConnector (not configured)>"
         return f"<ZmqConnector stage={cfg.stage_id} role={cfg.role} mode={cfg.mode} endpoint={self.endpoint}>"
+
+
+def _announces(metadata: Any, key: str) -> bool:
+    """True when ``metadata`` is what one of our push-mode puts of ``key`` returned (or vllm-omni's ``{key: it}``)."""
+    if not isinstance(metadata, dict):
+        return False
+    inner = metadata.get(key)
+    if isinstance(inner, dict):
+        metadata = inner
+    return bool(metadata.get("transport") == _PUSH_METADATA_TAG and metadata.get("key") == key)

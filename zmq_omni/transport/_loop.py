@@ -62,6 +62,11 @@ class IoLoop:
         self._started = True
         self._thread.start()
 
+    @property
+    def started(self) -> bool:
+        """True once :meth:`start` (or :meth:`stop`) ran: sockets are then added on the loop thread only."""
+        return self._started
+
     def wake(self) -> None:
         """Make the loop run its calls and handlers now (cheap, lock-free, any thread)."""
         # OSError: closed during shutdown, or the counter saturated: the loop is awake anyway.

@@ -16,14 +16,17 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
+import socket
+import stat
 import threading
 from typing import Any
 
 import zmq
 
-from ..errors import from_zmq_error
+from ..errors import TransportError, from_zmq_error
 
-__all__ = ["bind", "close_socket", "make_socket", "new_context", "tune_malloc"]
+__all__ = ["bind", "close_socket", "make_socket", "new_context", "refuse_live_ipc", "tune_malloc"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -108,12 +111,49 @@ def bind(sock: Any, endpoint: str) -> str:
     """
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-1] + "*"
+    if endpoint.startswith("ipc://"):
+        refuse_live_ipc(endpoint)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
         raise from_zmq_error(exc, endpoint=endpoint, op="bind") from exc
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else str(last)
+
+
+def refuse_live_ipc(endpoint: str) -> None:
+    """Raise when a live process already listens on the socket file of ``ipc://`` ``endpoint``.
+
+    libzmq's ipc bind unlinks an existing socket file and binds a new one, so a
+    second bind on the path of a live listener would silently take its traffic
+    (peers that connect later reach the newcomer). A connect probe tells a live
+    listener (accepts) from a stale file (refused), which libzmq may replace.
+    Abstract endpoints (``ipc://@name``) fail with "address in use" by themselves.
+
+    Raises:
+        TransportError: naming the endpoint, when a listener answers there.
+    """
+    path = endpoint[len("ipc://") :]
+    if not path or path.startswith("@") or path == "*":
+        return
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return
+    except OSError:  # absent (the common case) or unreadable: libzmq reports what it finds
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # refused or gone: a stale file of a process that exited
+    finally:
+        probe.close()
+    raise TransportError(
+        f"bind failed: another process is listening on {endpoint} (give each receiving stage, replica and rank "
+        "its own endpoint)",
+        endpoint=endpoint,
+    )
 
 
 def close_socket(sock: Any, linger_ms: int = 0) -> None:
