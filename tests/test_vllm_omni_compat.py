@@ -562,3 +562,37 @@ def test_entry_point_value_resolves_to_register() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     value = pyproject["project"]["entry-points"]["vllm.general_plugins"]["zmq_omni"]
     assert EntryPoint(name="zmq_omni", value=value, group="vllm.general_plugins").load() is register
+
+
+# -- 8. the docs page's YAML -----------------------------------------------------------------------------------------
+
+
+def _blocks(lang: str) -> list[str]:
+    text = (ROOT / "docs" / "vllm-omni.md").read_text()
+    return [part.split("```", 1)[0] for part in text.split(f"```{lang}\n")[1:]]
+
+
+def test_the_docs_page_yaml_loads_and_builds_the_edge(short_tmp: Path) -> None:
+    import yaml
+
+    from zmq_omni.config.zmq import ZmqConnectorConfig
+
+    full, tcp = (yaml.safe_load(block) for block in _blocks("yaml"))
+    cfg = load_omni_transfer_config(config_dict=full)
+    assert cfg is not None
+    assert cfg.get_connector_for_edge(0, 1).name == "ZmqConnector"
+    assert cfg.get_connector_for_edge(1, 2).name == "SharedMemoryConnector"  # filled in, as vllm-omni does
+    stage_extra = {**get_connectors_config_for_stage(cfg, 1)["from_stage_0"]["spec"]["extra"], "stage_id": 1}
+    resolved = ZmqConnectorConfig.from_dict({**stage_extra, "replica_id": 2, "local_rank": 0})
+    assert resolved.endpoints["1"] == "ipc:///tmp/omni-stage1-r2-t0.sock" and resolved.role == "receiver"
+    # the same extra, with the socket moved into this test's directory, builds and binds
+    ours = {**stage_extra, "endpoints": {"1": f"ipc://{short_tmp}/s1-r{{replica}}-t{{rank}}.sock"}}
+    with ZmqConnector(ours) as receiver:
+        assert receiver.stage_id == 1 and receiver.endpoint == f"ipc://{short_tmp}/s1-r0-t0.sock"
+    tcp_extra = tcp["runtime"]["connectors"]["zmq_edge"]["extra"]
+    assert ZmqConnectorConfig.from_dict(tcp_extra).bind == "tcp://0.0.0.0:5601"
+    # the diff's "after" side is the same edge choice as the full config
+    diff = _blocks("diff")[0]
+    after = yaml.safe_load("\n".join(line[1:] for line in diff.splitlines() if not line.startswith("-")))
+    assert after["stage_args"][0]["output_connectors"] == {"to_stage_1": "zmq_edge"}
+    assert after["runtime"]["connectors"]["zmq_edge"] == full["runtime"]["connectors"]["zmq_edge"]
