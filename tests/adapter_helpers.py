@@ -32,7 +32,10 @@ class FlakyConnector(InProcConnector):
         self.gate = threading.Event()
         self.gate.set()
 
-    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        key = put_key
         self.gate.wait(10)
         self.put_calls.append(key)
         if self.dead:

@@ -63,25 +63,35 @@ class _EdgePair(OmniConnectorBase):
             if callable(method):
                 setattr(self, name, method)
 
-    def put(self, from_stage: str, to_stage: str, key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
         """Put through the outbound connector."""
-        return self.outbound.put(from_stage, to_stage, key, data)
+        return self.outbound.put(from_stage, to_stage, put_key, data)
 
     def get(
-        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
     ) -> tuple[Any, int] | None:
         """Get from the inbound connector."""
-        return self.inbound.get(from_stage, to_stage, key, metadata)
+        return self.inbound.get(from_stage, to_stage, get_key, metadata)
 
     def get_with_deadline(
-        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None = None, *, deadline: float
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None, *, deadline: float
     ) -> tuple[Any, int] | None:
         """Wait on the inbound connector."""
-        return self.inbound.get_with_deadline(from_stage, to_stage, key, metadata, deadline=deadline)
+        return self.inbound.get_with_deadline(from_stage, to_stage, get_key, metadata, deadline=deadline)
 
-    def cleanup(self, key: str) -> bool:
+    def abandon_get(self, get_key: str) -> None:
+        """Tell the inbound connector."""
+        self.inbound.abandon_get(get_key)
+
+    def reap_consumed(self) -> None:
+        """Reap on the outbound connector."""
+        self.outbound.reap_consumed()
+
+    def cleanup(self, request_id: str) -> bool:
         """Clean up on both edges."""
-        return bool(self.inbound.cleanup(key)) | bool(self.outbound.cleanup(key))
+        return bool(self.inbound.cleanup(request_id)) | bool(self.outbound.cleanup(request_id))
 
     def cleanup_prefix(self, prefix: str) -> int:
         """Clean up on both edges."""
