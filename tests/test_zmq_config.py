@@ -22,7 +22,7 @@ def test_defaults_are_bounded() -> None:
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({}, "stage_id"),
+        ({"stage_id": True}, "stage_id"),  # optional (vllm-omni may not inject it), but typed
         ({"stage_id": "0", "colour": "red"}, "colour"),
         ({"stage_id": "0", "role": "boss"}, "role"),
         ({"stage_id": "0", "mode": "shove"}, "mode"),
