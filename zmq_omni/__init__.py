@@ -10,7 +10,13 @@ import importlib
 import logging
 from typing import Any
 
-from .config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
+from .config import (
+    ConnectorSpec,
+    OmniTransferConfig,
+    get_connectors_config_for_stage,
+    get_stage_connector_config,
+    load_omni_transfer_config,
+)
 from .connectors import OmniConnectorBase, OmniConnectorFactory, TransferFailure, create_connector
 from .errors import (
     ClosedResourceError,
@@ -90,6 +96,8 @@ __all__ = [
     "create_connector",
     "decode",
     "encode",
+    "get_connectors_config_for_stage",
+    "get_stage_connector_config",
     "load_omni_transfer_config",
     "load_pipeline_config",
 ]
