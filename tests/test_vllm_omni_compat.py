@@ -442,7 +442,8 @@ def test_orchestrator_to_stage_in_two_processes_loses_nothing(mode: str, transpo
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
-def test_both_ends_built_from_one_extra_in_two_processes(transport: str, short_tmp: Path) -> None:
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_both_ends_built_from_one_extra_in_two_processes(mode: str, transport: str, short_tmp: Path) -> None:
     if transport == "tcp":
         # Both ends must know the port before either binds (that is the model): take a free one.
         with socket.socket() as probe:
@@ -451,7 +452,8 @@ def test_both_ends_built_from_one_extra_in_two_processes(transport: str, short_t
         endpoint = f"tcp://127.0.0.1:{port}"
     else:
         endpoint = f"ipc://{short_tmp}/one"
-    extra = {"endpoints": {"1": endpoint}}  # no role, no stage id: the same dict at both ends
+    # no role, no stage id: the same dict at both ends; only the end that must bind does
+    extra = {"mode": mode, "endpoints": {"1" if mode == "push" else "0": endpoint}}
     summary = _run_edge(dict(extra), dict(extra), 60, short_tmp)
     assert (summary["got"], summary["bad"], summary["missing"]) == (60, [], []), summary
 
