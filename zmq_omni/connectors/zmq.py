@@ -13,6 +13,11 @@ are written once into a reused slot, and only the slot handle crosses ZeroMQ;
 the receiver's arrays view the slot without a copy. Push mode writes the slot
 at ``put``; pull mode at fetch time, once the fetcher has shown it reads the
 server's probe segment (its first fetch from a server takes frames).
+
+A connector whose ``role`` is not given binds only when it first has to (push:
+its first ``get``; pull: its first ``put``), so one ``extra`` serves both ends
+of an edge (vllm-omni's orchestrator builds its connectors that way). A bind on
+an ``ipc://`` path where a live process listens fails instead of taking it over.
 """
 
 from __future__ import annotations
