@@ -46,7 +46,7 @@ from ..transport import (
     ShmSend,
     tune_malloc,
 )
-from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes
+from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes, resolve_device
 from .base import OmniConnectorBase, bounded_deadline, bounded_timeout, key_matches_prefix
 
 __all__ = ["ZmqConnector"]
@@ -93,9 +93,10 @@ class ZmqConnector(OmniConnectorBase):
             max_frames=_MAX_FRAMES,
             max_total_bytes=cfg.max_message_bytes,
         )
+        device = resolve_device(cfg.decode_device, f"{type(self).__name__}.decode_device")
         # One call per received message (a partial saves a Python frame on the receive hot path).
         self._decode: Callable[[list[Any]], Any] = functools.partial(
-            decode, allow_pickle=cfg.allow_pickle, limits=self._limits
+            decode, allow_pickle=cfg.allow_pickle, limits=self._limits, device=device
         )
         sends = cfg.role in ("sender", "dual")
         receives = cfg.role in ("receiver", "dual")
@@ -136,7 +137,7 @@ class ZmqConnector(OmniConnectorBase):
                         incarnation=uuid.uuid4().hex[:16],
                         decode=self._decode,
                         decode_each=functools.partial(
-                            decode_each, allow_pickle=cfg.allow_pickle, limits=self._limits
+                            decode_each, allow_pickle=cfg.allow_pickle, limits=self._limits, device=device
                         ),
                         hwm=cfg.hwm,
                         max_message_bytes=cfg.max_message_bytes,
