@@ -422,6 +422,10 @@ def test_resolve_device_and_decode_onto_it() -> None:
     assert resolve_device(None) is None and resolve_device("cpu") is None
     with pytest.raises(ConfigError, match="decode_device"):
         resolve_device("nonsense-device")
+    with pytest.raises(ConfigError, match="no meta device"):  # torch cannot vouch for it: refused up front
+        resolve_device("meta")
+    with pytest.raises(ConfigError, match="device name"):
+        resolve_device(3)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no cuda device"):
             resolve_device("cuda")

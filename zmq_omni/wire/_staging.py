@@ -168,10 +168,11 @@ def resolve_device(name: Any, key: str = "decode_device") -> Any:
         return None
     backend = getattr(torch, device.type, None)
     available = getattr(backend, "is_available", None)
-    if callable(available):
-        if not available():
-            raise ConfigError(f"config key {key!r} = {name!r}: torch reports no {device.type} device here")
-        count = getattr(backend, "device_count", None)
-        if device.index is not None and callable(count) and device.index >= count():
-            raise ConfigError(f"config key {key!r} = {name!r}: only {count()} {device.type} device(s) here")
+    # A device type torch cannot vouch for (no backend module with is_available) would fail on the first
+    # message instead of here.
+    if not callable(available) or not available():
+        raise ConfigError(f"config key {key!r} = {name!r}: torch reports no {device.type} device here")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise ConfigError(f"config key {key!r} = {name!r}: only {count()} {device.type} device(s) here")
     return device
