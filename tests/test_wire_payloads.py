@@ -271,6 +271,9 @@ def test_registry_refuses_duplicates_missing_functions_and_bad_names() -> None:
         unregister_type("never")
     with pytest.raises(EncodeError, match="Celsius"):
         encode(cases.Celsius(1.0))  # unregistered and not a record
+    for cls in (DC, Plain):  # the classes themselves are not records
+        with pytest.raises(EncodeError, match="type"):
+            encode({"cls": cls})
 
 
 def test_unknown_registered_name_is_a_decode_error_never_an_import() -> None:

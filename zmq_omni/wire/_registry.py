@@ -158,7 +158,7 @@ def record_of(obj: object) -> tuple[str, Any] | None:
     msgspec = sys.modules.get("msgspec")
     if msgspec is not None and isinstance(obj, msgspec.Struct):
         return default_name(cls), _struct_value(msgspec, obj)
-    if dataclasses.is_dataclass(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # an instance, not the class itself
         return default_name(cls), _dataclass_value(obj)
     return None
 
