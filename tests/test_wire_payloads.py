@@ -127,7 +127,8 @@ MSGSPEC_CASES = [
     Plain(2, "other", [1, 2]),
     Renamed(1),
     Renamed(2, "changed", {"k": 1}, 5),
-    Renamed(3, "x-default-value"[:], {}),
+    Renamed(3, "".join(["x-default-", "value"]), {}),  # equal to the default, not the default object
+    Renamed(4, Renamed.__struct_defaults__[0], {}),  # the default object itself
     Arr(1),
     Arr(1, 6),
     TagKind(1.5),
