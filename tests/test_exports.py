@@ -25,3 +25,11 @@ def test_package_logger_has_a_null_handler() -> None:
     import logging
 
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("zmq_omni").handlers)
+
+
+def test_type_registry_is_public() -> None:
+    from zmq_omni import wire
+
+    assert {"register_type", "unregister_type"} <= set(zmq_omni.__all__)
+    assert zmq_omni.register_type is wire.register_type
+    assert zmq_omni.unregister_type is wire.unregister_type

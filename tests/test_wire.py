@@ -60,6 +60,9 @@ def test_public_surface_is_sorted_and_complete() -> None:
         "decode_each",
         "encode",
         "frames_nbytes",
+        "register_type",
+        "resolve_device",
+        "unregister_type",
     }
     for name in wire.__all__:
         assert getattr(wire, name) is not None

@@ -57,6 +57,8 @@ _LAZY: dict[str, str] = {
     "decode": "zmq_omni.wire",
     "encode": "zmq_omni.wire",
     "load_pipeline_config": "zmq_omni.adapters.pipeline",
+    "register_type": "zmq_omni.wire",
+    "unregister_type": "zmq_omni.wire",
 }
 
 __all__ = [
@@ -100,6 +102,8 @@ __all__ = [
     "get_stage_connector_config",
     "load_omni_transfer_config",
     "load_pipeline_config",
+    "register_type",
+    "unregister_type",
 ]
 
 

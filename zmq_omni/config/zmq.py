@@ -22,6 +22,7 @@ from ._fields import (
     read_stage_id,
     read_str,
 )
+from .device import read_device
 
 __all__ = ["TRANSFER_ENGINE_KEYS", "ZmqConnectorConfig"]
 
@@ -95,6 +96,8 @@ class ZmqConnectorConfig:
         copy_on_put: copy large arrays at ``put`` instead of pinning them.
         inline_threshold: arrays of at least this many bytes get their own frame.
         allow_pickle: let the codec pickle/unpickle unknown types (trusted peers only).
+        decode_device: torch device received tensors are decoded onto (``"cuda"``,
+            ``"cuda:1"``); default ``None``: the CPU, viewing the received frames.
         malloc_tuning: tune glibc malloc so large receives reuse heap pages.
         shm: push mode's same-host fast path: ``auto`` (use it for receivers that
             prove they read our shared memory), ``on`` (the same, but a large put
@@ -141,6 +144,7 @@ class ZmqConnectorConfig:
     copy_on_put: bool = False
     inline_threshold: int = 4096
     allow_pickle: bool = False
+    decode_device: str | None = None
     malloc_tuning: bool = True
     shm: ShmPolicy = "auto"
     shm_dir: str | None = None
@@ -215,6 +219,7 @@ class ZmqConnectorConfig:
             copy_on_put=read_bool(extra, "copy_on_put", False, _PATH),
             inline_threshold=read_int(extra, "inline_threshold", 4096, _PATH, minimum=0),
             allow_pickle=read_bool(extra, "allow_pickle", False, _PATH),
+            decode_device=read_device(extra, "decode_device", _PATH),
             malloc_tuning=read_bool(extra, "malloc_tuning", True, _PATH),
             shm=read_choice(extra, "shm", ("auto", "on", "off"), "auto", _PATH),
             shm_dir=read_str(extra, "shm_dir", None, _PATH),

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config._fields import check_known_keys, read_float, read_int, read_stage_id, read_str
+from ..config.device import read_device
 from ..errors import ClosedResourceError, ConfigError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
 from ..shm import Mailbox, Record, SlotPool, SlotReader, default_shm_dir, namespace_dir, self_owner
 from ..shm._owner import is_our_name, make_name
@@ -41,7 +42,7 @@ from ..shm._watch import DirWatch
 from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
 from ..shm.segment import shm_error
-from ..wire import decode, encode, frames_nbytes
+from ..wire import decode, encode, frames_nbytes, resolve_device
 from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix
 
 __all__ = ["SharedMemoryConfig", "SharedMemoryConnector"]
@@ -78,6 +79,9 @@ class SharedMemoryConfig:
         min_free_bytes: never grow the pool if less would stay free in
             ``shm_dir``. Default 16 MiB.
         ttl_s: unconsumed puts expire after this many seconds. Default 300.
+        decode_device: torch device received tensors are decoded onto
+            (``"cuda"``, ``"cuda:1"``). Default ``None``: the CPU, viewing
+            shared memory.
     """
 
     namespace: str = "default"
@@ -91,6 +95,7 @@ class SharedMemoryConfig:
     pool_max_bytes: int = 1 << 30
     min_free_bytes: int = 16 << 20
     ttl_s: float = 300.0
+    decode_device: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> SharedMemoryConfig:
@@ -117,6 +122,7 @@ class SharedMemoryConfig:
             pool_max_bytes=read_int(data, "pool_max_bytes", 1 << 30, where, minimum=0),
             min_free_bytes=read_int(data, "min_free_bytes", 16 << 20, where, minimum=0),
             ttl_s=read_float(data, "ttl_s", 300.0, where, minimum=0.001),
+            decode_device=read_device(data, "decode_device", where),
         )
         namespace_dir(config.shm_dir, config.namespace)  # validates the namespace
         return config
@@ -142,6 +148,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self.config = cfg = SharedMemoryConfig.from_dict(config)
         self.stage_id = cfg.stage_id
         self.namespace = cfg.namespace
+        self._device = resolve_device(cfg.decode_device, "SharedMemoryConnector.decode_device")
         self._box = Mailbox(namespace_dir(cfg.shm_dir, cfg.namespace))
         super().__init__()
         self._pool = SlotPool(
@@ -265,7 +272,7 @@ class SharedMemoryConnector(OmniConnectorBase):
                                  ShmError(f"stale shared-memory handle for {key!r}"))
             return None
         try:
-            obj = decode(frames)
+            obj = decode(frames, device=self._device)
         except DecodeError as exc:
             self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
             return None

@@ -52,7 +52,7 @@ from ..transport import (
     ShmSend,
     tune_malloc,
 )
-from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes
+from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes, resolve_device
 from .base import OmniConnectorBase, bounded_deadline, bounded_timeout, key_matches_prefix
 
 __all__ = ["ZmqConnector"]
@@ -108,9 +108,10 @@ class ZmqConnector(OmniConnectorBase):
             max_frames=_MAX_FRAMES,
             max_total_bytes=cfg.max_message_bytes,
         )
+        self._device = device = resolve_device(cfg.decode_device, f"{type(self).__name__}.decode_device")
         # One call per received message (a partial saves a Python frame on the receive hot path).
         self._decode: Callable[[list[Any]], Any] = functools.partial(
-            decode, allow_pickle=cfg.allow_pickle, limits=self._limits
+            decode, allow_pickle=cfg.allow_pickle, limits=self._limits, device=device
         )
         # Without a role the connector can do both, but binds only when it first has to (a get in push
         # mode, a put in pull mode): one extra then serves both ends of an edge, and the end that never
@@ -213,7 +214,9 @@ class ZmqConnector(OmniConnectorBase):
                     bind_at,
                     incarnation=uuid.uuid4().hex[:16],
                     decode=self._decode,
-                    decode_each=functools.partial(decode_each, allow_pickle=cfg.allow_pickle, limits=self._limits),
+                    decode_each=functools.partial(
+                        decode_each, allow_pickle=cfg.allow_pickle, limits=self._limits, device=self._device
+                    ),
                     hwm=cfg.hwm,
                     max_message_bytes=cfg.max_message_bytes,
                     max_frames=_MAX_FRAMES,

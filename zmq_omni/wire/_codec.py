@@ -3,7 +3,8 @@
 The byte layout is specified in ``docs/wire-format.md``; the constants below
 are the ones that document names. In short: frame 0 is a 9-byte preamble
 followed by one msgpack object; arrays, tensors, numpy scalars, tuples, big
-ints and (opt-in) pickles are msgpack extension types; an array whose size is
+ints, records (msgspec Structs, dataclasses), registered types, slices, images
+and (opt-in) pickles are msgpack extension types or marked lists; an array whose size is
 at or above the inline threshold is carried by its own frame, referenced by
 index, and that frame is a view of the array's memory.
 
@@ -18,7 +19,9 @@ constant small for the shapes a pipeline sends again and again.
 
 from __future__ import annotations
 
+import importlib
 import math
+import operator
 import pickle
 import struct
 import sys
@@ -30,7 +33,7 @@ import msgpack
 import numpy as np
 
 from ..errors import DecodeError, EncodeError
-from . import _dtypes
+from . import _dtypes, _registry, _staging
 from ._limits import DecodeLimits
 
 __all__ = [
@@ -57,7 +60,9 @@ DEFAULT_INLINE_THRESHOLD: Final = 16 * 1024
 FLAG_EXT: Final = 0x01  # extension types present: arrays, tensors, scalars, tuples, big ints, pickles
 FLAG_TUPLE: Final = 0x02  # tuple markers present
 FLAG_PICKLE: Final = 0x04  # pickled objects present
-_KNOWN_FLAGS: Final = FLAG_EXT | FLAG_TUPLE | FLAG_PICKLE
+FLAG_OBJECT: Final = 0x08  # object markers present: records, registered types, slices, images
+_KNOWN_FLAGS: Final = FLAG_EXT | FLAG_TUPLE | FLAG_PICKLE | FLAG_OBJECT
+_MARKS: Final = FLAG_TUPLE | FLAG_OBJECT
 
 # msgpack extension type codes.
 EXT_ARRAY: Final = 1
@@ -66,6 +71,12 @@ EXT_SCALAR: Final = 3
 EXT_TUPLE: Final = 4
 EXT_BIGINT: Final = 5
 EXT_PICKLE: Final = 6
+# Object markers: like the tuple marker, the first item of a msgpack array (docs/wire-format.md §4.7-4.9).
+EXT_RECORD: Final = 7  # payload: type name; [marker, field map or list]
+EXT_CUSTOM: Final = 8  # payload: type name; [marker, value]
+EXT_SLICE: Final = 9  # empty payload; [marker, start, stop, step]
+EXT_IMAGE: Final = 10  # empty payload; [marker, mode, width, height, pixels, palette]
+_OBJECT_CODES: Final = frozenset((EXT_RECORD, EXT_CUSTOM, EXT_SLICE, EXT_IMAGE))
 
 # Array descriptor layout bits (first byte of an EXT_ARRAY / EXT_TENSOR payload).
 LAYOUT_FORTRAN: Final = 0x01
@@ -112,6 +123,43 @@ class _TupleMark:
 
 
 _TUPLE_MARK = _TupleMark()
+
+
+class _ObjectMark:
+    """Decoded form of an object marker (RECORD, CUSTOM, SLICE, IMAGE); only ever seen by ``list_hook``."""
+
+    __slots__ = ("code", "name")
+
+    def __init__(self, code: int, name: str) -> None:
+        self.code = code
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<object marker {self.code} {self.name!r}>"
+
+
+_SLICE_EXT = msgpack.ExtType(EXT_SLICE, b"")
+_IMAGE_EXT = msgpack.ExtType(EXT_IMAGE, b"")
+# Ext payloads of type names, by name (bounded like the descriptor memos).
+_name_exts: dict[tuple[int, str], msgpack.ExtType] = {}
+
+
+def _named_ext(code: int, name: str) -> msgpack.ExtType:
+    ext = _name_exts.get((code, name))
+    if ext is None:
+        if len(_name_exts) >= 4096:
+            _name_exts.clear()
+        ext = _name_exts[code, name] = msgpack.ExtType(code, name.encode("utf-8", "surrogatepass"))
+    return ext
+
+
+# PIL image modes the format carries, with their bits per pixel in Pillow's raw layout
+# (rows padded to whole bytes; "I", "F" and "I;16N" are little-endian, like every host this supports).
+IMAGE_MODE_BITS: Final = {
+    "1": 1, "L": 8, "P": 8, "LA": 16, "La": 16, "PA": 16, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16,
+    "RGB": 24, "YCbCr": 24, "LAB": 24, "HSV": 24, "RGBA": 32, "RGBa": 32, "RGBX": 32, "CMYK": 32, "I": 32, "F": 32,
+}
+_MAX_IMAGE_SIDE: Final = (1 << 31) - 1
 
 
 def _type_name(obj: object) -> str:
@@ -187,7 +235,51 @@ class _Encoder:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._tensor(torch, obj)
+        return self._object(obj)
+
+    def _object(self, obj: Any) -> Any:
+        """Registered types, Structs and dataclasses, slices and PIL images; then subclasses of the basics."""
+        entry = _registry.by_type.get(type(obj))
+        if entry is not None:
+            self.flags |= FLAG_EXT | FLAG_OBJECT
+            try:
+                value = entry.encode(obj)
+            except EncodeError:
+                raise
+            except Exception as exc:
+                raise EncodeError(f"the encode function registered for {entry.name!r} failed: {exc!r}") from exc
+            return [_named_ext(EXT_RECORD if entry.record else EXT_CUSTOM, entry.name), value]
+        if type(obj) is slice:
+            try:
+                parts = [None if part is None else operator.index(part) for part in (obj.start, obj.stop, obj.step)]
+            except TypeError:
+                return self._unsupported(obj, "slice bounds must be ints or None")
+            self.flags |= FLAG_EXT | FLAG_OBJECT
+            return [_SLICE_EXT, *parts]
+        record = _registry.record_of(obj)
+        if record is not None:
+            self.flags |= FLAG_EXT | FLAG_OBJECT
+            return [_named_ext(EXT_RECORD, record[0]), record[1]]
+        image = sys.modules.get("PIL.Image")
+        if image is not None and isinstance(obj, image.Image):
+            return self._image(obj)
         return self._subclass(obj)
+
+    def _image(self, img: Any) -> Any:
+        mode = img.mode
+        if mode not in IMAGE_MODE_BITS:
+            return self._unsupported(img, f"PIL image mode {mode!r} is not carried; convert it, e.g. to 'RGB'")
+        self.flags |= FLAG_EXT | FLAG_OBJECT
+        width, height = img.size
+        # One copy, in Pillow's raw layout; a large image then travels out of band without another.
+        pixels = np.frombuffer(img.tobytes(), np.uint8)
+        palette = None
+        if mode in ("P", "PA") and img.palette is not None:
+            raw_mode = img.palette.mode if img.palette.mode in ("RGB", "RGBA") else "RGB"
+            values = img.getpalette(raw_mode)
+            if values is not None:
+                palette = [raw_mode, bytes(values)]
+        return [_IMAGE_EXT, mode, width, height, pixels, palette]
 
     def _subclass(self, obj: Any) -> Any:
         """Subclasses of supported types travel as their base type (a namedtuple comes back a tuple)."""
@@ -220,7 +312,8 @@ class _Encoder:
             raise EncodeError(
                 f"cannot encode object of type {_type_name(obj)}{detail}; "
                 "supported: None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays and "
-                "scalars, torch CPU tensors (pass allow_pickle=True on both ends for anything else)"
+                "scalars, torch tensors, slices, msgspec Structs, dataclasses, PIL images and types "
+                "registered with zmq_omni.register_type (pass allow_pickle=True on both ends for anything else)"
             )
         self.flags |= FLAG_EXT | FLAG_PICKLE
         return msgpack.ExtType(EXT_PICKLE, pickle.dumps(obj, protocol=5))
@@ -257,8 +350,6 @@ class _Encoder:
         return self._descriptor(EXT_ARRAY, name, arr.shape, layout, arr)
 
     def _tensor(self, torch: Any, tensor: Any) -> msgpack.ExtType:
-        if tensor.device.type != "cpu":
-            raise EncodeError(f"cannot encode a torch tensor on device {tensor.device}; move it to the CPU first")
         name = _dtypes.wire_name_of_torch(torch, tensor.dtype) if tensor.layout == torch.strided else None
         if name is None:
             return self._unsupported(tensor, f"torch tensor of dtype {tensor.dtype}, layout {tensor.layout}")
@@ -267,6 +358,9 @@ class _Encoder:
             tensor = tensor.resolve_conj()
         if tensor.is_neg():
             tensor = tensor.resolve_neg()
+        if tensor.device.type != "cpu":
+            # One copy to host memory (pinned and reused for CUDA); the frames view that copy.
+            return self._descriptor(EXT_TENSOR, name, tuple(tensor.shape), 0, _staging.stage_to_host(torch, tensor))
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         flat = tensor.reshape(-1)
@@ -511,18 +605,27 @@ def _parse_oob(data: bytes) -> tuple[int, tuple[int, ...], np.dtype[Any], int, i
 class _Decoding:
     """State of one ``decode`` call, reached from msgpack's hooks."""
 
-    __slots__ = ("allow_pickle", "count", "flags", "frames", "limits", "next_frame", "open_tuples", "total")
+    __slots__ = ("allow_pickle", "count", "device", "flags", "frames", "limits", "next_frame", "open_marks", "total")
 
     def __init__(
-        self, frames: Sequence[Any], count: int, flags: int, allow_pickle: bool, limits: DecodeLimits, total: int
+        self,
+        frames: Sequence[Any],
+        count: int,
+        flags: int,
+        allow_pickle: bool,
+        limits: DecodeLimits,
+        total: int,
+        device: Any = None,
     ) -> None:
+        self.device = device
         self.frames = frames
         self.count = count
         self.flags = flags
         self.allow_pickle = allow_pickle
         self.limits = limits
         self.next_frame = 1
-        self.open_tuples = 0
+        # Markers (tuple and object) decoded but not yet consumed as the first item of a list.
+        self.open_marks = 0
         self.total = total
 
     def ext_hook(self, code: int, data: bytes) -> object:
@@ -573,7 +676,7 @@ class _Decoding:
         if code == EXT_TUPLE:
             if data or not self.flags & FLAG_TUPLE:
                 raise DecodeError("malformed tuple marker")
-            self.open_tuples += 1
+            self.open_marks += 1
             return _TUPLE_MARK
         if code == EXT_SCALAR:
             return self._scalar(data)
@@ -585,13 +688,67 @@ class _Decoding:
             if not self.allow_pickle or not self.flags & FLAG_PICKLE:
                 raise DecodeError("pickled content rejected: this decoder has not opted in (allow_pickle=False)")
             return pickle.loads(data)
+        if code in _OBJECT_CODES:
+            return self._mark(code, data)
         raise DecodeError(f"unknown extension type code {code}")
 
-    def list_hook(self, items: list[Any]) -> list[Any] | tuple[Any, ...]:
-        if items and items[0] is _TUPLE_MARK:
-            self.open_tuples -= 1
-            return tuple(items[1:])
+    def _mark(self, code: int, data: bytes) -> _ObjectMark:
+        if not self.flags & FLAG_OBJECT:
+            raise DecodeError(f"object marker (extension type {code}) in a header whose preamble declares none")
+        if code in (EXT_RECORD, EXT_CUSTOM):
+            if not 0 < len(data) <= _registry.MAX_NAME_BYTES:
+                raise DecodeError(f"type name of {len(data)} bytes (1 to {_registry.MAX_NAME_BYTES} allowed)")
+            try:
+                name = data.decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError as exc:
+                raise DecodeError(f"type name is not UTF-8: {data!r}") from exc
+        elif data:
+            raise DecodeError(f"marker of extension type {code} must be empty, got {len(data)} bytes")
+        else:
+            name = ""
+        self.open_marks += 1
+        return _ObjectMark(code, name)
+
+    def list_hook(self, items: list[Any]) -> object:
+        if items:
+            first = items[0]
+            if first is _TUPLE_MARK:
+                self.open_marks -= 1
+                return tuple(items[1:])
+            if type(first) is _ObjectMark:
+                self.open_marks -= 1
+                return self._build(first, items)
         return items
+
+    def _build(self, mark: _ObjectMark, items: list[Any]) -> object:
+        """The object a marked list stands for; every shape and type is checked first."""
+        code = mark.code
+        if code == EXT_SLICE:
+            if len(items) != 4 or any(part is not None and type(part) is not int for part in items[1:]):
+                raise DecodeError("a slice is [marker, start, stop, step], each an int or nil")
+            return slice(items[1], items[2], items[3])
+        if code == EXT_IMAGE:
+            return _build_image(items)
+        if len(items) != 2:
+            raise DecodeError(f"a {'record' if code == EXT_RECORD else 'registered object'} is [marker, value], "
+                              f"got {len(items) - 1} items after the marker")
+        value = items[1]
+        entry = _registry.by_name.get(mark.name)
+        if entry is None:
+            if code == EXT_RECORD:
+                if type(value) is not dict and type(value) is not list:
+                    raise DecodeError(f"record {mark.name!r} holds a {type(value).__name__}, not a map or list")
+                # Not registered here: the field map (or list) vllm-omni's serializer yields.
+                return value
+            raise DecodeError(
+                f"unknown registered type {mark.name!r}: register it with zmq_omni.register_type on this side too"
+            )
+        try:
+            return entry.decode(value)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"the decode function registered for {mark.name!r} failed: {exc!r}") from exc
 
     def _scalar(self, data: bytes) -> object:
         if not data:
@@ -661,16 +818,77 @@ class _Decoding:
         if tdtype is None:
             raise DecodeError(f"dtype {name!r} is not a torch tensor dtype")
         if len(buf) == 0:
-            return torch.empty(shape, dtype=tdtype)
-        if isinstance(buf, memoryview) and buf.readonly:
-            # torch has no read-only tensors; aliasing an immutable buffer
-            # would let a write corrupt it, so copy once.
-            buf = bytearray(buf)
-        return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+            tensor = torch.empty(shape, dtype=tdtype)
+        else:
+            if isinstance(buf, memoryview) and buf.readonly:
+                # torch has no read-only tensors; aliasing an immutable buffer
+                # would let a write corrupt it, so copy once.
+                buf = bytearray(buf)
+            tensor = torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+        if self.device is None:
+            return tensor
+        try:
+            return tensor.to(self.device)
+        except Exception as exc:
+            raise DecodeError(f"cannot move a decoded tensor of {tensor.nbytes} bytes to {self.device}: {exc}") from exc
+
+
+def _build_image(items: list[Any]) -> object:
+    """A PIL image from ``[marker, mode, width, height, pixels, palette]``, checked before Pillow allocates."""
+    if len(items) != 6:
+        raise DecodeError(f"an image is [marker, mode, width, height, pixels, palette], got {len(items)} items")
+    _, mode, width, height, pixels, palette = items
+    bits = IMAGE_MODE_BITS.get(mode) if type(mode) is str else None
+    if bits is None:
+        raise DecodeError(f"image mode {mode!r} is not carried by the wire format")
+    if type(width) is not int or type(height) is not int or not (
+        0 <= width <= _MAX_IMAGE_SIDE and 0 <= height <= _MAX_IMAGE_SIDE
+    ):
+        raise DecodeError(f"image size {width!r} x {height!r} is not two ints in [0, 2**31)")
+    if type(pixels) is not np.ndarray or pixels.dtype != np.uint8 or pixels.ndim != 1:
+        raise DecodeError("image pixels must be a 1-D uint8 array")
+    expected = (width * bits + 7) // 8 * height
+    if pixels.nbytes != expected:
+        raise DecodeError(f"{mode} image of {width}x{height} needs {expected} pixel bytes, got {pixels.nbytes}")
+    if palette is not None and (
+        mode not in ("P", "PA")
+        or type(palette) is not list
+        or len(palette) != 2
+        or palette[0] not in ("RGB", "RGBA")
+        or type(palette[1]) is not bytes
+        or len(palette[1]) % len(palette[0])
+        or len(palette[1]) > 256 * len(palette[0])
+    ):
+        raise DecodeError("image palette must be nil or [\"RGB\" or \"RGBA\", bytes of at most 256 entries]")
+    image_module = _pil_image()
+    try:
+        img = image_module.frombytes(mode, (width, height), pixels)
+        if palette is not None:
+            img.putpalette(palette[1], palette[0])
+    except Exception as exc:
+        raise DecodeError(f"Pillow cannot build a {mode} image of {width}x{height}: {exc}") from exc
+    return img
+
+
+_PIL_MISSING = object()
+_pil: Any = _PIL_MISSING
+
+
+def _pil_image() -> Any:
+    """``PIL.Image``, imported on first use; DecodeError when Pillow is not installed."""
+    global _pil
+    if _pil is _PIL_MISSING:
+        try:
+            _pil = importlib.import_module("PIL.Image")
+        except ImportError:
+            _pil = None
+    if _pil is None:
+        raise DecodeError("received a PIL image but Pillow is not installed here: pip install 'zmq-omni[payloads]'")
+    return _pil
 
 
 def decode_each(
-    frames: Sequence[bytes], *, allow_pickle: bool = False, limits: DecodeLimits | None = None
+    frames: Sequence[bytes], *, allow_pickle: bool = False, limits: DecodeLimits | None = None, device: Any = None
 ) -> list[Any]:
     """Decode many single-frame encodings (frame 0 only, ``bytes``), each on its own.
 
@@ -684,6 +902,7 @@ def decode_each(
             gets a DecodeError (it has none here).
         allow_pickle: accept pickled objects (trusted peers only).
         limits: bounds on each frame; defaults to ``DecodeLimits()``.
+        device: as for :func:`decode`.
 
     Returns:
         One item per frame, in order. Nothing is raised for a bad frame.
@@ -704,7 +923,7 @@ def decode_each(
                 add(DecodeError(f"invalid header: {exc!r}"))
             continue
         try:
-            add(decode([frame], allow_pickle=allow_pickle, limits=lim))
+            add(decode([frame], allow_pickle=allow_pickle, limits=lim, device=device))
         except DecodeError as exc:
             add(exc)
     return out
@@ -728,8 +947,8 @@ def _reject_preamble(head: Any, flags: int, n_oob: int, count: int, size: int, l
         raise DecodeError(f"preamble declares {n_oob} out-of-band frames, got {count - 1}")
     if n_oob and not flags & FLAG_EXT:
         raise DecodeError(f"{n_oob} out-of-band frames but no extension types to refer to them")
-    if flags & (FLAG_TUPLE | FLAG_PICKLE) and not flags & FLAG_EXT:
-        raise DecodeError(f"preamble flags {flags:#04x} set TUPLE or PICKLE without EXT")
+    if flags & (FLAG_TUPLE | FLAG_PICKLE | FLAG_OBJECT) and not flags & FLAG_EXT:
+        raise DecodeError(f"preamble flags {flags:#04x} set TUPLE, PICKLE or OBJECT without EXT")
     if n_oob > lim.max_frames:
         raise DecodeError(f"{n_oob} out-of-band frames, limit is {lim.max_frames}")
     if size > lim.max_header_bytes:
@@ -741,7 +960,9 @@ def _reject_preamble(head: Any, flags: int, n_oob: int, count: int, size: int, l
     raise DecodeError("invalid preamble")  # pragma: no cover - the quick check and this list agree
 
 
-def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeLimits | None = None) -> Any:
+def decode(
+    frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeLimits | None = None, device: Any = None
+) -> Any:
     """Decode a frame set produced by :func:`encode`.
 
     Large arrays come back as numpy arrays (torch tensors for encoded
@@ -755,6 +976,9 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
             buffer-protocol object (``bytes``, ``memoryview``, ``zmq.Frame``).
         allow_pickle: accept pickled objects (trusted peers only).
         limits: bounds on the frame set; defaults to ``DecodeLimits()``.
+        device: a ``torch.device`` (or its name) to move decoded tensors
+            onto; ``None`` leaves them on the CPU (viewing the frames).
+            Validate a configured name with ``resolve_device`` first.
 
     Returns:
         The decoded object.
@@ -781,7 +1005,7 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
         magic != _MAGIC_AND_VERSION
         or flags & ~_KNOWN_FLAGS
         or n_oob != count - 1
-        or ((n_oob or flags & (FLAG_TUPLE | FLAG_PICKLE)) and not flags & FLAG_EXT)
+        or ((n_oob or flags & (FLAG_TUPLE | FLAG_PICKLE | FLAG_OBJECT)) and not flags & FLAG_EXT)
         or n_oob > lim.max_frames
         or size > lim.max_header_bytes
         or size + PREAMBLE_SIZE > lim.max_total_bytes
@@ -794,11 +1018,11 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
             # msgpack bounds every declared length by the input's length when no limit is
             # given (max_*_len=-1 means len(body)), so a forged count cannot make it allocate.
             return _unpackb(body, ext_hook=_reject_ext, raw=False, strict_map_key=False)
-        state = _Decoding(frames, count, flags, allow_pickle, lim, size + PREAMBLE_SIZE)
+        state = _Decoding(frames, count, flags, allow_pickle, lim, size + PREAMBLE_SIZE, device)
         obj = _unpackb(
             body,
             ext_hook=state.ext_hook,
-            list_hook=state.list_hook if flags & FLAG_TUPLE else None,
+            list_hook=state.list_hook if flags & _MARKS else None,
             raw=False,
             strict_map_key=False,
         )
@@ -806,8 +1030,8 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, limits: DecodeL
         raise
     except Exception as exc:
         raise DecodeError(f"invalid header: {exc!r}") from exc
-    if state.open_tuples:
-        raise DecodeError("tuple marker outside the first slot of a list")
+    if state.open_marks:
+        raise DecodeError("tuple marker or object marker outside the first slot of a list")
     if state.next_frame != count:
         raise DecodeError(f"header refers to {state.next_frame - 1} of {count - 1} out-of-band frames")
     return obj
