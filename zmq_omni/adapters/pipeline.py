@@ -242,6 +242,15 @@ def load_pipeline_config(
         duplicates = sorted({value for value in values if values.count(value) > 1})
         if duplicates:
             raise ConfigError(f"pipeline: duplicate stage {label} {duplicates[0]!r} (the driver counts too)")
+    # Two stages at one address: one of them cannot bind it, and senders could not tell them apart.
+    owner: dict[str, StageSpec] = {}
+    for spec in (*stages, driver):
+        if not spec.endpoint:
+            continue
+        first = owner.setdefault(spec.endpoint, spec)
+        if first is not spec:
+            raise ConfigError(f"pipeline: stages {first.name!r} and {spec.name!r} have the same endpoint "
+                              f"{spec.endpoint!r}; each stage needs its own")
     return PipelineConfig(
         name=read_str(section, "name", "pipeline", "pipeline"),
         stages=stages,

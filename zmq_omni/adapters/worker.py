@@ -127,6 +127,12 @@ class StageWorker:
                    inbound=inbound, outbound=outbound, stall_timeout_s=pipeline.stall_timeout_s,
                    retry=pipeline.retry, name=spec.name, trace=trace)
 
+    @property
+    def connectors(self) -> tuple[OmniConnectorBase, OmniConnectorBase]:
+        """The ``(inbound, outbound)`` connectors of the worker's two edges; the worker owns and closes them."""
+        pair = self._link.connector
+        return pair.inbound, pair.outbound
+
     # -- lifecycle -------------------------------------------------------------------------------------
     def run(self, *, idle_wait_s: float = 0.1) -> None:
         """Serve requests until :meth:`stop` is called (or a transfer worker dies).

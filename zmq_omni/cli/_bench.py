@@ -12,13 +12,16 @@ the ``plot`` extra (matplotlib).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..bench import Comparison
 from ..bench._common import KIB, MIB
+from ..errors import ConfigError
 
 __all__ = ["run_bench"]
 
@@ -96,6 +99,8 @@ def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     """Run the grids, print the table as rows arrive, then write the plot unless ``--no-plot``."""
     plan = _QUICK if args.quick else _FULL
+    if args.plot is not None:
+        _check_plot_path(args.plot)  # before the benchmark, not after a minute of it
     started = time.monotonic()
     cells: list[Comparison] = []
 
@@ -118,6 +123,18 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _plot(cells, args.plot)
     return 0
+
+
+def _check_plot_path(path: str) -> None:
+    """Raise ConfigError when the plot could not be written to ``path``."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ConfigError(f"--plot {path}: is a directory")
+    if not folder.is_dir():
+        raise ConfigError(f"--plot {path}: no such directory {str(folder)!r}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"--plot {path}: not writable")
 
 
 def _plot(cells: list[Comparison], path: str) -> None:
