@@ -107,6 +107,14 @@ class _Stages:
                 return f"stage {name} exited with status {code}: {self.log_tail(name)}"
         return None
 
+    def log_lines(self, name: str, count: int) -> str:
+        """The last ``count`` lines of a stage's log."""
+        try:
+            lines = self.logs[name].read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-count:]) if lines else "(empty log)"
+
     def log_tail(self, name: str) -> str:
         """The last non-empty line of a stage's log."""
         try:
@@ -184,6 +192,11 @@ def run_demo(args: argparse.Namespace) -> int:
         bad = {name: code for name, code in codes.items() if code != 0}
         if bad:
             print(f"zmq-omni demo: stage processes did not stop cleanly: {bad}", file=sys.stderr)
+        if run.failed or bad:
+            # The stages' logs live in a temp dir removed below: show their ends while they still exist.
+            for name, _ in STAGES:
+                print(f"--- stage {name} (exit {codes.get(name)}), last lines of its log ---\n"
+                      f"{stages.log_lines(name, 20)}", file=sys.stderr)
         return 1 if run.failed or bad else 0
     finally:
         if stages is not None:
