@@ -31,6 +31,7 @@ from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
 from ..errors import ConfigError
 from ._link import ERROR_KEY, TRACE_KEY, _Endpoint
+from .base import _WarningBurst
 from .chunk import ChunkInputs
 from .pipeline import ChunkFunction, PipelineConfig, load_pipeline_config, name_stages
 from .retry import RetryPolicy
@@ -103,6 +104,8 @@ class StageWorker:
         self._running: dict[str, _Running] = {}
         self._stop = threading.Event()
         self._closed = False
+        # Run thread only (then close): a stopped downstream fails every request at once, one line per interval.
+        self._downstream_warnings = _WarningBurst()
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "chunks_in": 0, "chunks_out": 0}
 
@@ -187,6 +190,9 @@ class StageWorker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
         self._link.close()
+        summary = self._downstream_warnings.flush()
+        if summary:
+            logger.warning("stage %s: requests failed downstream: %s", self.name, summary)
 
     def __enter__(self) -> StageWorker:
         return self
@@ -293,9 +299,13 @@ class StageWorker:
         for request_id, reason in chunks.collect_failed_receive_request_ids().items():
             if request_id in self._active:
                 self._fail(request_id, f"stage {self.name}: {reason}", {})
-        for request_id, reason in chunks.collect_failed_send_request_ids().items():
-            logger.warning("stage %s: request %s failed downstream: %s", self.name, request_id,
-                           name_stages(reason, self._stage_names))
+        for request_id, raw_reason in chunks.collect_failed_send_request_ids().items():
+            reason = name_stages(raw_reason, self._stage_names)
+            full, summary = self._downstream_warnings.note(request_id, reason, time.monotonic())
+            if summary:
+                logger.warning("stage %s: requests failed downstream: %s", self.name, summary)
+            if full:
+                logger.warning("stage %s: request %s failed downstream: %s", self.name, request_id, reason)
             chunks.release(request_id)
             self._finish(request_id, failed=True)
         while True:
