@@ -72,3 +72,38 @@ def test_benchmark_scripts_stay_runnable_as_thin_wrappers() -> None:
     adapters = _run(sys.executable, "benchmarks/adapters.py", "--n", "50")
     assert adapters.returncode == 0, adapters.stderr
     assert "chunk save_async->assembled" in adapters.stdout and "recv worker CPU" in adapters.stdout
+
+
+def test_the_plot_shows_what_a_user_compares_and_leaves_zero_copy_against_copy_to_the_table() -> None:
+    cells = [
+        Comparison("codec", "wire codec encode+decode", "64 MiB", 1e-5, 2.8e-5, "pickle5 out-of-band"),
+        Comparison("codec", "wire codec encode+decode", "64 MiB", 1e-5, 0.29, "msgpack, array copied"),
+        Comparison("codec", "wire codec encode+decode", "64 MiB", 1e-5, 0.011, "one memcpy of the array"),
+        Comparison("codec", "wire codec encode+decode", "192 B dict", 9e-6, 7e-6, "msgpack packb+unpackb"),
+        Comparison("transport", "ZmqConnector ipc shm=off", "1 MiB", 3e9, 3e9, "raw pyzmq PUSH/PULL copy=False",
+                   "B/s"),
+        Comparison("shm", "shm fast path (ZmqConnector ipc)", "64 MiB", 0.013, 0.24,
+                   "vllm-omni style: pickle+CRC framing+new segment"),
+        Comparison("shm", "shm fast path (ZmqConnector ipc)", "64 MiB", 0.013, 0.098, "raw pyzmq tcp copy=False"),
+        Comparison("shm", "shm fast path (ZmqConnector ipc)", "64 MiB", 0.013, 0.014, "one memcpy of the payload"),
+        Comparison("adapters", "save_async scheduler hold", "p50", 1e-5, 4e-5, "synchronous ZmqConnector put"),
+    ]
+    panels = _bench._plot_panels(cells)
+    plotted = {c.baseline_name: title for title, rows in panels for c in rows}
+    assert "msgpack, array copied" not in plotted and "one memcpy of the array" not in plotted
+    assert len(plotted) == len(cells) - 2
+    assert "raw pyzmq" in plotted["raw pyzmq PUSH/PULL copy=False"]
+    assert "vllm-omni" in plotted["vllm-omni style: pickle+CRC framing+new segment"]
+    assert "floor" in plotted["one memcpy of the payload"]
+    assert len(panels) == 4
+
+
+def test_a_bad_plot_path_fails_before_the_benchmark_runs(tmp_path: Path) -> None:
+    result = _run(sys.executable, "-m", "zmq_omni.cli", "bench", "--plot", str(tmp_path / "missing" / "x.png"),
+                  timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"zmq-omni bench: configuration error: --plot {tmp_path / 'missing' / 'x.png'}: no such directory "
+        f"'{tmp_path / 'missing'}'"
+    ]
+    assert "ratio" not in result.stdout  # no grid ran

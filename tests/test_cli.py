@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.ports import reserve_port
+
 CLI = [sys.executable, "-m", "zmq_omni.cli"]
 STAGES = (("thinker", 0), ("talker", 1), ("vocoder", 2))
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _env() -> dict[str, str]:
@@ -35,7 +29,7 @@ def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[st
 
 
 def write_pipeline(path: Path, *, stall: float = 5.0, request_timeout: float = 30.0) -> dict[str, str]:
-    endpoints = {name: f"tcp://127.0.0.1:{_port()}" for name in ("driver", "thinker", "talker", "vocoder")}
+    endpoints = {name: f"tcp://127.0.0.1:{reserve_port()}" for name in ("driver", "thinker", "talker", "vocoder")}
     doc: dict[str, Any] = {
         "pipeline": {
             "name": "test-tcp",
@@ -62,12 +56,23 @@ def write_pipeline(path: Path, *, stall: float = 5.0, request_timeout: float = 3
 
 
 class StageProcs:
+    """Stage processes whose output goes to log files, so a failing test can show all of it."""
+
     def __init__(self, config: Path, names: list[str]) -> None:
         self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.logs: dict[str, Path] = {}
         for name in names:
-            self.procs[name] = subprocess.Popen(
-                [*CLI, "stage", "--config", str(config), "--stage", name], stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True, env=_env())
+            self.logs[name] = config.parent / f"{name}.log"
+            with open(self.logs[name], "w", encoding="utf-8") as log:
+                self.procs[name] = subprocess.Popen(
+                    [*CLI, "stage", "--config", str(config), "--stage", name], stdout=log,
+                    stderr=subprocess.STDOUT, text=True, env=_env())
+
+    def output(self, name: str) -> str:
+        try:
+            return self.logs[name].read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
 
     def terminate(self) -> dict[str, tuple[int, str]]:
         out: dict[str, tuple[int, str]] = {}
@@ -76,20 +81,22 @@ class StageProcs:
                 proc.send_signal(signal.SIGTERM)
         for name, proc in self.procs.items():
             try:
-                _, err = proc.communicate(timeout=15)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                _, err = proc.communicate()
-            out[name] = (proc.returncode, err)
+                proc.wait()
+            out[name] = (proc.returncode, self.output(name))
         return out
 
 
 @pytest.fixture
 def stage_procs() -> Iterator[list[StageProcs]]:
+    """Stops the stages a test started and prints their output (pytest shows it when the test failed)."""
     made: list[StageProcs] = []
     yield made
     for procs in made:
-        procs.terminate()
+        for name, (code, output) in procs.terminate().items():
+            print(f"--- stage {name} (exit {code}) ---\n{output}")
 
 
 def test_help_on_every_subcommand() -> None:
@@ -117,6 +124,7 @@ def test_pipeline_from_yaml_three_stage_processes_over_tcp(
         assert f"req-{i:03d} completed: " in drive.stdout
         assert (out / f"req-{i:03d}.wav").stat().st_size > 44
     assert "FAILED" not in drive.stdout and "failures" in drive.stdout
+    assert f"3 WAV files in {out.resolve()}/ (req-000.wav ... req-002.wav)" in drive.stdout
 
     healthy = run_cli("health", "--endpoint", endpoints["talker"])
     assert healthy.returncode == 0, healthy.stderr
@@ -143,15 +151,17 @@ def test_driver_reports_failed_requests_when_a_stage_is_down(
                     "--wait-ready", "0", timeout=60)
     assert drive.returncode == 1, drive.stdout + drive.stderr
     assert "req-000 FAILED: " in drive.stdout and "req-001 FAILED: " in drive.stdout
-    assert "never started it" in drive.stdout, drive.stdout
+    # Named as the YAML names it, with a duration a person reads (stall 1 s x 4 hops).
+    assert "stage 'vocoder' never started it within 4 s" in drive.stdout, drive.stdout
     assert time.monotonic() - started < 45
 
 
 def test_health_against_nothing_exits_1_with_one_line() -> None:
-    result = run_cli("health", "--endpoint", f"tcp://127.0.0.1:{_port()}", "--timeout", "0.5")
+    result = run_cli("health", "--endpoint", f"tcp://127.0.0.1:{reserve_port()}", "--timeout", "0.5")
     assert result.returncode == 1
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "unhealthy" in result.stderr
+    assert "within 0.5 s" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(
@@ -210,15 +220,27 @@ def test_keygen_writes_a_usable_private_key_pair(short_tmp: Path) -> None:
     assert printed.returncode == 0 and "curve_public_key:" in printed.stdout
 
 
-def test_stage_serves_prometheus_metrics(short_tmp: Path, stage_procs: list[StageProcs]) -> None:
+def test_stage_serves_prometheus_metrics(short_tmp: Path) -> None:
+    import re
     import urllib.request
 
     config = short_tmp / "pipeline.yaml"
     write_pipeline(config)
-    port = _port()
-    proc = subprocess.Popen([*CLI, "stage", "--config", str(config), "--stage", "talker", "--metrics-port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    # Port 0: the stage binds a free port itself and prints it, so no other process can take it first.
+    proc = subprocess.Popen([*CLI, "stage", "--config", str(config), "--stage", "talker", "--metrics-port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    err = ""
     try:
+        assert proc.stderr is not None
+        seen: list[str] = []
+        found = None
+        while found is None:
+            line = proc.stderr.readline()
+            assert line, "".join(seen)  # the stage exited before its banner
+            seen.append(line)
+            found = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line)
+        port = int(found.group(1))
+        assert port > 0
         deadline = time.monotonic() + 30
         body = ""
         while time.monotonic() < deadline:
@@ -231,7 +253,81 @@ def test_stage_serves_prometheus_metrics(short_tmp: Path, stage_procs: list[Stag
         assert "zmq_omni_stage_completed 0.0" in body, body[:2000]
         assert any(line.startswith("zmq_omni_stage_") and "_up " in line for line in body.splitlines())
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=15)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        print(f"--- stage talker (exit {proc.returncode}) ---\n{err}")
     assert proc.returncode == 0, err
-    assert "metrics on http://127.0.0.1:" in err
+
+
+def test_version_prints_the_package_version() -> None:
+    import zmq_omni
+
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"zmq-omni {zmq_omni.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["stage", "--config", "{config}", "--stage", "talker", "--metrics-port", "99999"], "--metrics-port"),
+        (["stage", "--config", "{config}", "--stage", "talker", "--metrics-port", "-1"], "--metrics-port"),
+        (["demo", "--out", "/proc/nope"], "/proc/nope"),
+        (["drive", "--config", "{config}", "--out", "/proc/nope", "--wait-ready", "0"], "/proc/nope"),
+        (["bench", "--quick", "--plot", "/proc/nope/x.png"], "/proc/nope"),
+        (["bench", "--quick", "--plot", "{tmp}"], "is a directory"),
+        (["health", "--endpoint", "tcp://127.0.0.1:1", "--timeout", "-1"], "--timeout"),
+        (["health", "--endpoint", "tcp://127.0.0.1:1", "--timeout", "nan"], "--timeout"),
+        (["drive", "--config", "{config}", "--timeout", "0"], "--timeout"),
+        (["demo", "--requests", "0"], "--requests"),
+        (["no-such-command"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_non_zero_exit(short_tmp: Path, args: list[str], needle: str) -> None:
+    config = short_tmp / "pipeline.yaml"
+    write_pipeline(config)
+    argv = [arg.format(config=config, tmp=short_tmp) for arg in args]
+    started = time.monotonic()
+    result = run_cli(*argv, timeout=60)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert needle in lines[0], lines[0]
+    # Checked before any work: no benchmark ran, no stage started.
+    assert "benchmark" not in result.stdout and "ratio" not in result.stdout, result.stdout
+    assert time.monotonic() - started < 30
+
+
+def test_stage_refuses_an_in_process_connector() -> None:
+    config = Path(__file__).resolve().parent.parent / "examples" / "custom_connector.yaml"
+    result = run_cli("stage", "--config", str(config), "--stage", "talker", timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "AuditedConnector, an in-process connector" in lines[0] and "other processes" in lines[0]
+    assert "serving on" not in result.stderr
+
+
+def test_two_stages_with_one_endpoint_are_caught_at_load(short_tmp: Path) -> None:
+    from zmq_omni import load_pipeline_config
+    from zmq_omni.errors import ConfigError
+
+    config = short_tmp / "pipeline.yaml"
+    endpoints = write_pipeline(config)
+    doc = yaml.safe_load(config.read_text(encoding="utf-8"))
+    doc["pipeline"]["stages"][2]["endpoint"] = endpoints["talker"]
+    config.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"stages 'talker' and 'vocoder' have the same endpoint"):
+        load_pipeline_config(config)
+    result = run_cli("stage", "--config", str(config), "--stage", "thinker")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"zmq-omni stage: configuration error: pipeline: stages 'talker' and 'vocoder' have the same endpoint "
+        f"'{endpoints['talker']}'; each stage needs its own"
+    ]

@@ -113,7 +113,8 @@ def _long_demo(out: Path) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            out, err = proc.communicate()
+            print(f"--- demo (killed) ---\n{out}{err}")  # shown by pytest when the test failed
     assert _wait_gone(kids) == []
     sweep_leftovers_of([kids[1]])  # a killed stage's segments do not outlive a sweep
 
@@ -122,9 +123,9 @@ def test_ctrl_c_leaves_no_stage_process_behind(short_tmp: Path) -> None:
     with _long_demo(short_tmp / "out") as (proc, _):
         time.sleep(1.0)  # let requests flow
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode != 0
-        assert "Traceback" not in err
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0, out + err
+        assert "Traceback" not in err, err
 
 
 def _wait_audio_flowing(proc: subprocess.Popen[str], timeout: float = 60.0) -> None:

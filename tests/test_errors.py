@@ -46,3 +46,22 @@ def test_zmq_errors_translate_with_the_endpoint(exc: zmq.ZMQError, kind: type) -
 def test_delivery_error_names_the_key() -> None:
     err = errors.DeliveryError("not acknowledged", key="req1_0_3", endpoint="ipc:///tmp/x")
     assert err.key == "req1_0_3" and "req1_0_3" in str(err) and isinstance(err, errors.TransportError)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.5470062520000738, "0.55 s"), (2.0, "2 s"), (40, "40 s"), (0.5, "0.5 s"), (0.004, "4 ms"), (0, "0 s")],
+)
+def test_format_seconds_writes_durations_for_people(seconds: float, text: str) -> None:
+    assert errors.format_seconds(seconds) == text
+
+
+def test_name_stages_uses_the_pipeline_names_where_it_knows_them() -> None:
+    from zmq_omni.adapters.pipeline import name_stages
+
+    names = {"0": "thinker", "2": "vocoder", "driver": "driver"}
+    text = "stage 2 never started it; delivery to stage '0' failed; stage 7 and stage driver; stage_id 2; req_2_0"
+    assert name_stages(text, names) == (
+        "stage 'vocoder' never started it; delivery to stage 'thinker' failed; stage 7 and stage driver; "
+        "stage_id 2; req_2_0"
+    )

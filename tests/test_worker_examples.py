@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,17 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.ports import reserve_port
 from zmq_omni import PipelineDriver, StageWorker, create_connector, load_pipeline_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CLI = [sys.executable, "-m", "zmq_omni.cli"]
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def test_example_pipeline_yaml_selects_zmq_connector_per_edge() -> None:
@@ -69,32 +62,38 @@ def test_custom_connector_builds_by_module_path_and_runs_a_pipeline() -> None:
 def test_embedded_stage_example_serves_as_the_talker(short_tmp: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")}
     for stage in ("DRIVER", "0", "1", "2"):
-        env[f"ZMQ_OMNI_ENDPOINT_{stage}"] = f"tcp://127.0.0.1:{_port()}"
+        env[f"ZMQ_OMNI_ENDPOINT_{stage}"] = f"tcp://127.0.0.1:{reserve_port()}"
     config = str(EXAMPLES / "pipeline.yaml")
-    procs = [
-        subprocess.Popen([*CLI, "stage", "--config", config, "--stage", "thinker"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
-        subprocess.Popen([sys.executable, str(EXAMPLES / "embed_stage.py"), config, "talker"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
-        subprocess.Popen([*CLI, "stage", "--config", config, "--stage", "vocoder"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
-    ]
+    commands = {
+        "thinker": [*CLI, "stage", "--config", config, "--stage", "thinker"],
+        "talker (embed_stage.py)": [sys.executable, str(EXAMPLES / "embed_stage.py"), config, "talker"],
+        "vocoder": [*CLI, "stage", "--config", config, "--stage", "vocoder"],
+    }
+    procs: dict[str, subprocess.Popen[str]] = {}
+    logs = {name: short_tmp / f"{index}.log" for index, name in enumerate(commands)}
+    drive: subprocess.CompletedProcess[str] | None = None
     try:
+        for name, argv in commands.items():
+            with open(logs[name], "w", encoding="utf-8") as log:
+                procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         drive = subprocess.run([*CLI, "drive", "--config", config, "--requests", "2", "--chunks", "2",
                                 "--payload-size", "32768"], env=env, capture_output=True, text=True, timeout=90,
                                check=False)
-        assert drive.returncode == 0, drive.stdout + drive.stderr
-        assert "req-000 completed" in drive.stdout and "req-001 completed" in drive.stdout
     finally:
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        codes = []
-        for proc in procs:
+        for proc in procs.values():
             try:
-                _, err = proc.communicate(timeout=15)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                _, err = proc.communicate()
-            codes.append((proc.returncode, err))
-    assert [code for code, _ in codes] == [0, 0, 0], codes
+                proc.wait()
+        # Shown by pytest when the test fails: every process's whole output.
+        for name, proc in procs.items():
+            print(f"--- {name} (exit {proc.returncode}) ---\n{logs[name].read_text(errors='replace')}")
+        if drive is not None:
+            print(f"--- drive (exit {drive.returncode}) ---\n{drive.stdout}{drive.stderr}")
+    assert drive.returncode == 0, drive.stdout + drive.stderr
+    assert "req-000 completed" in drive.stdout and "req-001 completed" in drive.stdout
+    assert {name: proc.returncode for name, proc in procs.items()} == dict.fromkeys(commands, 0)

@@ -40,6 +40,7 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "ZmqOmniError",
+    "format_seconds",
     "from_zmq_error",
 ]
 
@@ -102,6 +103,13 @@ class ShmError(ZmqOmniError):
 
 class ShmSpaceError(ShmError):
     """``/dev/shm`` has less free space than a write needs."""
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration as a person reads it in a message: ``0.55 s``, ``2 s``, ``40 s``, ``5 ms``."""
+    if 0 < seconds < 0.01:
+        return f"{seconds * 1e3:.2g} ms"
+    return f"{f'{seconds:.2f}'.rstrip('0').rstrip('.')} s"
 
 
 def from_zmq_error(exc: zmq.ZMQError, *, endpoint: str | None = None, op: str = "") -> TransportError:

@@ -41,13 +41,56 @@ from typing import Any, NamedTuple
 
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, TransferFailure, create_connector
-from ..errors import ClosedResourceError, ConfigError, TransportError
+from ..errors import ClosedResourceError, ConfigError, TransportError, format_seconds
 from ..metrics import Counters
 from .retry import RetryPolicy
 
 __all__ = ["FinishedRequests", "OmniTransferAdapterBase", "RecvTarget"]
 
 logger = logging.getLogger("zmq_omni.adapters")
+
+#: Like warnings past the first within this many seconds are counted, then summed up in one line.
+WARNING_INTERVAL_S = 5.0
+
+
+class _WarningBurst:
+    """One WARNING per interval for a stream of like failures, the rest counted and summed up.
+
+    A downstream stage that stops fails every chunk in flight to it, each a
+    failure the scheduler must hear of but a person need not read 800 times:
+    the first of an interval is logged in full, the others are counted and the
+    next interval's first line (or :meth:`flush`, at shutdown) says how many
+    there were, for how many requests, and the last reason. Pure state; the
+    owner serializes calls (the adapters hold ``_failures_lock``).
+    """
+
+    def __init__(self, interval_s: float = WARNING_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._window_start: float | None = None
+        self._count = 0
+        self._requests: set[str] = set()
+        self._last = ""
+
+    def note(self, request_id: str | None, reason: str, now: float) -> tuple[bool, str | None]:
+        """``(log this one in full, the summary of the interval that ended or None)``."""
+        if self._window_start is not None and now - self._window_start < self.interval_s:
+            self._count += 1
+            if request_id is not None:
+                self._requests.add(request_id)
+            self._last = reason
+            return False, None
+        summary = self.flush()
+        self._window_start = now
+        return True, summary
+
+    def flush(self) -> str | None:
+        """The summary of the failures counted but not logged yet (None when there are none)."""
+        if not self._count:
+            return None
+        line = (f"{self._count} more like the one logged {format_seconds(self.interval_s)} or less before "
+                f"({len(self._requests)} requests); the last: {self._last}")
+        self._count, self._requests, self._last = 0, set(), ""
+        return line
 
 
 class FinishedRequests(NamedTuple):
@@ -114,6 +157,9 @@ class OmniTransferAdapterBase(ABC):
         self._save_cond = threading.Condition(self._lock)
         self._recv_cond = threading.Condition(self._lock)
         self._failures_lock = threading.Lock()
+        # Guarded by _failures_lock: a burst of failures (a stopped downstream) logs one line per interval.
+        self._send_warnings = _WarningBurst()
+        self._recv_warnings = _WarningBurst()
         self._failed_send: dict[str, str] = {}
         self._failed_recv: dict[str, str] = {}
         self._finished_saved: set[str] = set()
@@ -197,19 +243,39 @@ class OmniTransferAdapterBase(ABC):
         self.counters.add("send_failures")
         if request_id is None:
             self.counters.add("unattributed_send_failures")
-            logger.warning("stage %s: send failure for no known request: %s", self.stage_id, reason)
-            return
-        logger.warning("stage %s: request %s send failed: %s", self.stage_id, request_id, reason)
         with self._failures_lock:
-            self._failed_send.setdefault(request_id, reason)
-        self._on_send_failure(request_id)
+            if request_id is not None:
+                self._failed_send.setdefault(request_id, reason)
+            full, summary = self._send_warnings.note(request_id, reason, time.monotonic())
+        if summary:
+            logger.warning("stage %s: send failures: %s", self.stage_id, summary)
+        if full:
+            if request_id is None:
+                logger.warning("stage %s: send failure for no known request: %s", self.stage_id, reason)
+            else:
+                logger.warning("stage %s: request %s send failed: %s", self.stage_id, request_id, reason)
+        if request_id is not None:
+            self._on_send_failure(request_id)
 
     def record_receive_failure(self, request_id: str, reason: str) -> None:
         """Note that data for ``request_id`` will never arrive (stall, bad chunk)."""
         self.counters.add("receive_failures")
-        logger.warning("stage %s: request %s receive failed: %s", self.stage_id, request_id, reason)
         with self._failures_lock:
             self._failed_recv.setdefault(request_id, reason)
+            full, summary = self._recv_warnings.note(request_id, reason, time.monotonic())
+        if summary:
+            logger.warning("stage %s: receive failures: %s", self.stage_id, summary)
+        if full:
+            logger.warning("stage %s: request %s receive failed: %s", self.stage_id, request_id, reason)
+
+    def _flush_warnings(self) -> None:
+        """Log what the warning bursts counted but did not log yet (at shutdown)."""
+        with self._failures_lock:
+            sends, receives = self._send_warnings.flush(), self._recv_warnings.flush()
+        if sends:
+            logger.warning("stage %s: send failures: %s", self.stage_id, sends)
+        if receives:
+            logger.warning("stage %s: receive failures: %s", self.stage_id, receives)
 
     def collect_failed_send_request_ids(self) -> dict[str, str]:
         """Drain and return ``{request_id: reason}`` for requests whose send gave up."""
@@ -273,6 +339,7 @@ class OmniTransferAdapterBase(ABC):
                 thread.join(0.2)
                 if thread.is_alive():
                     logger.warning("stage %s: worker %s still busy after shutdown", self.stage_id, thread.name)
+        self._flush_warnings()
 
     close = shutdown
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from ..config import ConnectorSpec
 from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
 from ..connectors import OmniConnectorBase
-from ..errors import ConfigError
+from ..errors import ConfigError, format_seconds
 from ._assemble import assemble_chunks
 from .base import OmniTransferAdapterBase, RecvTarget
 from .retry import RetryPolicy
@@ -400,7 +400,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 if remaining <= 0:
                     self._fail_receiving_locked(
                         state, f"load timed out: no chunk from stage {self.config.upstream_stage_id} "
-                               f"for {limit:.1f}s (waiting for chunk {state.next_chunk_id})")
+                               f"for {format_seconds(limit)} (waiting for chunk {state.next_chunk_id})")
                     return None
                 self._loaded_cond.wait(remaining)
             if self._recv.get(request_id) is not state or not state.final:
@@ -428,7 +428,8 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 if self._recv.get(state.request_id) is state and not state.final:
                     self._fail_receiving_locked(
                         state, f"stalled: no chunk from stage {self.config.upstream_stage_id} for "
-                               f"{self.config.stall_timeout_s:.1f}s (waiting for chunk {state.next_chunk_id})")
+                               f"{format_seconds(self.config.stall_timeout_s)} "
+                               f"(waiting for chunk {state.next_chunk_id})")
         progressed = False
         upstream = self.config.upstream_stage_id
         assert upstream is not None or not active

@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
+from ..errors import format_seconds
 from ._link import ERROR_KEY, TRACE_KEY, _Endpoint
-from .pipeline import PipelineConfig, load_pipeline_config
+from .pipeline import PipelineConfig, load_pipeline_config, name_stages
 from .retry import RetryPolicy
 
 __all__ = ["DriverEvent", "PipelineDriver"]
@@ -71,6 +72,9 @@ class PipelineDriver:
             this long after submission fails; it catches a dead middle stage, which
             no downstream stall timer can see. Default: ``stall_timeout_s`` per hop
             of a three-stage pipeline (``from_pipeline`` uses the real hop count).
+        stage_names: stage id -> name, so that failure reasons name stages as the
+            pipeline does ("stage 'vocoder'", not "stage 2"); ``from_pipeline``
+            passes the pipeline's.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class PipelineDriver:
         request_timeout_s: float = 120.0,
         retry: RetryPolicy | None = None,
         first_output_timeout_s: float | None = None,
+        stage_names: Mapping[str, str] | None = None,
     ) -> None:
         self._link = _Endpoint(stage_id=str(stage_id), upstream_stage_id=str(last_stage_id),
                                downstream_stage_id=str(first_stage_id), inbound=inbound, outbound=outbound,
@@ -94,6 +99,7 @@ class PipelineDriver:
         self.first_output_timeout_s = (
             first_output_timeout_s if first_output_timeout_s is not None else 4 * stall_timeout_s
         )
+        self._stage_names = dict(stage_names or {})
         self._submitted: dict[str, float] = {}
         self._streaming: set[str] = set()
         self._closed = False
@@ -107,7 +113,8 @@ class PipelineDriver:
                    last_stage_id=pipeline.stages[-1].stage_id, inbound=inbound, outbound=outbound,
                    stall_timeout_s=pipeline.stall_timeout_s, request_timeout_s=pipeline.request_timeout_s,
                    retry=pipeline.retry,
-                   first_output_timeout_s=pipeline.stall_timeout_s * (len(pipeline.stages) + 1))
+                   first_output_timeout_s=pipeline.stall_timeout_s * (len(pipeline.stages) + 1),
+                   stage_names=pipeline.stage_names())
 
     @property
     def pending(self) -> int:
@@ -174,10 +181,11 @@ class PipelineDriver:
                 events.append(self._failed(request_id, reason, now))
         for request_id, submitted in list(self._submitted.items()):
             if now - submitted > self.request_timeout_s:
-                events.append(self._failed(request_id, f"not completed within {self.request_timeout_s:g}s", now))
+                events.append(self._failed(request_id, f"not completed within "
+                                           f"{format_seconds(self.request_timeout_s)}", now))
             elif request_id not in self._streaming and now - submitted > self.first_output_timeout_s:
-                reason = (f"stage {self._link.upstream} never started it within {self.first_output_timeout_s:g}s "
-                          "(a stage before it is down or stalled)")
+                reason = (f"stage {self._link.upstream} never started it within "
+                          f"{format_seconds(self.first_output_timeout_s)} (a stage before it is down or stalled)")
                 events.append(self._failed(request_id, reason, now))
         if self._link.stop_event.is_set() or chunks.stop_event.is_set():
             for request_id in list(self._submitted):
@@ -188,7 +196,7 @@ class PipelineDriver:
     def _failed(self, request_id: str, reason: str, now: float) -> DriverEvent:
         self._link.chunks.release(request_id)
         self._forget(request_id)
-        return DriverEvent(request_id, "failed", reason=reason, at=now)
+        return DriverEvent(request_id, "failed", reason=name_stages(reason, self._stage_names), at=now)
 
     def _forget(self, request_id: str) -> None:
         self._submitted.pop(request_id, None)

@@ -28,7 +28,7 @@ import numpy as np
 from ..config import ConnectorSpec
 from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
 from ..connectors import OmniConnectorBase, create_connector
-from ..errors import ConfigError, TransportError
+from ..errors import ConfigError, TransportError, format_seconds
 from .retry import RetryPolicy
 
 __all__ = ["KVLoadResult", "KVTransferConfig", "KVTransferManager", "kv_key"]
@@ -267,7 +267,7 @@ class KVTransferManager:
             if got is None:
                 self._record(self._failed_recv, request_id,
                              f"KV shard {key!r} from source rank {src} did not arrive within "
-                             f"{cfg.recv_timeout_s if timeout_s is None else timeout_s:.1f}s")
+                             f"{format_seconds(cfg.recv_timeout_s if timeout_s is None else timeout_s)}")
                 return None
             shards.append(got[0])
         return self._merge(request_id, shards)

@@ -7,6 +7,7 @@ The pipeline YAML format read by :func:`load_pipeline_config` is documented in
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +26,30 @@ __all__ = [
     "PipelineConfig",
     "StageSpec",
     "load_pipeline_config",
+    "name_stages",
 ]
 
 #: ``fn(request_id, payload, is_final)`` -> an outgoing chunk (a dict), several (a list or
 #: generator of dicts), or None (nothing to send for this input).
 ChunkFunction = Callable[[str, dict[str, Any], bool], Any]
+
+# "stage 2", "stage '2'": how the layers that know only ids name a stage in a message.
+_STAGE_BY_ID = re.compile(r"\bstage (['\"]?)([\w.-]+)\1(?![\w.-])")
+
+
+def name_stages(text: str, names: Mapping[str, str]) -> str:
+    """``text`` with each "stage <id>" that ``names`` knows written as "stage '<name>'".
+
+    The transfer layers below a pipeline know stages by id only; the pipeline's
+    YAML names them, and a person reads those names ("vocoder", not "2").
+    """
+
+    def named(match: re.Match[str]) -> str:
+        name = names.get(match.group(2))
+        return match.group(0) if name is None or name == match.group(2) else f"stage {name!r}"
+
+    return _STAGE_BY_ID.sub(named, text)
+
 
 #: Connector names that get ``endpoints`` / ``bind`` from the pipeline section.
 _ENDPOINT_CONNECTORS = ("ZmqConnector",)
@@ -123,6 +143,10 @@ class PipelineConfig:
         upstream = self.stages[index - 1] if index > 0 else self.driver
         downstream = self.stages[index + 1] if index + 1 < len(self.stages) else self.driver
         return upstream, downstream
+
+    def stage_names(self) -> dict[str, str]:
+        """Stage id -> name, for every stage and the driver (for messages people read)."""
+        return {spec.stage_id: spec.name for spec in (*self.stages, self.driver)}
 
     def endpoints(self) -> dict[str, str]:
         """Stage id -> endpoint, for every stage (and the driver) that declares one."""
@@ -242,6 +266,15 @@ def load_pipeline_config(
         duplicates = sorted({value for value in values if values.count(value) > 1})
         if duplicates:
             raise ConfigError(f"pipeline: duplicate stage {label} {duplicates[0]!r} (the driver counts too)")
+    # Two stages at one address: one of them cannot bind it, and senders could not tell them apart.
+    owner: dict[str, StageSpec] = {}
+    for spec in (*stages, driver):
+        if not spec.endpoint:
+            continue
+        first = owner.setdefault(spec.endpoint, spec)
+        if first is not spec:
+            raise ConfigError(f"pipeline: stages {first.name!r} and {spec.name!r} have the same endpoint "
+                              f"{spec.endpoint!r}; each stage needs its own")
     transfer = load_omni_transfer_config(data)
     assert transfer is not None  # a document was given
     return PipelineConfig(

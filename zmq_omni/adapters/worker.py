@@ -31,8 +31,9 @@ from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
 from ..errors import ConfigError
 from ._link import ERROR_KEY, TRACE_KEY, _Endpoint
+from .base import _WarningBurst
 from .chunk import ChunkInputs
-from .pipeline import ChunkFunction, PipelineConfig, load_pipeline_config
+from .pipeline import ChunkFunction, PipelineConfig, load_pipeline_config, name_stages
 from .retry import RetryPolicy
 
 __all__ = ["StageWorker"]
@@ -66,6 +67,9 @@ class StageWorker:
         retry: the send retry policy.
         name: a label for logs (default the stage id).
         trace: add per-hop timestamps (``_zo_trace``) to outgoing chunks.
+        stage_names: stage id -> name, so that failure reasons name stages as the
+            pipeline does ("stage 'vocoder'", not "stage 2"); ``from_pipeline``
+            passes the pipeline's.
     """
 
     def __init__(
@@ -81,12 +85,14 @@ class StageWorker:
         retry: RetryPolicy | None = None,
         name: str | None = None,
         trace: bool = True,
+        stage_names: Mapping[str, str] | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
         self.fn = fn
         self.name = name or str(stage_id)
         self.trace = trace
+        self._stage_names = dict(stage_names or {})
         self._link = _Endpoint(stage_id=str(stage_id), upstream_stage_id=str(upstream_stage_id),
                                downstream_stage_id=str(downstream_stage_id), inbound=inbound, outbound=outbound,
                                stall_timeout_s=stall_timeout_s, retry=retry or RetryPolicy(), label="stage")
@@ -98,6 +104,8 @@ class StageWorker:
         self._running: dict[str, _Running] = {}
         self._stop = threading.Event()
         self._closed = False
+        # Run thread only (then close): a stopped downstream fails every request at once, one line per interval.
+        self._downstream_warnings = _WarningBurst()
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "chunks_in": 0, "chunks_out": 0}
 
@@ -125,7 +133,13 @@ class StageWorker:
         return cls(fn, stage_id=spec.stage_id,
                    upstream_stage_id=upstream.stage_id, downstream_stage_id=downstream.stage_id,
                    inbound=inbound, outbound=outbound, stall_timeout_s=pipeline.stall_timeout_s,
-                   retry=pipeline.retry, name=spec.name, trace=trace)
+                   retry=pipeline.retry, name=spec.name, trace=trace, stage_names=pipeline.stage_names())
+
+    @property
+    def connectors(self) -> tuple[OmniConnectorBase, OmniConnectorBase]:
+        """The ``(inbound, outbound)`` connectors of the worker's two edges; the worker owns and closes them."""
+        pair = self._link.connector
+        return pair.inbound, pair.outbound
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def run(self, *, idle_wait_s: float = 0.1) -> None:
@@ -176,6 +190,9 @@ class StageWorker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
         self._link.close()
+        summary = self._downstream_warnings.flush()
+        if summary:
+            logger.warning("stage %s: requests failed downstream: %s", self.name, summary)
 
     def __enter__(self) -> StageWorker:
         return self
@@ -265,6 +282,7 @@ class StageWorker:
 
     def _fail(self, request_id: str, reason: str, trace: dict[str, Any]) -> None:
         """Forward the failure downstream in-band and stop receiving for the request."""
+        reason = name_stages(reason, self._stage_names)
         with contextlib.suppress(ValueError):  # the final chunk was already queued
             self._save(request_id, {ERROR_KEY: reason}, True, trace, time.time())
         self._link.chunks.cancel(request_id)  # the queued error chunk still goes through (#6670)
@@ -281,8 +299,13 @@ class StageWorker:
         for request_id, reason in chunks.collect_failed_receive_request_ids().items():
             if request_id in self._active:
                 self._fail(request_id, f"stage {self.name}: {reason}", {})
-        for request_id, reason in chunks.collect_failed_send_request_ids().items():
-            logger.warning("stage %s: request %s failed downstream: %s", self.name, request_id, reason)
+        for request_id, raw_reason in chunks.collect_failed_send_request_ids().items():
+            reason = name_stages(raw_reason, self._stage_names)
+            full, summary = self._downstream_warnings.note(request_id, reason, time.monotonic())
+            if summary:
+                logger.warning("stage %s: requests failed downstream: %s", self.name, summary)
+            if full:
+                logger.warning("stage %s: request %s failed downstream: %s", self.name, request_id, reason)
             chunks.release(request_id)
             self._finish(request_id, failed=True)
         while True:

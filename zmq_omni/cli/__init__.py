@@ -1,8 +1,9 @@
 """The ``zmq-omni`` command: demo, stage, drive, health, bench, keygen, shm-sweep.
 
-Every subcommand has ``--help``. Errors from bad config or unreachable peers
-are printed as one line on stderr (no traceback) with a non-zero exit:
-2 for configuration errors, 1 for everything else.
+Every subcommand has ``--help``. Errors from bad arguments, bad config,
+unwritable paths or unreachable peers are printed as one line on stderr (no
+traceback) with a non-zero exit: 2 for usage and configuration errors, 1 for
+everything else.
 """
 
 from __future__ import annotations
@@ -11,16 +12,39 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from .. import __version__
 from ..errors import ConfigError, ZmqOmniError
 
 __all__ = ["build_parser", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr, like every other error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _tcp_port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
     return value
 
 
@@ -35,10 +59,11 @@ def _add_load_options(parser: argparse.ArgumentParser, *, requests: int, chunks:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zmq-omni`` (every subcommand has ``--help``)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zmq-omni",
         description="Move tensors between the stages of multi-stage inference pipelines over ZeroMQ.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="logging level of the zmq_omni loggers (default WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -54,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ipc:// with the shared-memory fast path (default), or tcp://127.0.0.1")
     demo.add_argument("--shm", choices=("auto", "on", "off"), default="auto",
                       help="ZmqConnector shared-memory fast path policy (default auto)")
-    demo.add_argument("--timeout", type=float, default=120.0, metavar="S",
+    demo.add_argument("--timeout", type=_positive_float, default=120.0, metavar="S",
                       help="fail a request not completed after this many seconds (default 120)")
 
     stage = sub.add_parser("stage", help="run one stage of a pipeline described in YAML",
@@ -62,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--config", required=True, metavar="PIPELINE.yaml", help="the pipeline config")
     stage.add_argument("--stage", required=True, metavar="NAME", help="the stage to run (pipeline.stages[].name)")
     stage.add_argument("--stats-out", metavar="FILE", help="write the stage's final health as JSON here on exit")
-    stage.add_argument("--metrics-port", type=int, metavar="PORT",
-                       help="serve the stage's health as Prometheus gauges on this port (needs zmq-omni[metrics])")
+    stage.add_argument("--metrics-port", type=_tcp_port, metavar="PORT",
+                       help="serve the stage's health as Prometheus gauges on this port (needs zmq-omni[metrics]; "
+                            "0 picks a free port, printed at start-up)")
     stage.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                        help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in containers is explicit)")
 
@@ -77,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     drive.add_argument("--wait-ready", type=float, default=30.0, metavar="S",
                        help="wait up to S seconds for every stage to answer a health probe first (default 30; "
                             "0 skips the wait)")
-    drive.add_argument("--timeout", type=float, metavar="S",
+    drive.add_argument("--timeout", type=_positive_float, metavar="S",
                        help="fail a request not completed after S seconds (default pipeline.request_timeout_s)")
     drive.add_argument("--prefix", default="req", help="request id prefix (default 'req')")
 
@@ -88,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--endpoint", help="tcp://host:port or ipc://path of the stage")
     target.add_argument("--stage", metavar="NAME", help="a stage of --config (its endpoint, after env overrides)")
     health.add_argument("--config", metavar="PIPELINE.yaml", help="the pipeline config (with --stage)")
-    health.add_argument("--timeout", type=float, default=2.0, metavar="S", help="probe timeout (default 2)")
+    health.add_argument("--timeout", type=_positive_float, default=2.0, metavar="S", help="probe timeout (default 2)")
 
     bench = sub.add_parser("bench", help="benchmark grids; prints one table of ratios",
                            description="A compact run of the four benchmark grids of benchmarks/*.py (wire "
@@ -141,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"zmq-omni {command}: configuration error: {exc}", file=sys.stderr)
         return 2
     except ZmqOmniError as exc:
+        print(f"zmq-omni {command}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a path we could not write, a port we could not bind: the OS says why
         print(f"zmq-omni {command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

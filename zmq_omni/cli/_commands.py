@@ -17,8 +17,9 @@ from typing import Any
 from ..adapters.driver import PipelineDriver
 from ..adapters.pipeline import PipelineConfig, load_pipeline_config
 from ..adapters.worker import StageWorker
+from ..connectors.inproc import InProcConnector
 from ..errors import ConfigError, TransportError
-from ._run import Progress, drive_requests, format_table
+from ._run import Progress, drive_requests, format_table, make_out_dir
 
 __all__ = ["run_drive", "run_health", "run_keygen", "run_shm_sweep", "run_stage", "wait_ready"]
 
@@ -44,6 +45,13 @@ def run_stage(args: argparse.Namespace) -> int:
     pipeline = load_pipeline_config(args.config)
     spec = pipeline.stage(args.stage)
     worker = StageWorker.from_pipeline(pipeline, args.stage)
+    in_process = [type(conn).__name__ for conn in worker.connectors if isinstance(conn, InProcConnector)]
+    if in_process:
+        # Its peers would be other processes, which an in-process connector never reaches: drive would wait forever.
+        worker.close()
+        raise ConfigError(f"stage {spec.name!r} uses {in_process[0]}, an in-process connector, which cannot reach "
+                          "stages in other processes; run all its stages in one process (StageWorker.start()) "
+                          "or give its edges ZmqConnector or SharedMemoryConnector")
 
     def stop(signum: int, frame: FrameType | None) -> None:
         worker.stop()
@@ -109,9 +117,9 @@ def run_drive(args: argparse.Namespace) -> int:
     pipeline = load_pipeline_config(args.config)
     if args.timeout is not None:
         pipeline = _with_timeout(pipeline, args.timeout)
+    out_dir = make_out_dir(Path(args.out)) if args.out else None
     if args.wait_ready > 0:
         wait_ready(pipeline, args.wait_ready)
-    out_dir = Path(args.out) if args.out else None
     with PipelineDriver.from_pipeline(pipeline) as driver:
         run = drive_requests(driver, pipeline, requests=args.requests, chunks=args.chunks,
                              payload_size=args.payload_size, out_dir=out_dir, progress=Progress(),
@@ -126,6 +134,10 @@ def run_drive(args: argparse.Namespace) -> int:
     names = " -> ".join(spec.name for spec in pipeline.stages)
     print(format_table(run, title=f"zmq-omni drive: {pipeline.name} ({names})", chunks_per_request=args.chunks,
                        payload_size=args.payload_size), flush=True)
+    if out_dir is not None:
+        wavs = [r.wav_path for r in run.requests.values() if r.wav_path is not None]
+        where = f" ({wavs[0].name} ... {wavs[-1].name})" if wavs else ""
+        print(f"\n  {len(wavs)} WAV files in {out_dir.resolve()}/{where}", flush=True)
     return 1 if run.failed else 0
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from ..adapters.driver import PipelineDriver
 from ..adapters.pipeline import load_pipeline_config
 from ._commands import PARENT_PID_ENV, wait_ready
-from ._run import Progress, drive_requests, format_table
+from ._run import Progress, drive_requests, format_table, make_out_dir
 
 __all__ = ["demo_pipeline", "run_demo"]
 
@@ -32,9 +32,21 @@ STAGES = (("thinker", "0"), ("talker", "1"), ("vocoder", "2"))
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A free loopback port that stays reserved for the stage that binds it next.
+
+    A port merely bound and released can be handed to anyone before the stage
+    binds it. This one is left in TIME_WAIT by a closed connection: for the next
+    minute the kernel hands it to no ``bind(port 0)`` and no outgoing connection,
+    while a listener with SO_REUSEADDR (as ZeroMQ's is) can still bind it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port: int = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # the side that closes first holds the TIME_WAIT: ours, on `port`
         return port
 
 
@@ -95,6 +107,14 @@ class _Stages:
                 return f"stage {name} exited with status {code}: {self.log_tail(name)}"
         return None
 
+    def log_lines(self, name: str, count: int) -> str:
+        """The last ``count`` lines of a stage's log."""
+        try:
+            lines = self.logs[name].read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-count:]) if lines else "(empty log)"
+
     def log_tail(self, name: str) -> str:
         """The last non-empty line of a stage's log."""
         try:
@@ -142,8 +162,8 @@ def _hop_bytes(stats: dict[str, dict[str, Any]], driver_health: dict[str, Any]) 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every request completed."""
+    out_dir = make_out_dir(Path(args.out))
     workdir = Path(tempfile.mkdtemp(prefix="zo-demo-", dir="/tmp"))
-    out_dir = Path(args.out)
     stages: _Stages | None = None
     try:
         config = demo_pipeline(args.transport, workdir, shm=args.shm, timeout_s=args.timeout)
@@ -168,10 +188,15 @@ def run_demo(args: argparse.Namespace) -> int:
                            hop_bytes=hop_bytes))
         wavs = [r.wav_path for r in run.requests.values() if r.wav_path is not None]
         if wavs:
-            print(f"\n  {len(wavs)} WAV files in {out_dir}/ ({wavs[0].name} ... {wavs[-1].name})")
+            print(f"\n  {len(wavs)} WAV files in {out_dir.resolve()}/ ({wavs[0].name} ... {wavs[-1].name})")
         bad = {name: code for name, code in codes.items() if code != 0}
         if bad:
             print(f"zmq-omni demo: stage processes did not stop cleanly: {bad}", file=sys.stderr)
+        if run.failed or bad:
+            # The stages' logs live in a temp dir removed below: show their ends while they still exist.
+            for name, _ in STAGES:
+                print(f"--- stage {name} (exit {codes.get(name)}), last lines of its log ---\n"
+                      f"{stages.log_lines(name, 20)}", file=sys.stderr)
         return 1 if run.failed or bad else 0
     finally:
         if stages is not None:

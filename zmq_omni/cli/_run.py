@@ -17,8 +17,9 @@ import numpy as np
 
 from ..adapters.driver import DriverEvent, PipelineDriver
 from ..adapters.pipeline import PipelineConfig
+from ..errors import ConfigError
 
-__all__ = ["Progress", "RequestResult", "RunResult", "drive_requests", "format_table", "write_wav"]
+__all__ = ["Progress", "RequestResult", "RunResult", "drive_requests", "format_table", "make_out_dir", "write_wav"]
 
 
 @dataclass
@@ -87,6 +88,19 @@ class Progress:
         if self.tty and self._width:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def make_out_dir(path: Path, option: str = "--out") -> Path:
+    """Create the output directory up front, so that a bad path fails before any work is done.
+
+    Raises:
+        ConfigError: it cannot be created (the message names ``option`` and the OS's reason).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot create the directory: {exc.strerror or exc}") from exc
+    return path
 
 
 def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:

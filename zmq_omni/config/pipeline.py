@@ -116,7 +116,7 @@ def read_config_document(source: str | Path | Mapping[str, Any], what: str = "co
         try:
             import yaml
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ConfigError("reading YAML needs PyYAML: pip install 'zmq-omni[yaml]'") from exc
+            raise ConfigError("reading YAML needs PyYAML, a dependency of zmq-omni: pip install PyYAML") from exc
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:

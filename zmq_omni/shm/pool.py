@@ -47,7 +47,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -160,6 +160,10 @@ def _slot_capacity(need: int, minimum: int) -> int:
     return -(-cap // step) * step
 
 
+# A TypeVar rather than typing.Self, which Python 3.10 lacks.
+_ClosingT = TypeVar("_ClosingT", bound="_Closing")
+
+
 class _Closing:
     """What the pool and the reader share: ``with`` closes, and an unclosed one warns when collected."""
 
@@ -169,7 +173,7 @@ class _Closing:
     def close(self) -> None:  # pragma: no cover - both subclasses define it
         raise NotImplementedError
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _ClosingT) -> _ClosingT:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import DecodeError, PeerGoneError, TransportError, TransportTimeoutError
+from ..errors import DecodeError, PeerGoneError, TransportError, TransportTimeoutError, format_seconds
 from ._endpoints import check_endpoint
 from ._envelope import Kind, pack, unpack
 from ._sockets import close_socket, new_context
@@ -61,8 +61,10 @@ def probe(endpoint: str, *, timeout_s: float = 2.0, server_key: str | None = Non
                     raise TransportError(f"unexpected {kind.name} answer to a health probe", endpoint=endpoint)
                 return header[0]
         if not connected:
-            raise PeerGoneError(f"nothing is listening (no connection within {timeout_s}s)", endpoint=endpoint)
-        raise TransportTimeoutError(f"connected but no health answer within {timeout_s}s", endpoint=endpoint)
+            raise PeerGoneError(f"nothing is listening (no connection within {format_seconds(timeout_s)})",
+                                endpoint=endpoint)
+        raise TransportTimeoutError(f"connected but no health answer within {format_seconds(timeout_s)}",
+                                    endpoint=endpoint)
     finally:
         sock.disable_monitor()
         close_socket(monitor)

@@ -20,6 +20,7 @@ from ..errors import (
     DecodeError,
     DeliveryError,
     TransportTimeoutError,
+    format_seconds,
     from_zmq_error,
 )
 from ..metrics import Counters
@@ -320,7 +321,8 @@ class PushSender:
                             ClosedResourceError("connector closed", endpoint=peer.endpoint)
                             if self._closed
                             else TransportTimeoutError(
-                                f"ZeroMQ send queue full for {self._put_timeout}s", endpoint=peer.endpoint
+                                f"ZeroMQ send queue full for {format_seconds(self._put_timeout)}",
+                                endpoint=peer.endpoint,
                             )
                         ) from exc
                     sock.poll(int(min(remaining, _SEND_SLICE_S) * 1000) + 1, zmq.POLLOUT)
@@ -829,7 +831,7 @@ class PushSender:
         self._report_lost(
             failed,
             lambda peer: (
-                f"delivery to stage {peer.to_stage!r} not confirmed within {self._delivery_timeout}s "
+                f"delivery to stage {peer.to_stage!r} not confirmed within {format_seconds(self._delivery_timeout)} "
                 f"(receiver {'never answered' if peer.incarnation is None else 'gone or not acknowledging'})"
             ),
         )
