@@ -29,6 +29,7 @@ import pytest
 import tomllib
 
 from tests.connector_kinds import KINDS
+from tests.ports import reserve_port
 from zmq_omni.config import load_omni_transfer_config
 from zmq_omni.config.pipeline import get_connectors_config_for_stage
 from zmq_omni.connectors.base import OmniConnectorBase
@@ -444,14 +445,8 @@ def test_orchestrator_to_stage_in_two_processes_loses_nothing(mode: str, transpo
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_both_ends_built_from_one_extra_in_two_processes(mode: str, transport: str, short_tmp: Path) -> None:
-    if transport == "tcp":
-        # Both ends must know the port before either binds (that is the model): take a free one.
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        endpoint = f"tcp://127.0.0.1:{port}"
-    else:
-        endpoint = f"ipc://{short_tmp}/one"
+    # Both ends must know the endpoint before either binds (that is the model): reserve a port.
+    endpoint = f"tcp://127.0.0.1:{reserve_port()}" if transport == "tcp" else f"ipc://{short_tmp}/one"
     # no role, no stage id: the same dict at both ends; only the end that must bind does
     extra = {"mode": mode, "endpoints": {"1" if mode == "push" else "0": endpoint}}
     summary = _run_edge(dict(extra), dict(extra), 60, short_tmp)
