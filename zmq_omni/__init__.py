@@ -13,6 +13,7 @@ from typing import Any
 from .config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
 from .connectors import OmniConnectorBase, OmniConnectorFactory, TransferFailure, create_connector
 from .errors import (
+    AuthenticationError,
     ClosedResourceError,
     CodecError,
     ConfigError,
@@ -54,6 +55,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "AuthenticationError",
     "ChunkInputs",
     "ClosedResourceError",
     "CodecError",

@@ -44,6 +44,8 @@ from ..transport import (
     PushSender,
     ShmReceive,
     ShmSend,
+    insecure_from_env,
+    require_curve,
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes
@@ -65,6 +67,9 @@ class ZmqConnector(OmniConnectorBase):
     Raises:
         ConfigError: a bad, unknown or missing key, or no endpoint for a stage that must bind.
         TransportError: the bind failed (the message names the endpoint).
+
+    Without CURVE, binding or connecting to TCP other than loopback is refused
+    (``ConfigError``) unless ``insecure`` or ``ZMQ_OMNI_INSECURE=1`` opts out.
     """
 
     def __init__(self, config: dict[str, Any]) -> None:
@@ -101,6 +106,15 @@ class ZmqConnector(OmniConnectorBase):
         receives = cfg.role in ("receiver", "dual")
         binds = receives if cfg.mode == "push" else sends
         fast_path = cfg.shm != "off"
+        connects = (cfg.mode == "push" and sends) or (cfg.mode == "pull" and receives)
+        self._insecure = cfg.insecure or insecure_from_env()
+        exposed = list(self._endpoints.items()) if connects else []
+        if binds:
+            bind_at = self._endpoints.env_bind or cfg.bind or self._endpoints.get(cfg.stage_id)
+            if bind_at is not None:
+                exposed.append(("bind", bind_at))
+        # Before any socket exists: a refused plaintext endpoint never sends or accepts a byte.
+        require_curve(exposed, curve=self._curve is not None, insecure=self._insecure)
         if cfg.malloc_tuning and receives:
             tune_malloc()  # before the context's I/O threads first allocate
         self.endpoint: str | None = None
@@ -364,6 +378,8 @@ class ZmqConnector(OmniConnectorBase):
         endpoint = metadata.get("endpoint") if isinstance(metadata, dict) else None
         if not isinstance(endpoint, str):
             endpoint = self._endpoints.require(from_stage)
+        else:  # an endpoint the sender's metadata named: the same rule as configured ones
+            require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None, insecure=self._insecure)
         now = time.monotonic()
         if deadline is None:
             wait_s, reply_by = 0.0, now + self.config.fetch_timeout_s
