@@ -306,7 +306,8 @@ print(json.dumps(report), flush=True)
 def test_intruder_on_the_network_gets_nothing_in_or_out(compose: Compose) -> None:
     keys_dir = REPO / "deploy" / "keys"
     thinker_pub = (keys_dir / "thinker.pub").read_text().strip()
-    compose.run("up", "-d", *STAGES, timeout=180)
+    # Fresh stages: an earlier test of this module may have left them mid-failure.
+    compose.run("up", "-d", "--force-recreate", *STAGES, timeout=180)
     compose.wait_healthy(STAGES, timeout_s=90)  # the healthchecks authenticate with health.keys
     drive = compose.command(
         "run", "--rm", "-T", "--use-aliases", "--no-deps", "driver",
