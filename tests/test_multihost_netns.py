@@ -192,5 +192,5 @@ def test_plaintext_bind_on_a_real_network_address_is_refused_and_the_opt_out_bin
         assert done.returncode == 0, done.stderr
         outcomes.append((done.stdout.strip(), done.stderr))
     (refused, _), (bound, _) = outcomes
-    assert refused.startswith(f"refusing plaintext TCP on {endpoint} (") and "\n" not in refused, refused
+    assert refused.startswith(f"refused refusing plaintext TCP on {endpoint} (bind)") and "\n" not in refused, refused
     assert bound == f"bound {endpoint}"
