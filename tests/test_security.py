@@ -396,3 +396,15 @@ def test_push_mode_refusals_are_counted(conns: list[ZmqConnector]) -> None:
     assert health["curve_refused"] >= 3 and health["mailbox"] == 0, health
     for name in ("no-key", "wrong-key", "not-listed"):
         assert receiver.get("0", "1", name) is None
+
+
+def test_keygen_names_a_directory_where_a_key_file_belongs(short_tmp: Path) -> None:
+    config = short_tmp / "pipeline.yaml"
+    write_pipeline(config)
+    keys = short_tmp / "keys"
+    (keys / "talker.keys").mkdir(parents=True)  # what docker-compose leaves for a missing bind-mounted file
+    for extra in ((), ("--if-missing",), ("--force",)):
+        result = _keygen(config, keys, *extra)
+        assert result.returncode == 2, (extra, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "talker.keys is not a regular file" in result.stderr
+    assert not (keys / "thinker.keys").exists()  # nothing written

@@ -202,11 +202,14 @@ def write_key_files(directory: str | Path, files: Mapping[str, KeyFile], *, repl
         OSError: the directory or a file cannot be made.
     """
     directory = Path(directory)
-    if not replace:
-        for name in files:
-            path = KeyFile.path_in(directory, name)
-            if path.exists():
-                raise KeyFileExistsError(f"{path} exists: refusing to overwrite a secret key")
+    for name in files:
+        path = KeyFile.path_in(directory, name)
+        if path.exists() and not path.is_file():
+            # docker-compose makes a directory where a bind-mounted file is missing.
+            raise ConfigError(f"{path} is not a regular file (a container run without keys may have made it): "
+                              f"remove it")
+        if path.exists() and not replace:
+            raise KeyFileExistsError(f"{path} exists: refusing to overwrite a secret key")
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     if directory.stat().st_uid == os.geteuid():
         directory.chmod(0o700)

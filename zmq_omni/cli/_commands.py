@@ -261,7 +261,7 @@ def _keygen_pipeline(args: argparse.Namespace, new_pair: Any) -> int:
     if not out_dir:
         raise ConfigError("give --out-dir, or set pipeline.keys_dir or ZMQ_OMNI_KEYS_DIR")
     names = [*(spec.name for spec in (*pipeline.stages, pipeline.driver)), HEALTH_PROBER]
-    present = [name for name in names if KeyFile.path_in(out_dir, name).exists()]
+    present = [name for name in names if KeyFile.path_in(out_dir, name).is_file()]
     existing: dict[str, KeyFile] = {}
     if args.if_missing and len(present) == len(names):
         print(f"zmq-omni keygen: {out_dir} already holds the keys of every party of {pipeline.name!r}: kept")
