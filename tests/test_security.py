@@ -261,7 +261,7 @@ def test_curve_pipeline_streams_every_request_and_refuses_intruders(
     procs = StageProcs(config, ["thinker", "talker", "vocoder"])
     stage_procs.append(procs)
     drive = subprocess.Popen(
-        [*CLI, "drive", "--config", str(config), "--requests", "4", "--chunks", "12", "--payload-size", "32768",
+        [*CLI, "drive", "--config", str(config), "--requests", "4", "--chunks", "1500", "--payload-size", "32768",
          "--wait-ready", "30", "--prefix", "sec"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")})
