@@ -408,3 +408,13 @@ def test_keygen_names_a_directory_where_a_key_file_belongs(short_tmp: Path) -> N
         assert result.returncode == 2, (extra, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and "talker.keys is not a regular file" in result.stderr
     assert not (keys / "thinker.keys").exists()  # nothing written
+
+
+def test_a_pull_fetch_from_a_plaintext_endpoint_off_the_host_is_refused_and_reported() -> None:
+    config = {"stage_id": "1", "role": "receiver", "mode": "pull", "endpoints": {"0": "tcp://127.0.0.1:9"}}
+    with ZmqConnector(config) as receiver:
+        metadata = {"key": "k", "endpoint": "tcp://192.0.2.1:5555"}  # named by a put's metadata
+        assert receiver.get("0", "1", "k", metadata) is None
+        failures = receiver.drain_failures()
+    assert [f.key for f in failures] == ["k"] and isinstance(failures[0].error, ConfigError)
+    assert "refusing plaintext TCP on tcp://192.0.2.1:5555" in str(failures[0].error)

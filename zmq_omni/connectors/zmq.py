@@ -378,8 +378,13 @@ class ZmqConnector(OmniConnectorBase):
         endpoint = metadata.get("endpoint") if isinstance(metadata, dict) else None
         if not isinstance(endpoint, str):
             endpoint = self._endpoints.require(from_stage)
-        else:  # an endpoint the sender's metadata named: the same rule as configured ones
-            require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None, insecure=self._insecure)
+        else:  # an endpoint the sender's metadata named: the same rule as configured ones, reported, not raised
+            try:
+                require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None,
+                              insecure=self._insecure)
+            except ConfigError as exc:
+                self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
+                return None
         now = time.monotonic()
         if deadline is None:
             wait_s, reply_by = 0.0, now + self.config.fetch_timeout_s
