@@ -231,6 +231,11 @@ def stage_procs() -> Iterator[list[StageProcs]]:
         procs.terminate()
 
 
+def _stage_output(procs: StageProcs) -> str:
+    """Stop the stages and return what they printed (for a failing assertion's message)."""
+    return "\n".join(f"--- {name} (exit {code}):\n{err}" for name, (code, err) in procs.terminate().items())
+
+
 def _intruders(endpoint: str, server_key: str) -> dict[str, dict[str, Any]]:
     """Three senders the thinker must refuse: no key, a wrong server key, a valid pair not on its list."""
     stranger_pub, stranger_sec = (k.decode() for k in zmq.curve_keypair())
@@ -289,12 +294,10 @@ def test_curve_pipeline_streams_every_request_and_refuses_intruders(
         if drive.poll() is None:
             drive.kill()
             drive.communicate()
-    stages = "\n".join(f"--- {name}: {p.stderr.read() if p.poll() is not None and p.stderr else ''}"
-                       for name, p in procs.procs.items())
-    assert drive.returncode == 0, f"{out}\n{err}\n{stages}"
+    assert drive.returncode == 0, f"{out}\n{err}\n{_stage_output(procs)}"
     for i in range(4):
         assert f"sec-{i:03d} completed: " in out, out
-    assert "FAILED" not in out, out
+    assert "FAILED" not in out, f"{out}\n{_stage_output(procs)}"
     for name, got in failures.items():
         assert len(got) == 1 and isinstance(got[0].error, DeliveryError), (name, got)
     assert "requires authentication" in refused_probes["no-key"]
