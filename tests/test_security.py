@@ -161,7 +161,8 @@ def test_keygen_makes_every_party_s_keys_with_safe_modes(short_tmp: Path) -> Non
         assert (keys / f"{name}.pub").read_text().strip() == data["public_key"]
     talker = files["talker"]
     assert talker["servers"] == {"0": pub["thinker"], "2": pub["vocoder"]}
-    assert sorted(talker["clients"]) == sorted([pub["thinker"], pub["vocoder"], pub["driver"], pub["health"]])
+    assert sorted(talker["clients"]) == sorted(
+        [pub["talker"], pub["thinker"], pub["vocoder"], pub["driver"], pub["health"]])  # itself: healthchecks
     assert files["thinker"]["servers"] == {"driver": pub["driver"], "1": pub["talker"]}
     assert files["driver"]["servers"] == {"0": pub["thinker"], "1": pub["talker"], "2": pub["vocoder"]}
     assert files["health"]["clients"] == [] and len(files["health"]["servers"]) == 4
@@ -309,6 +310,14 @@ def test_curve_pipeline_streams_every_request_and_refuses_intruders(
     assert health.returncode == 0, health.stderr
     stats = json.loads(health.stdout)
     assert stats["curve_refused"] >= 6, stats  # three senders and three probes, each refused at least once
+    # A healthcheck beside a stage probes it with the stage's own key file (no health.keys there).
+    (keys / "health.keys").rename(short_tmp / "health.keys")
+    for name in ("talker", "vocoder"):
+        own = run_cli("health", "--config", str(config), "--stage", name)
+        assert own.returncode == 0 and json.loads(own.stdout)["status"] == "ok", own.stderr
+    other = run_cli("health", "--endpoint", endpoints["thinker"], "--keys", str(keys / "vocoder.keys"),
+                    "--server-key", thinker_pub)
+    assert other.returncode == 1 and "not on the stage's allowed clients" in other.stderr, other.stderr
     anonymous = run_cli("health", "--endpoint", endpoints["thinker"], "--timeout", "20")
     assert anonymous.returncode == 1
     assert anonymous.stderr.count("\n") == 1 and "requires authentication" in anonymous.stderr, anonymous.stderr

@@ -6,7 +6,7 @@ party (each stage by name, the driver, and ``health``):
 - ``DIR/<name>.keys`` (mode 0600): a JSON object with the party's own key pair
   (``public_key``, ``secret_key``), ``servers`` (stage id -> public key of each
   stage it connects to) and ``clients`` (the public keys allowed to connect to
-  the sockets it binds: its neighbours, the driver, the health prober);
+  the sockets it binds: its neighbours, the driver, the health prober, itself);
 - ``DIR/<name>.pub`` (0644): its public key alone, to hand out.
 
 The directory is made 0700. A pipeline names the directory with
@@ -149,9 +149,10 @@ def make_pipeline_keys(
     """The key file of every party of ``pipeline`` (each stage, the driver, ``health``).
 
     Each stage admits its neighbours, the driver (it probes every stage before
-    driving) and the health prober, and knows the public keys of its
-    neighbours (push mode connects downstream, pull mode upstream). The driver
-    knows every stage's key; the health prober knows every key and admits nobody.
+    driving), the health prober and itself (a healthcheck beside the stage probes
+    it with the stage's own key), and knows the public keys of its neighbours
+    (push mode connects downstream, pull mode upstream). The driver knows every
+    stage's key; the health prober knows every key and admits nobody.
 
     Args:
         pipeline: the pipeline.
@@ -180,7 +181,8 @@ def make_pipeline_keys(
         peers = list(dict.fromkeys(pipeline.neighbours(spec)))
         known = parties if spec == driver else peers
         servers = {other.stage_id: pairs[other.name][0] for other in known if other != spec}
-        clients = [pairs[other.name][0] for other in (*peers, driver) if other != spec]
+        # Itself too: a container's healthcheck probes its own stage with the key it already holds.
+        clients = [pairs[other.name][0] for other in (spec, *peers, driver)]
         files[spec.name] = KeyFile(spec.name, *pairs[spec.name], MappingProxyType(servers),
                                    tuple(dict.fromkeys([*clients, health])))
     files[HEALTH_PROBER] = KeyFile(HEALTH_PROBER, *pairs[HEALTH_PROBER],

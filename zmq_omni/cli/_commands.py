@@ -147,7 +147,8 @@ def run_health(args: argparse.Namespace) -> int:
     """Probe one endpoint: print its health as JSON and exit 0, or one line on stderr and exit 1.
 
     CURVE: ``--keys FILE`` (a key file from ``zmq-omni keygen --config``), else with
-    ``--config`` the pipeline's ``keys_dir``/``health.keys``; the server key is
+    ``--config`` the pipeline's ``keys_dir``: ``health.keys`` when it is there, else
+    the probed stage's own file (a healthcheck beside the stage). The server key is
     ``--server-key``, else the key file's entry for ``--stage``.
     """
     from ..adapters.keys import HEALTH_PROBER, KeyFile
@@ -155,24 +156,28 @@ def run_health(args: argparse.Namespace) -> int:
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0, got {args.timeout}")
-    endpoint, stage_id = args.endpoint, None
+    endpoint, target = args.endpoint, None
     keys: KeyFile | None = None
     if args.config:
         pipeline = load_pipeline_config(args.config)
         if args.stage:
-            spec = pipeline.stage(args.stage)
-            endpoint, stage_id = spec.endpoint, spec.stage_id
+            target = pipeline.stage(args.stage)
+            endpoint = target.endpoint
             if not endpoint:
                 raise ConfigError(f"stage {args.stage!r} has no endpoint")
-        if not args.keys:
-            keys = pipeline.key_file(HEALTH_PROBER)
+        if not args.keys and pipeline.keys_dir is not None:
+            own = target.name if target is not None else HEALTH_PROBER
+            prober = HEALTH_PROBER if KeyFile.path_in(pipeline.keys_dir, HEALTH_PROBER).is_file() else own
+            keys = pipeline.key_file(prober)
     elif args.stage:
         raise ConfigError("--stage needs --config")
     if args.keys:
         keys = KeyFile.load(args.keys)
     curve: dict[str, str] = {}
     if keys is not None:
-        server_key = args.server_key or (keys.servers.get(stage_id) if stage_id is not None else None)
+        server_key = args.server_key
+        if server_key is None and target is not None:
+            server_key = keys.public_key if keys.name == target.name else keys.servers.get(target.stage_id)
         if server_key is None:
             raise ConfigError("with CURVE keys, name the stage (--config with --stage) or give --server-key")
         curve = {"server_key": server_key, "public_key": keys.public_key, "secret_key": keys.secret_key}
