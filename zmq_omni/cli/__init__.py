@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--stage", metavar="NAME", help="a stage of --config (its endpoint, after env overrides)")
     health.add_argument("--config", metavar="PIPELINE.yaml", help="the pipeline config (with --stage)")
     health.add_argument("--keys", metavar="FILE",
-                        help="CURVE key file of the prober (default with --config: KEYS_DIR/health.keys)")
+                        help="CURVE key file of the prober (default with --config: KEYS_DIR/health.keys, "
+                             "else the stage's own KEYS_DIR/NAME.keys)")
     health.add_argument("--server-key", metavar="KEY",
                         help="the stage's CURVE public key (default with --stage: from the key file)")
     health.add_argument("--timeout", type=float, default=2.0, metavar="S", help="probe timeout (default 2)")
