@@ -11,8 +11,11 @@
 # Debian mirror, Python packages are fetched on the host as manylinux wheels and
 # installed inside the image with `pip --no-index`.
 #
+# It then makes the demo's CURVE keys (docker/make-keys.sh --if-missing: kept
+# when they exist) in deploy/keys, which docker-compose.yml mounts read-only.
+#
 # Usage: docker/build-images.sh [--rebuild-base] [--rebuild-wheels] [--base-only]
-#                               [--repo DIR] [--cache DIR]
+#                               [--no-keys] [--repo DIR] [--cache DIR]
 # See --help and docs/deployment.md.
 set -euo pipefail
 
@@ -37,6 +40,7 @@ WHEEL_PLATFORMS=(manylinux_2_36_x86_64 manylinux_2_28_x86_64 manylinux_2_17_x86_
 REBUILD_BASE=0
 REBUILD_WHEELS=0
 BASE_ONLY=0
+MAKE_KEYS=1
 
 usage() {
     sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -46,6 +50,7 @@ Options:
                      (ignores the cached image and root filesystem tarball)
   --rebuild-wheels   fetch the dependency wheels again (ignores the wheel cache)
   --base-only        stop after the base image and the dependency wheels
+  --no-keys          do not make the compose demo's CURVE keys (docker/make-keys.sh)
   --repo DIR         repository to build the zmq-omni wheel from (default: ${REPO_DIR})
   --cache DIR        cache directory (default: \${ZMQ_OMNI_DOCKER_CACHE:-\$HOME/.cache/zmq-omni-docker})
   -h, --help         this help
@@ -61,6 +66,7 @@ while [[ $# -gt 0 ]]; do
         --rebuild-base) REBUILD_BASE=1 ;;
         --rebuild-wheels) REBUILD_WHEELS=1 ;;
         --base-only) BASE_ONLY=1 ;;
+        --no-keys) MAKE_KEYS=0 ;;
         --repo) REPO_DIR="$(cd "${2:?--repo needs a directory}" && pwd)"; shift ;;
         --repo=*) REPO_DIR="$(cd "${1#--repo=}" && pwd)" ;;
         --cache) CACHE_DIR="${2:?--cache needs a directory}"; shift ;;
@@ -365,6 +371,12 @@ prune_superseded
 if ! docker run --rm "$APP_IMAGE" zmq-omni --help >/dev/null 2>"$CACHE_DIR/smoke.log"; then
     tail -n 5 "$CACHE_DIR/smoke.log" >&2
     warn "'zmq-omni --help' does not run in $APP_IMAGE yet (zmq_omni.cli missing?)"
+fi
+if [[ $MAKE_KEYS -eq 1 ]]; then
+    t0=$(now)
+    ZMQ_OMNI_IMAGE="$APP_IMAGE" "$SCRIPT_DIR/make-keys.sh" --if-missing >&2 \
+        || die "docker/make-keys.sh failed: the compose demo has no CURVE keys"
+    record "CURVE keys (deploy/keys)" "$(since "$t0")"
 fi
 print_timings
 log "images:"

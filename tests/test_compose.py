@@ -5,6 +5,10 @@
    valid, and the stages that compose stops afterwards exit 0 on SIGTERM.
 2. A long driver run with the talker container stopped mid-run: the driver
    reports every request FAILED (never hangs) and exits 1.
+3. CURVE is on (keys made by docker/make-keys.sh from the image build): an
+   intruder container on the compose network, given the thinker's public key
+   but no allowed client key, gets nothing in and nothing out while the
+   driver's requests complete, and the thinker counts the refusals.
 
 Needs a Docker engine and docker-compose; without them the tests skip, except on
 CI (``CI=true``) where they fail with the reason. Everything a test starts is
@@ -15,6 +19,7 @@ carry the pytest pid).
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -67,8 +72,13 @@ class Compose:
 
     def __init__(self, project: str) -> None:
         self.project = project
-        # Interpolation must see the file's defaults, not a developer's overrides.
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")}
+        # Interpolation must see the file's defaults, not a developer's overrides (the image built
+        # by the fixture, named by ZMQ_OMNI_IMAGE like build-images.sh names it, is not an override).
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_") or k == "ZMQ_OMNI_IMAGE"}
+
+    @property
+    def image(self) -> str:
+        return self.env.get("ZMQ_OMNI_IMAGE", "zmq-omni:local")
 
     def command(self, *args: str) -> list[str]:
         return ["docker-compose", "-f", str(COMPOSE_FILE), "-p", self.project, *args]
@@ -247,3 +257,95 @@ def test_stopped_stage_fails_requests_at_driver(compose: Compose) -> None:
     # fires first): an uninterrupted run never stalls, unlike a merely slow one hitting --timeout.
     assert any("stalled" in reason for reason in failed.values()), _tail(out, 60)
     assert took < CUT_TIMEOUT_S + 30, f"driver took {took:.0f}s after the talker stopped"
+
+
+#: Runs in the intruder container: three clients that know the thinker's public key but hold no allowed key.
+_INTRUDER = """
+import json, sys, time
+import zmq
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.errors import TransportError
+from zmq_omni.transport import probe
+
+endpoint, server_key = sys.argv[1], sys.argv[2]
+public, secret = (k.decode() for k in zmq.curve_keypair())
+other, _ = (k.decode() for k in zmq.curve_keypair())
+base = {"stage_id": "driver", "role": "sender", "endpoints": {"0": endpoint}, "shm": "off", "insecure": True,
+        "delivery_timeout_s": 3.0, "heartbeat_s": 0.2, "peer_timeout_s": 1.0}
+mine = {"curve_public_key": public, "curve_secret_key": secret}
+clients = {"no-key": base, "wrong-key": {**base, **mine, "curve_server_key": other},
+           "not-listed": {**base, **mine, "curve_server_key": server_key}}
+report = {}
+for name, config in clients.items():
+    with ZmqConnector(config) as conn:
+        accepted = [conn.put("driver", "0", f"sec-{i:03d}_driver_{100 + i}", {"evil": name})[0] for i in range(4)]
+        deadline = time.monotonic() + 30
+        failed = []
+        while len(failed) < 4 and time.monotonic() < deadline:
+            failed += [type(f.error).__name__ for f in conn.drain_failures()]
+            time.sleep(0.1)
+        report[name] = {"accepted": accepted, "failed": failed}
+probes = {"no-key": {}, "wrong-key": {"server_key": other},
+          "not-listed": {"server_key": server_key, "public_key": public, "secret_key": secret}}
+for name, keys in probes.items():
+    try:
+        report[name]["probe"] = probe(endpoint, timeout_s=10, **keys)
+    except TransportError as exc:
+        report[name]["probe_error"] = type(exc).__name__ + ": " + str(exc)
+# A raw plaintext socket: whatever it sends, nothing comes back.
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.linger = 0
+sock.connect(endpoint)
+sock.send_multipart([b"ZO", b"junk"])
+report["raw_reply"] = bool(sock.poll(3000))
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 300)
+def test_intruder_on_the_network_gets_nothing_in_or_out(compose: Compose) -> None:
+    keys_dir = REPO / "deploy" / "keys"
+    thinker_pub = (keys_dir / "thinker.pub").read_text().strip()
+    # Fresh stages: an earlier test of this module may have left them mid-failure.
+    compose.run("up", "-d", "--force-recreate", *STAGES, timeout=180)
+    compose.wait_healthy(STAGES, timeout_s=90)  # the healthchecks authenticate with health.keys
+    drive = compose.command(
+        "run", "--rm", "-T", "--use-aliases", "--no-deps", "driver",
+        "zmq-omni", "drive", "--config", "/cfg/pipeline.yaml", "--requests", "4", "--chunks", "3000",
+        "--payload-size", "65536", "--wait-ready", "60", "--timeout", "150", "--prefix", "sec",
+    )
+    # The intruder and the driver run side by side: the attack must not disturb the real stream.
+    intruder_cmd = ["docker", "run", "--rm", "--network", f"{compose.project}_default", compose.image,
+                    "python", "-c", _INTRUDER, "tcp://thinker:5561", thinker_pub]
+    with subprocess.Popen(intruder_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as attack, \
+            subprocess.Popen(drive, cwd=REPO, env=compose.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) as proc:
+        try:
+            attack_out, attack_err = attack.communicate(timeout=180)
+            out, _ = proc.communicate(timeout=240)
+        finally:
+            for running in (attack, proc):
+                if running.poll() is None:
+                    running.kill()
+                    running.communicate(timeout=30)
+    assert attack.returncode == 0, attack_out + attack_err
+    report = json.loads(attack_out.strip().splitlines()[-1])
+    for name in ("no-key", "wrong-key", "not-listed"):
+        entry = report[name]
+        # Nothing in: every put the intruder handed to ZeroMQ was never confirmed by the stage.
+        assert entry["failed"] == ["DeliveryError"] * 4, (name, entry)
+        # Nothing out: no health answer, an authentication error instead.
+        assert "probe" not in entry and entry["probe_error"].startswith("AuthenticationError"), (name, entry)
+    assert report["raw_reply"] is False
+    assert proc.returncode == 0, f"driver exited {proc.returncode}:\n{_tail(out, 60)}\n{compose.logs(*STAGES)}"
+    completed = sorted(set(re.findall(r"\b(sec-\d{3}) completed: ", out)))
+    assert completed == [f"sec-{i:03d}" for i in range(4)], _tail(out, 60)
+    assert "FAILED" not in out, _tail(out, 60)
+
+    health = compose.run("exec", "-T", "thinker", "zmq-omni", "health", "--config", "/cfg/pipeline.yaml",
+                         "--stage", "thinker", timeout=60)
+    stats = json.loads(health.stdout.strip().splitlines()[-1])
+    assert stats["curve_refused"] >= 6, stats  # three senders and three probes, each refused at least once
+    anonymous = compose.run("exec", "-T", "thinker", "zmq-omni", "health", "--endpoint", "tcp://127.0.0.1:5561",
+                            check=False, timeout=60)
+    assert anonymous.returncode == 1 and "requires authentication" in anonymous.stdout, anonymous.stdout

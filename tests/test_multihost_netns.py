@@ -29,6 +29,8 @@ pytestmark = pytest.mark.netns
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 5601  # a fresh namespace has no other listener, so a fixed port cannot collide
+#: The partition tests run plaintext between namespaces: the explicit opt-out (docs/security.md).
+PLAINTEXT = {"insecure": True}
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -128,7 +130,7 @@ def test_partition_reports_every_put_as_failed(hosts: Hosts) -> None:
     endpoint = f"tcp://{hosts.addr_b}:{PORT}"
     _ip("-n", hosts.a, "link", "set", hosts.link_a, "down")  # host B is unreachable from host A
     sender = hosts.run(hosts.a, "send", "--count", "5", "--size", "1000", "--timeout", "20", "--config", json.dumps(
-        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint},
+        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, **PLAINTEXT,
          "delivery_timeout_s": 2.0, "put_timeout_s": 2.0}))
     done = _lines(sender)[-1]
     failed = {f["key"] for f in done["failures"]}
@@ -143,13 +145,13 @@ def test_a_partition_that_heals_within_the_deadline_loses_nothing_and_duplicates
     count = 60
     receiver = hosts.run(hosts.b, "recv", "--count", str(count), "--size", "4096", "--timeout", "60",
                          "--linger", "1", "--config", json.dumps(
-        {"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}}))
+        {"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **PLAINTEXT}))
     # One put every 50 ms for 3 s; the link goes down for 2.5 s in the middle of it, longer than
     # peer_timeout_s, so the sender presumes the receiver gone meanwhile. Puts keep being accepted; when
     # the link comes back, what ZeroMQ queued and whatever the sender resends arrives, once each.
     sender = hosts.run(hosts.a, "send", "--count", str(count), "--size", "4096", "--interval", "0.05",
                        "--timeout", "60", "--config", json.dumps(
-        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, "heartbeat_s": 0.2,
+        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, **PLAINTEXT, "heartbeat_s": 0.2,
          "peer_timeout_s": 1.0, "delivery_timeout_s": 40.0}))
     assert sender.stdout is not None
     assert json.loads(sender.stdout.readline())["event"] == "ready"
@@ -163,3 +165,32 @@ def test_a_partition_that_heals_within_the_deadline_loses_nothing_and_duplicates
     assert got[-1]["digests"] == {f"req{i}_0_0": expected_digest(4096, i) for i in range(count)}
     # Nothing arrived twice: a second copy would still be waiting in the mailbox a second later.
     assert got[-1]["health"]["mailbox"] == 0, got[-1]["health"]
+
+
+_BIND = """
+import json, sys
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.errors import ConfigError
+config = json.loads(sys.argv[1])
+try:
+    with ZmqConnector(config) as conn:
+        print("bound", conn.endpoint)
+except ConfigError as exc:
+    print("refused", exc)
+"""
+
+
+def test_plaintext_bind_on_a_real_network_address_is_refused_and_the_opt_out_binds(hosts: Hosts) -> None:
+    endpoint = f"tcp://{hosts.addr_b}:{PORT}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")}
+    env["PYTHONPATH"] = str(ROOT)
+    outcomes = []
+    for extra in ({}, PLAINTEXT):
+        config = json.dumps({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **extra})
+        done = subprocess.run(["ip", "netns", "exec", hosts.b, sys.executable, "-c", _BIND, config], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        outcomes.append((done.stdout.strip(), done.stderr))
+    (refused, _), (bound, _) = outcomes
+    assert refused.startswith(f"refused refusing plaintext TCP on {endpoint} (bind)") and "\n" not in refused, refused
+    assert bound == f"bound {endpoint}"

@@ -19,6 +19,7 @@ from .config import (
 )
 from .connectors import OmniConnectorBase, OmniConnectorFactory, TransferFailure, create_connector
 from .errors import (
+    AuthenticationError,
     ClosedResourceError,
     CodecError,
     ConfigError,
@@ -62,6 +63,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "AuthenticationError",
     "ChunkInputs",
     "ClosedResourceError",
     "CodecError",

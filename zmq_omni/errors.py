@@ -12,6 +12,7 @@ Every error the library raises on purpose is a :class:`ZmqOmniError`::
     │   ├── PeerGoneError                   the peer disconnected, died, or never came
     │   ├── ClosedResourceError             the connector/socket was already closed
     │   ├── MessageTooLargeError            a message is above the configured maximum
+    │   ├── AuthenticationError             the peer requires CURVE, or refused our keys
     │   └── DeliveryError                   delivery could not be confirmed before the deadline
     └── ShmError                            shared-memory segment fault
         └── ShmSpaceError                   /dev/shm has not enough free space
@@ -27,6 +28,7 @@ import errno as _errno
 import zmq
 
 __all__ = [
+    "AuthenticationError",
     "ClosedResourceError",
     "CodecError",
     "ConfigError",
@@ -87,6 +89,10 @@ class ClosedResourceError(TransportError):
 
 class MessageTooLargeError(TransportError):
     """A message is larger than the configured maximum message size."""
+
+
+class AuthenticationError(TransportError):
+    """The peer requires CURVE and we have no keys, or it refused ours (not allowed, wrong server key)."""
 
 
 class DeliveryError(TransportError):

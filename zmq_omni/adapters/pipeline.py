@@ -15,10 +15,11 @@ from types import MappingProxyType
 from typing import Any
 
 from ..config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
-from ..config._fields import check_known_keys, import_callable, read_float, read_mapping, read_str
+from ..config._fields import check_known_keys, import_callable, read_bool, read_float, read_mapping, read_str
 from ..config.pipeline import read_config_document
 from ..errors import ConfigError
 from ..transport._endpoints import check_endpoint, env_name
+from .keys import ENV_KEYS_DIR, KeyFile
 from .retry import RetryPolicy
 
 __all__ = [
@@ -113,6 +114,11 @@ class PipelineConfig:
         request_timeout_s: the driver fails a request that has not completed
             this long after it was submitted.
         retry: the send retry policy of every stage.
+        keys_dir: the directory of the CURVE key files (``zmq-omni keygen``);
+            ``ZMQ_OMNI_KEYS_DIR`` overrides ``pipeline.keys_dir``. With it, every
+            ZeroMQ edge of a stage uses that stage's ``<name>.keys``.
+        insecure: explicit opt-out: ZeroMQ edges may use plaintext TCP off the
+            host (``insecure: true`` on each of them; see ``docs/security.md``).
     """
 
     name: str
@@ -122,6 +128,38 @@ class PipelineConfig:
     stall_timeout_s: float = 10.0
     request_timeout_s: float = 120.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    keys_dir: str | None = None
+    insecure: bool = False
+
+    def key_file(self, name: str) -> KeyFile | None:
+        """The CURVE key file of party ``name`` (a stage, the driver, ``health``); None without ``keys_dir``.
+
+        Raises:
+            ConfigError: ``keys_dir`` is set but the file is missing or malformed.
+        """
+        if self.keys_dir is None:
+            return None
+        path = KeyFile.path_in(self.keys_dir, name)
+        if not path.exists():
+            raise ConfigError(
+                f"no CURVE key file for {name!r} in keys_dir {self.keys_dir!r}: run "
+                f"'zmq-omni keygen --config PIPELINE.yaml --out-dir {self.keys_dir}'"
+            )
+        return KeyFile.load(path)
+
+    def probe_keys(self, prober: str, target: StageSpec) -> dict[str, str]:
+        """``probe()`` keyword arguments for ``prober`` (a party name) probing ``target``; {} without keys.
+
+        Raises:
+            ConfigError: the prober's key file does not know ``target``'s public key.
+        """
+        keys = self.key_file(prober)
+        if keys is None:
+            return {}
+        server = keys.servers.get(target.stage_id)
+        if server is None:
+            raise ConfigError(f"CURVE key file of {prober!r} has no public key of stage {target.name!r}")
+        return {"server_key": server, "public_key": keys.public_key, "secret_key": keys.secret_key}
 
     def stage(self, name: str) -> StageSpec:
         """The stage called ``name`` (or the driver, by its name).
@@ -195,11 +233,18 @@ class PipelineConfig:
             extra["endpoints"] = endpoints
             if role == "receiver" and me.bind and "bind" not in extra:
                 extra["bind"] = me.bind
+        if base.name in _ENDPOINT_CONNECTORS:
+            keys = self.key_file(me.name)
+            # Keys written into the connector's own extra win over the pipeline's key files.
+            if keys is not None and "curve_secret_key" not in extra:
+                extra.update(keys.curve_extra())
+            if self.insecure:
+                extra.setdefault("insecure", True)
         return ConnectorSpec(base.name, extra)
 
 
 _STAGE_KEYS = ("name", "stage_id", "function", "params", "endpoint", "bind")
-_PIPELINE_KEYS = ("name", "stages", "driver", "stall_timeout_s", "request_timeout_s", "retry")
+_PIPELINE_KEYS = ("name", "stages", "driver", "stall_timeout_s", "request_timeout_s", "retry", "keys_dir", "insecure")
 
 
 def _read_stage(data: Any, path: str, *, driver: bool, environ: Mapping[str, str]) -> StageSpec:
@@ -243,7 +288,9 @@ def load_pipeline_config(
 
     ``ZMQ_OMNI_ENDPOINT_<STAGE_ID>`` environment variables override endpoints
     (the same variables :class:`ZmqConnector` reads), so one file serves a
-    laptop and a container deployment.
+    laptop and a container deployment. ``pipeline.keys_dir`` (or
+    ``ZMQ_OMNI_KEYS_DIR``) turns CURVE on for every ZeroMQ edge; a relative
+    path is relative to the YAML file.
 
     Raises:
         ConfigError: a key is missing, unknown or malformed (the message names it).
@@ -277,6 +324,9 @@ def load_pipeline_config(
                               f"{spec.endpoint!r}; each stage needs its own")
     transfer = load_omni_transfer_config(data)
     assert transfer is not None  # a document was given
+    keys_dir = env.get(ENV_KEYS_DIR) or read_str(section, "keys_dir", None, "pipeline")
+    if keys_dir and not isinstance(source, Mapping) and not env.get(ENV_KEYS_DIR):
+        keys_dir = str(Path(source).parent / keys_dir)  # an absolute keys_dir stays as it is
     return PipelineConfig(
         name=read_str(section, "name", "pipeline", "pipeline"),
         stages=stages,
@@ -285,4 +335,6 @@ def load_pipeline_config(
         stall_timeout_s=read_float(section, "stall_timeout_s", 10.0, "pipeline", minimum=0.001),
         request_timeout_s=read_float(section, "request_timeout_s", 120.0, "pipeline", minimum=0.001),
         retry=RetryPolicy.from_dict(read_mapping(section, "retry", {}, "pipeline"), "pipeline.retry"),
+        keys_dir=keys_dir or None,
+        insecure=read_bool(section, "insecure", False, "pipeline"),
     )

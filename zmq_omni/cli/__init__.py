@@ -109,11 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     health = sub.add_parser("health", help="probe a running stage (exit 0 healthy, 1 not)",
                             description="Send a health probe to a stage's endpoint; print its health as JSON "
-                                        "and exit 0, or print one line and exit 1. For container healthchecks.")
+                                        "and exit 0, or print one line and exit 1. For container healthchecks. "
+                                        "A CURVE stage needs the prober's keys: --keys, or --config whose "
+                                        "keys_dir holds health.keys.")
     target = health.add_mutually_exclusive_group(required=True)
     target.add_argument("--endpoint", help="tcp://host:port or ipc://path of the stage")
     target.add_argument("--stage", metavar="NAME", help="a stage of --config (its endpoint, after env overrides)")
     health.add_argument("--config", metavar="PIPELINE.yaml", help="the pipeline config (with --stage)")
+    health.add_argument("--keys", metavar="FILE",
+                        help="CURVE key file of the prober (default with --config: KEYS_DIR/health.keys, "
+                             "else the stage's own KEYS_DIR/NAME.keys)")
+    health.add_argument("--server-key", metavar="KEY",
+                        help="the stage's CURVE public key (default with --stage: from the key file)")
     health.add_argument("--timeout", type=_positive_float, default=2.0, metavar="S", help="probe timeout (default 2)")
 
     bench = sub.add_parser("bench", help="benchmark grids; prints one table of ratios",
@@ -127,11 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where to write the plot (needs the plot extra; default zmq-omni-bench.png)")
     plot.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="write no plot")
 
-    keygen = sub.add_parser("keygen", help="make a CURVE key pair for encrypted TCP between hosts",
-                            description="Print a new CURVE key pair (Z85) as YAML-ready lines, or write "
-                                        "NAME.key (secret) and NAME.pub (public) into --out-dir.")
-    keygen.add_argument("--out-dir", metavar="DIR", help="write NAME.key (mode 0600) and NAME.pub here")
-    keygen.add_argument("--name", default="stage", help="file name stem with --out-dir (default 'stage')")
+    keygen = sub.add_parser("keygen", help="make CURVE keys: a whole pipeline's, or one pair",
+                            description="With --config: the key files of every stage, the driver and the "
+                                        "health prober of a pipeline, in --out-dir (default: its keys_dir): "
+                                        "NAME.keys (0600: the party's pair and the public keys it needs) and "
+                                        "NAME.pub, in a 0700 directory. Without: print one CURVE key pair (Z85), "
+                                        "or write NAME.key (secret) and NAME.pub into --out-dir. An existing "
+                                        "secret key is never replaced without --force (or --rotate).")
+    keygen.add_argument("--config", metavar="PIPELINE.yaml", help="make the key files of this pipeline")
+    keygen.add_argument("--out-dir", metavar="DIR", help="where to write the key files")
+    keygen.add_argument("--name", default="stage", help="file name stem of one pair with --out-dir (default 'stage')")
+    replace = keygen.add_mutually_exclusive_group()
+    replace.add_argument("--force", action="store_true", help="replace existing key files (every key changes)")
+    replace.add_argument("--rotate", action="append", metavar="NAME",
+                         help="with --config: give party NAME a new pair and rewrite the files that name it "
+                              "(repeatable; other pairs are kept)")
+    replace.add_argument("--if-missing", action="store_true",
+                         help="with --config: do nothing when every key file exists (setup steps)")
 
     sweep = sub.add_parser("shm-sweep", help="remove shared-memory leftovers of dead processes",
                            description="List and remove zmq_omni shared-memory segments and records whose "

@@ -18,7 +18,7 @@ from ..adapters.driver import PipelineDriver
 from ..adapters.pipeline import PipelineConfig, load_pipeline_config
 from ..adapters.worker import StageWorker
 from ..connectors.inproc import InProcConnector
-from ..errors import ConfigError, TransportError
+from ..errors import AuthenticationError, ConfigError, TransportError
 from ._run import Progress, drive_requests, format_table, make_out_dir
 
 __all__ = ["run_drive", "run_health", "run_keygen", "run_shm_sweep", "run_stage", "wait_ready"]
@@ -89,8 +89,11 @@ def run_stage(args: argparse.Namespace) -> int:
 def wait_ready(pipeline: PipelineConfig, timeout_s: float, *, alive: Any = None) -> None:
     """Probe every stage's endpoint until it answers, or raise after ``timeout_s``.
 
+    With a ``keys_dir`` the probes authenticate with the driver's keys.
+
     Raises:
         TransportError: a stage did not answer in time (named in the message).
+        AuthenticationError: a stage refused the driver's keys, or requires keys the pipeline lacks.
     """
     from ..transport import probe
 
@@ -104,8 +107,11 @@ def wait_ready(pipeline: PipelineConfig, timeout_s: float, *, alive: Any = None)
                 if reason:
                     raise TransportError(reason)
             try:
-                probe(spec.endpoint, timeout_s=min(1.0, max(0.05, deadline - time.monotonic())))
+                probe(spec.endpoint, timeout_s=min(1.0, max(0.05, deadline - time.monotonic())),
+                      **pipeline.probe_keys(pipeline.driver.name, spec))
                 break
+            except AuthenticationError as exc:  # waiting longer cannot help
+                raise AuthenticationError(f"stage {spec.name!r}: {exc}") from exc
             except TransportError as exc:
                 if time.monotonic() >= deadline:
                     raise TransportError(f"stage {spec.name!r} is not answering: {exc}") from exc
@@ -150,18 +156,47 @@ def _with_timeout(pipeline: PipelineConfig, timeout_s: float) -> PipelineConfig:
 
 
 def run_health(args: argparse.Namespace) -> int:
-    """Probe one endpoint: print its health as JSON and exit 0, or one line on stderr and exit 1."""
+    """Probe one endpoint: print its health as JSON and exit 0, or one line on stderr and exit 1.
+
+    CURVE: ``--keys FILE`` (a key file from ``zmq-omni keygen --config``), else with
+    ``--config`` the pipeline's ``keys_dir``: ``health.keys`` when it is there, else
+    the probed stage's own file (a healthcheck beside the stage). The server key is
+    ``--server-key``, else the key file's entry for ``--stage``.
+    """
+    from ..adapters.keys import HEALTH_PROBER, KeyFile
     from ..transport import probe
 
-    endpoint = args.endpoint
-    if endpoint is None:
-        if not args.config:
-            raise ConfigError("--stage needs --config")
-        endpoint = load_pipeline_config(args.config).stage(args.stage).endpoint
-        if not endpoint:
-            raise ConfigError(f"stage {args.stage!r} has no endpoint")
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0, got {args.timeout}")
+    endpoint, target = args.endpoint, None
+    keys: KeyFile | None = None
+    if args.config:
+        pipeline = load_pipeline_config(args.config)
+        if args.stage:
+            target = pipeline.stage(args.stage)
+            endpoint = target.endpoint
+            if not endpoint:
+                raise ConfigError(f"stage {args.stage!r} has no endpoint")
+        if not args.keys and pipeline.keys_dir is not None:
+            own = target.name if target is not None else HEALTH_PROBER
+            prober = HEALTH_PROBER if KeyFile.path_in(pipeline.keys_dir, HEALTH_PROBER).is_file() else own
+            keys = pipeline.key_file(prober)
+    elif args.stage:
+        raise ConfigError("--stage needs --config")
+    if args.keys:
+        keys = KeyFile.load(args.keys)
+    curve: dict[str, str] = {}
+    if keys is not None:
+        server_key = args.server_key
+        if server_key is None and target is not None:
+            server_key = keys.public_key if keys.name == target.name else keys.servers.get(target.stage_id)
+        if server_key is None:
+            raise ConfigError("with CURVE keys, name the stage (--config with --stage) or give --server-key")
+        curve = {"server_key": server_key, "public_key": keys.public_key, "secret_key": keys.secret_key}
+    elif args.server_key:
+        curve = {"server_key": args.server_key}  # a throwaway client pair: enough without an allow-list
     try:
-        health = probe(endpoint, timeout_s=args.timeout)
+        health = probe(endpoint, timeout_s=args.timeout, **curve)
     except TransportError as exc:
         print(f"zmq-omni health: unhealthy: {exc}", file=sys.stderr)
         return 1
@@ -192,21 +227,79 @@ def run_shm_sweep(args: argparse.Namespace) -> int:
 
 
 def run_keygen(args: argparse.Namespace) -> int:
-    """``zmq-omni keygen``: a new CURVE key pair, printed or written to files."""
+    """``zmq-omni keygen``: a pipeline's key files (``--config``), or one pair printed or written to files.
+
+    Never replaces an existing secret key unless told to (``--force``, ``--rotate``).
+    """
     import zmq
 
-    public, secret = zmq.curve_keypair()
+    def new_pair() -> tuple[str, str]:
+        public, secret = zmq.curve_keypair()
+        return public.decode("ascii"), secret.decode("ascii")
+
+    if args.config:
+        return _keygen_pipeline(args, new_pair)
+    if args.rotate or args.if_missing:
+        raise ConfigError("--rotate and --if-missing need --config")
+    public, secret = new_pair()
     if not args.out_dir:
-        print(f"curve_public_key: {public.decode()}")
-        print(f"curve_secret_key: {secret.decode()}  # keep this one private")
+        print(f"curve_public_key: {public}")
+        print(f"curve_secret_key: {secret}  # keep this one private")
         return 0
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     secret_path, public_path = out / f"{args.name}.key", out / f"{args.name}.pub"
-    # Create the secret file 0600 from the start so it is never readable by others, even briefly.
-    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secret.decode() + "\n")
-    public_path.write_text(public.decode() + "\n")
+    if secret_path.exists() and not args.force:
+        return _keygen_error(f"{secret_path} exists: refusing to overwrite a secret key (--force replaces it)")
+    try:
+        out.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Create the secret file 0600 from the start so it is never readable by others, even briefly.
+        with contextlib.suppress(FileNotFoundError):
+            secret_path.unlink()  # --force: a fresh file gets the 0600 mode even if the old one had another
+        fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secret + "\n")
+        public_path.write_text(public + "\n")
+    except OSError as exc:
+        return _keygen_error(f"cannot write {exc.filename or out}: {exc.strerror}")
     print(f"wrote {secret_path} (secret, 0600) and {public_path}")
+    return 0
+
+
+def _keygen_error(message: str) -> int:
+    print(f"zmq-omni keygen: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _keygen_pipeline(args: argparse.Namespace, new_pair: Any) -> int:
+    from ..adapters.keys import HEALTH_PROBER, KeyFile, KeyFileExistsError, make_pipeline_keys, write_key_files
+
+    pipeline = load_pipeline_config(args.config)
+    out_dir = args.out_dir or pipeline.keys_dir
+    if not out_dir:
+        raise ConfigError("give --out-dir, or set pipeline.keys_dir or ZMQ_OMNI_KEYS_DIR")
+    names = [*(spec.name for spec in (*pipeline.stages, pipeline.driver)), HEALTH_PROBER]
+    present = [name for name in names if KeyFile.path_in(out_dir, name).is_file()]
+    existing: dict[str, KeyFile] = {}
+    if args.if_missing and len(present) == len(names):
+        print(f"zmq-omni keygen: {out_dir} already holds the keys of every party of {pipeline.name!r}: kept")
+        return 0
+    if args.rotate:
+        missing = sorted(set(names) - set(present))
+        if missing:
+            return _keygen_error(f"--rotate needs the pipeline's existing key files in {out_dir}; "
+                                 f"missing: {', '.join(f'{m}.keys' for m in missing)}")
+        existing = {name: KeyFile.load(KeyFile.path_in(out_dir, name)) for name in names}
+    files = make_pipeline_keys(pipeline, new_pair, existing=existing, rotate=tuple(args.rotate or ()))
+    try:
+        written = write_key_files(out_dir, files, replace=args.force or bool(args.rotate))
+    except KeyFileExistsError as exc:
+        return _keygen_error(f"{exc} (--force replaces every key, --rotate NAME one party's)")
+    except OSError as exc:
+        return _keygen_error(f"cannot write {exc.filename or out_dir}: {exc.strerror}")
+    secrets = [path.name for path in written if path.suffix == ".keys"]
+    what = f"rotated {', '.join(args.rotate)}; rewrote" if args.rotate else "wrote"
+    print(f"zmq-omni keygen: {what} {len(secrets)} key files in {out_dir} (0600, dir 0700): {', '.join(secrets)}; "
+          f"public keys in *.pub")
+    if args.rotate:
+        print("zmq-omni keygen: restart every stage (and the driver) to load them; see docs/security.md")
     return 0

@@ -116,6 +116,9 @@ class ZmqConnectorConfig:
             one key, or a map stage id -> key.
         curve_allowed_clients: public keys allowed to connect to this stage's
             bound socket (none: any client that knows the server key).
+        insecure: allow plaintext TCP to or from addresses other than loopback
+            (without it, and without CURVE, such a connector refuses to start;
+            ``ZMQ_OMNI_INSECURE=1`` does the same). See ``docs/security.md``.
     """
 
     stage_id: str | None = None
@@ -156,6 +159,7 @@ class ZmqConnectorConfig:
     curve_public_key: str | None = None
     curve_server_key: str | Mapping[str, str] | None = None
     curve_allowed_clients: tuple[str, ...] | None = None
+    insecure: bool = False
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -231,6 +235,7 @@ class ZmqConnectorConfig:
             curve_public_key=read_str(extra, "curve_public_key", None, _PATH),
             curve_server_key=_read_server_key(extra.get("curve_server_key")),
             curve_allowed_clients=_read_key_list(extra.get("curve_allowed_clients")),
+            insecure=read_bool(extra, "insecure", False, _PATH),
         )
         if config.peer_timeout_s < config.heartbeat_s:
             raise ConfigError(

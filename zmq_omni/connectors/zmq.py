@@ -50,6 +50,8 @@ from ..transport import (
     PushSender,
     ShmReceive,
     ShmSend,
+    insecure_from_env,
+    require_curve,
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes, resolve_device
@@ -75,6 +77,9 @@ class ZmqConnector(OmniConnectorBase):
     Raises:
         ConfigError: a bad, unknown or missing key, or no endpoint for a stage that must bind.
         TransportError: the bind failed (the message names the endpoint).
+
+    Without CURVE, binding or connecting to TCP other than loopback is refused
+    (``ConfigError``) unless ``insecure`` or ``ZMQ_OMNI_INSECURE=1`` opts out.
     """
 
     def __init__(self, config: dict[str, Any]) -> None:
@@ -121,6 +126,16 @@ class ZmqConnector(OmniConnectorBase):
         bind_stage = self._bind_stage(None)
         binds_now = cfg.role in ("dual", "receiver" if cfg.mode == "push" else "sender") and bind_stage is not None
         fast_path = cfg.shm != "off"
+        connects = (cfg.mode == "push" and sends) or (cfg.mode == "pull" and receives)
+        self._insecure = cfg.insecure or insecure_from_env()
+        exposed = list(self._endpoints.items()) if connects else []
+        if binds_now:
+            assert bind_stage is not None
+            bind_at = self._endpoints.env_bind or cfg.bind or self._endpoints.get(bind_stage)
+            if bind_at is not None:
+                exposed.append(("bind", bind_at))
+        # Before any socket exists: a refused plaintext endpoint never sends or accepts a byte.
+        require_curve(exposed, curve=self._curve is not None, insecure=self._insecure)
         if cfg.malloc_tuning and receives:
             tune_malloc()  # before the context's I/O threads first allocate
         self.endpoint: str | None = None
@@ -202,6 +217,8 @@ class ZmqConnector(OmniConnectorBase):
         bind_at = self._endpoints.env_bind or cfg.bind or advertised
         if bind_at is None:
             raise ConfigError(f"stage {stage!r} must bind: set config key 'endpoints.{stage}' or 'bind'")
+        # A lazy bind (no role given) is checked here; a bind at construction was checked before any socket.
+        require_curve([("bind", bind_at)], curve=self._curve is not None, insecure=self._insecure)
         if self._curve is not None:
             auth = self._curve.start_authenticator(loop.ctx)
             if auth is not None:
@@ -485,6 +502,13 @@ class ZmqConnector(OmniConnectorBase):
         endpoint = metadata.get("endpoint") if isinstance(metadata, dict) else None
         if not isinstance(endpoint, str):
             endpoint = self._endpoints.require(from_stage)
+        else:  # an endpoint the sender's metadata named: the same rule as configured ones, reported, not raised
+            try:
+                require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None,
+                              insecure=self._insecure)
+            except ConfigError as exc:
+                self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
+                return None
         now = time.monotonic()
         if deadline is None:
             wait_s, reply_by = 0.0, now + self.config.fetch_timeout_s

@@ -12,7 +12,7 @@ from ._probe import probe
 from ._pull import PullClient, PullServer
 from ._push_protocol import FailureCallback
 from ._receiver import PushReceiver
-from ._security import Curve
+from ._security import ENV_INSECURE, Curve, insecure_from_env, is_loopback, require_curve
 from ._sender import PushSender
 from ._shm import ShmReceive, ShmSend
 from ._sockets import tune_malloc
@@ -20,6 +20,7 @@ from ._sockets import tune_malloc
 __all__ = [
     "ENV_BIND",
     "ENV_ENDPOINT_PREFIX",
+    "ENV_INSECURE",
     "Curve",
     "EndpointMap",
     "FailureCallback",
@@ -32,6 +33,9 @@ __all__ = [
     "ShmSend",
     "check_endpoint",
     "env_name",
+    "insecure_from_env",
+    "is_loopback",
     "probe",
+    "require_curve",
     "tune_malloc",
 ]

@@ -74,6 +74,10 @@ class EndpointMap:
         """The endpoint of ``stage`` (environment first), or None when unknown."""
         return self._env.get(env_name(stage)) or self._configured.get(stage)
 
+    def items(self) -> list[tuple[str, str]]:
+        """Every ``(stage or variable, endpoint)`` known (configured keys and environment overrides)."""
+        return [(f"endpoints.{stage}", ep) for stage, ep in self._configured.items()] + list(self._env.items())
+
     def require(self, stage: str) -> str:
         """The endpoint of ``stage``; ``ConfigError`` naming the key and variable when unknown."""
         endpoint = self.get(stage)

@@ -48,7 +48,7 @@ from ._envelope import Kind, check_types, pack, unpack
 from ._loop import IoLoop
 from ._push_protocol import FailureCallback
 from ._router import recv_routed
-from ._security import Curve
+from ._security import Curve, watch_refusals
 from ._shm import ShmReceive, ShmSend
 from ._sockets import bind, close_socket, make_socket
 
@@ -138,6 +138,7 @@ class PullServer:
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
         if curve is not None:
             curve.make_server(self._sock)
+            watch_refusals(loop, self._sock, counters)
         try:
             bound = bind(self._sock, bind_endpoint)
         except BaseException:

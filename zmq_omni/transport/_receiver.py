@@ -19,7 +19,7 @@ from ._envelope import Kind, check_types, pack, to_ranges, unpack
 from ._loop import IoLoop
 from ._push_protocol import _MAX_DRAIN
 from ._router import recv_routed
-from ._security import Curve
+from ._security import Curve, watch_refusals
 from ._shm import ShmReceive
 from ._sockets import bind, close_socket, make_socket
 
@@ -119,6 +119,7 @@ class PushReceiver:
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
         if curve is not None:
             curve.make_server(self._sock)
+            watch_refusals(loop, self._sock, counters)
         try:
             self.endpoint = bind(self._sock, bind_endpoint)
         except BaseException:

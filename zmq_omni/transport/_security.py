@@ -5,22 +5,39 @@ connecting socket is a client that must know the server's public key. With an
 allow-list, a ZAP handler (pyzmq's ``ThreadAuthenticator``) admits only the
 listed client public keys; without one, any client that knows the server key
 may connect (traffic is still encrypted).
+
+Secure by default off the host: :func:`require_curve` refuses plaintext TCP to
+or from an address other than loopback unless the caller opted out explicitly
+(the ``insecure`` config key or ``ZMQ_OMNI_INSECURE=1``); ``ipc://`` and
+loopback TCP stay plaintext. :func:`watch_refusals` counts the handshakes a
+CURVE server refused (no key, a wrong server key, a client not on the list).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
-from collections.abc import Mapping
+import os
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import ConfigError
+from ..metrics import Counters
+from ._loop import IoLoop
+from ._sockets import close_socket
 
-__all__ = ["Curve"]
+__all__ = ["ENV_INSECURE", "Curve", "insecure_from_env", "is_loopback", "require_curve", "watch_refusals"]
+
+#: Set to 1 (or true/yes) to allow plaintext TCP off the host (containers: the explicit opt-out).
+ENV_INSECURE = "ZMQ_OMNI_INSECURE"
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -40,10 +57,13 @@ def _key(value: str, what: str) -> bytes:
 class _AllowList:
     def __init__(self, keys: frozenset[bytes]) -> None:
         self._keys = keys
+        self._logged: set[bytes] = set()  # ZAP thread only
 
     def callback(self, domain: str, key: bytes) -> bool:
         allowed = key in self._keys
-        if not allowed:
+        # An intruder retries every reconnect interval: one warning per key, not one per attempt.
+        if not allowed and key not in self._logged and len(self._logged) < 1000:
+            self._logged.add(key)
             log.warning("CURVE client %s refused (not in curve_allowed_clients)", key.decode("ascii", "replace"))
         return allowed
 
@@ -115,3 +135,115 @@ class Curve:
         auth.start()
         auth.configure_curve_callback("*", credentials_provider=_AllowList(self.allowed_clients))
         return auth
+
+
+# -- secure by default off the host ------------------------------------------------------------
+
+_warn_lock = threading.Lock()
+_warned = False
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ``ipc://`` and for TCP to 127.0.0.0/8, ``[::1]`` or ``localhost``.
+
+    Host names other than ``localhost`` count as off the host (no DNS lookup:
+    a name can change what it resolves to); so do ``0.0.0.0`` and ``*``.
+    """
+    if not endpoint.startswith("tcp://"):
+        return endpoint.startswith("ipc://")
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def insecure_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``ZMQ_OMNI_INSECURE`` opts out of CURVE (``1``, ``true``, ``yes``, ``on``).
+
+    Raises:
+        ConfigError: the variable holds anything else but ``0``/``false``/``no``/``off``/empty.
+    """
+    value = (os.environ if environ is None else environ).get(ENV_INSECURE, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"environment variable {ENV_INSECURE} must be 1 or 0, got {value!r}")
+
+
+def require_curve(endpoints: Iterable[tuple[str, str]], *, curve: bool, insecure: bool) -> None:
+    """Refuse plaintext TCP off the host; with the opt-out, warn once per process instead.
+
+    Args:
+        endpoints: ``(what, endpoint)`` pairs this connector binds or connects to
+            (``what`` names the config key, for the message).
+        curve: CURVE is configured (its own keys are set).
+        insecure: the explicit opt-out (config key ``insecure`` or ``ZMQ_OMNI_INSECURE``).
+
+    Raises:
+        ConfigError: one line naming the endpoint, how to turn CURVE on and how to opt out.
+    """
+    global _warned
+    if curve:
+        return
+    exposed = [(what, endpoint) for what, endpoint in endpoints if not is_loopback(endpoint)]
+    if not exposed:
+        return
+    what, endpoint = exposed[0]
+    if not insecure:
+        raise ConfigError(
+            f"refusing plaintext TCP on {endpoint} ({what}): it is not loopback, so anyone who can reach it "
+            f"could read and inject data. Turn CURVE on (zmq-omni keygen --config PIPELINE.yaml --out-dir DIR, "
+            f"then pipeline.keys_dir: DIR or ZMQ_OMNI_KEYS_DIR=DIR; or the curve_* connector keys), or opt out "
+            f"explicitly with 'insecure: true' or {ENV_INSECURE}=1 (see docs/security.md)"
+        )
+    with _warn_lock:
+        first, _warned = not _warned, True
+    if first:
+        log.warning(
+            "INSECURE: plaintext TCP on %s (%s) is neither encrypted nor authenticated: anyone who can reach it "
+            "can read and inject data (opted out of CURVE with 'insecure' or %s; see docs/security.md)",
+            endpoint, what, ENV_INSECURE,
+        )
+
+
+_REFUSALS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def watch_refusals(loop: IoLoop, sock: Any, counters: Counters) -> None:
+    """Count the handshakes the CURVE server ``sock`` refused, as ``curve_refused`` in ``counters``.
+
+    A plaintext client, a client that has the wrong server key and one that is
+    not on the allow-list all fail the handshake; each failed attempt counts once.
+    Call before ``bind``, from the loop's owner (the monitor runs on the loop thread).
+    """
+    monitor = sock.get_monitor_socket(_REFUSALS)
+
+    def drain() -> None:
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            if event["event"] & _REFUSALS:
+                counters.add("curve_refused")
+
+    def stop() -> None:
+        loop.remove_reader(monitor)
+        # The owner closes ``sock`` after this; disabling first ends the monitor's inproc link cleanly.
+        with contextlib.suppress(zmq.ZMQError):  # already closed
+            sock.disable_monitor()
+        close_socket(monitor)
+
+    counters.add("curve_refused", 0)
+    loop.add_reader(monitor, drain)
+    loop.on_stop(stop)
