@@ -29,6 +29,7 @@ from ._loop import IoLoop
 from ._push_protocol import _MAX_DRAIN, FailureCallback
 from ._security import Curve
 from ._shm import ShmSend
+from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import close_socket, make_socket
 
 __all__ = ["PushSender"]
@@ -152,7 +153,7 @@ class PushSender:
         self._on_failure = on_failure
         # A plain Lock under the condition: ``with self._lock`` costs a C call, a Condition's two Python ones.
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._cv = NotifyingCondition(self._lock)
         self._peers: dict[str, _Peer] = {}
         self._count = 0
         self._bytes = 0
@@ -166,8 +167,20 @@ class PushSender:
         loop.on_stop(self._close_sockets)
 
     # -- put threads ----------------------------------------------------------------
+    def on_window_change(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener`` (from any thread, with the window lock held) whenever room may have freed."""
+        self._cv.listener = listener
+
     def send(
-        self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int, loc: bytes | None = None
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        frames: list[Any],
+        nbytes: int,
+        loc: bytes | None = None,
+        *,
+        block: bool = True,
     ) -> None:
         """Admit one put into the window and hand it to ZeroMQ, waiting at most ``put_timeout_s``.
 
@@ -180,16 +193,22 @@ class PushSender:
         a full outbox's put or by the I/O thread's next turn). Either way it is in
         the window when this returns, so its deadline covers it.
 
+        With ``block=False`` a full window raises :class:`WouldBlock` at once
+        (nothing kept); room is signalled through :meth:`on_window_change`.
+
         Raises:
             TransportTimeoutError: no window room or ZeroMQ queue room in time.
             ClosedResourceError: the sender was closed.
             ConfigError: ``to_stage`` has no endpoint.
+            WouldBlock: ``block=False`` and the window is full.
         """
         now = time.monotonic()
         deadline = now + self._put_timeout
         with self._lock:
             peer = self._peers.get(to_stage) or self._peer(to_stage)
             if self._count and (self._count >= self._max_count or self._bytes + nbytes > self._max_bytes):
+                if not block and not self._closed:
+                    raise WouldBlock
                 now = self._wait_for_room(peer, nbytes, deadline)
             if self._closed:
                 raise ClosedResourceError("connector closed", endpoint=peer.endpoint)
