@@ -119,7 +119,11 @@ class AsyncConnector:
         # A pull-mode ZmqConnector (fetch_route, open_fetch_channel, fetch_done), or None.
         self._fetcher: Any = connector if self._pull else None
         self._ctx: Any = None  # the pull channels' ZeroMQ context (ours: closing the connector never closes them)
-        self._channels: dict[str, _Channel] = {}
+        # Per sender endpoint, the channels: each holds fewer FETCHes in flight than half the high-water
+        # mark, since the sender's ROUTER cannot queue more replies to one DEALER than that (it keeps the
+        # payload and the FETCH would go unanswered). 5,000 waiting gets on one sender are ten DEALERs.
+        self._channels: dict[str, list[_Channel]] = {}
+        self._per_channel = max(1, int(getattr(getattr(connector, "config", None), "hwm", 1000)) // 2)
         watch = connector.watch_arrivals()
         if watch is None:
             raise TypeError(f"{type(connector).__name__} offers no wake-up hook (watch_arrivals() returned None)")
@@ -400,16 +404,20 @@ class AsyncConnector:
         self._on_channel(chan)  # ZeroMQ's descriptor is edge-triggered: look once after each send
 
     def _channel(self, endpoint: str, server_key: bytes | None) -> _Channel:
-        chan = self._channels.get(endpoint)
-        if chan is None:
-            if self._ctx is None:
-                import zmq
+        """A channel to ``endpoint`` with room for one more FETCH (opened when all are at their share)."""
+        chans = self._channels.setdefault(endpoint, [])
+        for chan in chans:
+            if len(chan.fetches) < self._per_channel:
+                return chan
+        if self._ctx is None:
+            import zmq
 
-                self._ctx = zmq.Context(io_threads=1)
-            channel = self._fetcher.open_fetch_channel(self._ctx, endpoint, server_key)
-            chan = self._channels[endpoint] = _Channel(channel, channel.fileno())
-            assert self._loop is not None
-            self._loop.add_reader(chan.fd, self._on_channel, chan)
+            self._ctx = zmq.Context(io_threads=1)
+        channel = self._fetcher.open_fetch_channel(self._ctx, endpoint, server_key)
+        chan = _Channel(channel, channel.fileno())
+        chans.append(chan)
+        assert self._loop is not None
+        self._loop.add_reader(chan.fd, self._on_channel, chan)
         return chan
 
     def _on_channel(self, chan: _Channel) -> None:
@@ -472,10 +480,11 @@ class AsyncConnector:
         self._closed = True
         self._wake_all()
         loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
-        for chan in self._channels.values():
-            if loop is not None:
-                loop.remove_reader(chan.fd)
-            chan.channel.close()
+        for chans in self._channels.values():
+            for chan in chans:
+                if loop is not None:
+                    loop.remove_reader(chan.fd)
+                chan.channel.close()
         self._channels.clear()
         if self._ctx is not None:
             self._ctx.term()
