@@ -316,6 +316,37 @@ async def test_put_without_room_fails_at_its_timeout(short_tmp: Path) -> None:
             assert [(f.key, type(f.error)) for f in failures] == [("b", TransportTimeoutError)]
 
 
+@pytest.mark.anyio
+async def test_put_at_zeromq_high_water_mark_waits_without_blocking_the_loop(short_tmp: Path) -> None:
+    endpoints = {"1": f"ipc://{short_tmp}/r.sock"}  # no receiver yet: ZeroMQ queues up to its high-water mark
+    big = np.ones(4096, dtype=np.float64)  # too large to ride in a batch: a direct send
+    async with AsyncConnector(
+        ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": endpoints, "hwm": 4, "shm": "off"})
+    ) as sender:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        ticking = asyncio.create_task(ticker())
+        results = [await sender.put("0", "1", f"k{i}", big, timeout=0.3) for i in range(12)]
+        refused = [i for i, (ok, _, _) in enumerate(results) if not ok]
+        assert refused, "ZeroMQ's queue never filled"
+        assert ticks >= 20, "the loop stopped while puts waited at the high-water mark"
+        failures = sender.connector.drain_failures()
+        assert {f.key for f in failures} == {f"k{i}" for i in refused}
+        # A receiver drains the queue: its arrivals tell the waiting put there is room again.
+        with ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": endpoints}) as receiver:
+            ok, _, _ = await sender.put("0", "1", "late", big, timeout=20)
+            assert ok
+            got = receiver.get_with_deadline("0", "1", "late", deadline=time.monotonic() + 20)
+            assert got is not None and np.array_equal(got[0], big)
+            ticking.cancel()
+
+
 # -- timeouts and close ---------------------------------------------------------------------------
 
 

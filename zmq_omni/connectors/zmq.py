@@ -247,18 +247,17 @@ class ZmqConnector(OmniConnectorBase):
         :class:`~zmq_omni.connectors.base.ArrivalWatch` of :meth:`watch_arrivals`
         reports room. With ``give_up`` a full window fails the put as
         :meth:`put` does after ``put_timeout_s`` (a ``TransportTimeoutError``
-        kept for the adapters). Handing the put to ZeroMQ may still wait while
-        ZeroMQ's own queue is at its high-water mark or another thread holds
-        the peer's socket (both bounded by ``put_timeout_s``); the window,
-        which normally fills first, never waits. With ``shm: on`` the first put
-        to a peer does not wait for its shared-memory verdict (it goes as frames).
+        kept for the adapters). A put refused at ZeroMQ's high-water mark is
+        None too. It may still wait, briefly, while another thread holds the
+        peer's socket (bounded by ``put_timeout_s``). With ``shm: on`` the first
+        put to a peer does not wait for its shared-memory verdict (it goes as frames).
         """
         try:
             return self._put(from_stage, to_stage, key, data, False)
         except WouldBlock:
             if not give_up:
                 return None
-            reason = f"no window room within the caller's timeout (put_timeout_s={self.config.put_timeout_s})"
+            reason = "no room in the send window or ZeroMQ's queue within the caller's timeout"
             return self._fail_put(str(from_stage), str(to_stage), str(key), TransportTimeoutError(reason))
 
     def _put(

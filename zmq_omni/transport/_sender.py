@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -193,8 +194,10 @@ class PushSender:
         a full outbox's put or by the I/O thread's next turn). Either way it is in
         the window when this returns, so its deadline covers it.
 
-        With ``block=False`` a full window raises :class:`WouldBlock` at once
-        (nothing kept); room is signalled through :meth:`on_window_change`.
+        With ``block=False`` a full window, or ZeroMQ's queue at its high-water
+        mark for a put that does not ride in a batch, raises :class:`WouldBlock`
+        at once (nothing kept); room is signalled through :meth:`on_window_change`
+        (window room, and arrivals that drained ZeroMQ's queue).
 
         Raises:
             TransportTimeoutError: no window room or ZeroMQ queue room in time.
@@ -255,7 +258,7 @@ class PushSender:
         if wake:
             self._loop.call_soon(peer.flush_soon)
         if not batched:
-            self._send_direct(peer, out, deadline)
+            self._send_direct(peer, out, deadline, block)
 
     def _wait_for_room(self, peer: _Peer, nbytes: int, deadline: float) -> float:
         """Wait (caller holds ``_cv``) until the window admits ``nbytes``; the time then."""
@@ -273,9 +276,9 @@ class PushSender:
             self._cv.wait(remaining)
         return time.monotonic()
 
-    def _send_direct(self, peer: _Peer, out: _Out, deadline: float) -> None:
+    def _send_direct(self, peer: _Peer, out: _Out, deadline: float, block: bool = True) -> None:
         try:
-            self._send_data(peer, out, deadline)
+            self._send_data(peer, out, deadline, block)
         except BaseException:
             with self._lock:
                 self._puts -= 1
@@ -285,7 +288,11 @@ class PushSender:
                     self._count -= 1
                     self._bytes -= out.nbytes
                     peer.advance_low()
-                    self._cv.notify_all()
+                    if isinstance(sys.exc_info()[1], WouldBlock):
+                        # Threads only: telling the refused caller "room" would have it retry at once, in a loop.
+                        threading.Condition.notify_all(self._cv)
+                    else:
+                        self._cv.notify_all()
             raise
 
     def _peer(self, to_stage: str) -> _Peer:
@@ -314,7 +321,7 @@ class PushSender:
                 self._cv.wait(remaining)
             return peer.shm is True
 
-    def _send_data(self, peer: _Peer, out: _Out, deadline: float) -> None:
+    def _send_data(self, peer: _Peer, out: _Out, deadline: float, block: bool = True) -> None:
         """Send a put that cannot ride in a BATCH, after whatever small puts wait before it (their order)."""
         lock = peer.data_lock
         if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -332,6 +339,8 @@ class PushSender:
                     self._transmit(sock, peer, out)
                     return
                 except zmq.Again as exc:
+                    if not block:
+                        raise WouldBlock from exc  # withdrawn from the window by _send_direct
                     # At the high-water mark: wait for room in short slices so close() is never held up.
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or self._closed:
@@ -715,6 +724,9 @@ class PushSender:
                         out = unarrived_pop(seq, None)
                         if out is not None:
                             out.arrived = True
+                if arrived and self._cv.listener is not None:
+                    # Arrivals drained ZeroMQ's queue: a non-blocking put refused at the high-water mark may go now.
+                    self._cv.listener()
                 if self._delivery_waiters:
                     self._cv.notify_all()
                 if renewed:
