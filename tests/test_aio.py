@@ -46,7 +46,7 @@ class Peer:
     """A peer process of tests/aio_peers.py, driven through stdin/stdout; its output is shown when a test fails."""
 
     def __init__(self, name: str, **kwargs: Any) -> None:
-        self.err = tempfile.TemporaryFile()
+        self.err = tempfile.TemporaryFile()  # noqa: SIM115 -- closed by stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.aio_peers", name, json.dumps(kwargs)],
             cwd=ROOT,
@@ -180,7 +180,7 @@ async def test_cancellation_at_any_point_loses_nothing(short_tmp: Path, kind: st
             keys = [f"r{round_no}-{i}" for i in range(per_round)]
             got: dict[str, Any] = {}
 
-            async def getter(key: str) -> None:
+            async def getter(key: str, got: dict[str, Any] = got) -> None:
                 result = await get_side.get(*edge, key, timeout=30)
                 if result is not None:
                     assert key not in got, f"{key} delivered twice"
