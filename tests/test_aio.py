@@ -435,6 +435,27 @@ def test_a_connector_without_a_wakeup_hook_is_refused() -> None:
         AsyncConnector(bare)
 
 
+@pytest.mark.anyio
+async def test_shm_waiter_survives_its_mailbox_directory_being_removed(tmp_path: Path, shm_dir: str) -> None:
+    from zmq_omni.connectors.shm import SharedMemoryConnector
+
+    config = {"namespace": f"aio-{uuid.uuid4().hex[:8]}", "shm_dir": shm_dir, "spill_dir": str(tmp_path)}
+    async with AsyncConnector(SharedMemoryConnector(config)) as conn:
+        waiting = asyncio.create_task(conn.get("0", "1", "k", timeout=20))
+        await asyncio.sleep(0.05)
+        box = Path(conn.connector._box.path)
+        SharedMemoryConnector(config).close()  # another connector's close removes the empty directory
+        assert not box.exists()
+        await asyncio.sleep(0.05)  # the watch hears it and watches the directory anew
+        with SharedMemoryConnector(config) as other:
+            assert other.put("0", "1", "k", {"v": 1})[0]
+            got = await asyncio.wait_for(waiting, 5)  # woken by the new watch, not by its timeout
+        assert got is not None and got[0] == {"v": 1}
+        conn.connector.close()  # closed under the watch: its removal of the directory must not be undone
+        await asyncio.sleep(0.1)
+        assert not box.exists(), "the watch made the closed connector's mailbox directory again"
+
+
 # -- chunk streams ------------------------------------------------------------------------------
 
 

@@ -359,8 +359,8 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
         could now return (with their addresses when known), when room frees in
         the put window (see ``try_put`` where a backend has it), and at
         :meth:`close`. The caller closes it. Backends that support it:
-        ``InProcConnector``, ``SharedMemoryConnector`` and ``ZmqConnector`` in
-        push mode (pull mode offers ``start_get`` instead).
+        ``InProcConnector``, ``SharedMemoryConnector`` and ``ZmqConnector``
+        (whose pull-mode receivers wait on a ``FetchChannel`` instead).
         """
         return None
 

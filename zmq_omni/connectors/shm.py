@@ -122,6 +122,7 @@ class _MailboxWatch(ArrivalWatch):
 
     def __init__(self, connector: SharedMemoryConnector, path: str) -> None:
         self._events = DirEvents(path)
+        self._connector = connector
         super().__init__(connector._forget_watch)
 
     def filenos(self) -> tuple[int, ...]:
@@ -131,7 +132,8 @@ class _MailboxWatch(ArrivalWatch):
     def drain(self) -> tuple[list[Slot] | None, bool]:
         """Both descriptors' news: record names become addresses (a hashed name means "anything")."""
         arrived, room = super().drain()
-        names = self._events.read()
+        # Closed: its close removed the empty mailbox directory, which a re-arm would make anew.
+        names = self._events.read(rearm=not self._connector.closed)
         if arrived is None or names is None:
             return None, room
         for name in names:

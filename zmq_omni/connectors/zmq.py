@@ -151,7 +151,6 @@ class ZmqConnector(OmniConnectorBase):
                         shm=self._shm_receive,
                     )
                     self.endpoint = self._receiver.endpoint
-                    self._receiver.on_arrivals = self._notify_watches
                 else:
                     fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
                     self._server = PullServer(
@@ -171,7 +170,6 @@ class ZmqConnector(OmniConnectorBase):
                         shm=self._shm_send,
                     )
                     self.endpoint = self._server.endpoint
-                    self._server.on_window_change(self._notify_room)
             if cfg.mode == "push" and sends:
                 self._sender = PushSender(
                     loop,
@@ -192,7 +190,6 @@ class ZmqConnector(OmniConnectorBase):
                     batch_max_bytes=cfg.batch_max_bytes,
                     batch_item_bytes=cfg.inline_threshold,
                 )
-                self._sender.on_window_change(self._notify_room)
             if cfg.mode == "pull" and receives:
                 self._client = PullClient(
                     loop.ctx,
@@ -320,9 +317,15 @@ class ZmqConnector(OmniConnectorBase):
     def watch_arrivals(self) -> ArrivalWatch:
         """A watch notified when items reach the push receiver's mailbox, when window room frees, and at close.
 
-        A pull-mode receiver's items never arrive by themselves: wait for them with
-        :meth:`start_get` instead (its watch only reports the pull store's room).
+        A pull-mode receiver's items never arrive by themselves: wait for them on a
+        :class:`FetchChannel` instead (see :meth:`open_fetch_channel`).
         """
+        # Hooked up on the first watch: connectors nobody watches keep their hot paths as they were.
+        if self._receiver is not None:
+            self._receiver.on_arrivals = self._notify_watches
+        for part in (self._sender, self._server):
+            if part is not None:
+                part.on_window_change(self._notify_room)
         return self._new_watch()
 
     def get_wakeup_generation(self) -> int | None:

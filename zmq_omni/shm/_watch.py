@@ -139,10 +139,14 @@ class DirEvents:
         """The descriptor (readable when events wait)."""
         return int(self._fd)
 
-    def read(self) -> list[str] | None:
-        """The names created or moved in since the last read (never blocks); None when anything may have changed."""
+    def read(self, rearm: bool = True) -> list[str] | None:
+        """The names created or moved in since the last read (never blocks); None when anything may have changed.
+
+        Args:
+            rearm: when the directory was removed, make it again and watch it (False: just report "anything").
+        """
         names: list[str] = []
-        anything = False
+        anything = rearmed = False
         while True:
             try:
                 data = os.read(self._fd, 65536)
@@ -157,12 +161,13 @@ class DirEvents:
                     anything = True
                 elif mask & (_IN_DELETE_SELF | _IN_IGNORED):
                     # Its directory was removed: watch the one a later put makes (made now, so none is missed).
-                    if not anything:
-                        anything = True
+                    if rearm and not rearmed:
+                        rearmed = True
                         try:
                             self._arm()
                         except OSError as exc:
                             _log.warning("cannot re-arm the watch of %s: %s", self.path, exc)
+                    anything = True
                 elif name:
                     names.append(os.fsdecode(name))
         return None if anything else names
