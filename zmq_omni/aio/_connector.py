@@ -58,20 +58,20 @@ _HANDED_BACK_MAX = 65_536  # items handed back and not taken again; beyond it th
 PutResult = tuple[bool, int, "dict[str, Any] | None"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _GetWaiter:
     fut: asyncio.Future[tuple[Any, int] | None]
     slot: Slot
     metadata: dict[str, Any] | None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _PutWaiter:
     fut: asyncio.Future[PutResult]
     args: tuple[str, str, str, Any]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Fetch:
     """A FETCH sent on a channel and not answered yet (its waiter may be gone: then the item is handed back)."""
 
@@ -177,7 +177,9 @@ class AsyncConnector:
         Returns:
             ``(ok, nbytes, metadata)``, as the connector's ``put``.
         """
-        loop = self._bind()
+        loop = self._loop
+        if loop is None or loop is not asyncio.get_running_loop():
+            loop = self._bind()
         try_put = self._try_put
         if try_put is None:  # the backend's put never waits for room
             return self.connector.put(from_stage, to_stage, put_key, data)
@@ -257,20 +259,25 @@ class AsyncConnector:
 
         Cancellation never loses an item (see the module docstring).
         """
-        loop = self._bind()
-        slot = (str(from_stage), str(to_stage), str(get_key))
-        if self.closed:
+        loop = self._loop
+        if loop is None or loop is not asyncio.get_running_loop():
+            loop = self._bind()
+        if self._closed:
             return None
-        kept = self._take_handed_back(slot)
-        if kept is not None:
-            return kept
+        if self._handed_back:
+            kept = self._take_handed_back((str(from_stage), str(to_stage), str(get_key)))
+            if kept is not None:
+                return kept
+        if not self._pull:  # the common case first: the item is there (a closed connector returns None)
+            got = self.connector.get(from_stage, to_stage, get_key, metadata)
+            if got is not None:
+                return got
         if timeout is not None and math.isnan(timeout):
             raise ValueError("timeout is NaN")
+        if self.connector.closed or (timeout is not None and timeout <= 0 and not self._pull):
+            return None
         deadline = None if timeout is None else loop.time() + min(max(timeout, 0.0), MAX_WAIT_S)
-        if not self._pull:
-            got = self.connector.get(from_stage, to_stage, get_key, metadata)
-            if got is not None or (deadline is not None and deadline <= loop.time()):
-                return got
+        slot = (str(from_stage), str(to_stage), str(get_key))
         waiter = _GetWaiter(loop.create_future(), slot, metadata)
         self._gets.setdefault(slot, deque()).append(waiter)
         expiry = deadline
