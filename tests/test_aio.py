@@ -27,7 +27,7 @@ from tests.zmq_peers import digest, expected_digest
 from zmq_omni.aio import AsyncChunkSender, AsyncChunkStream, AsyncConnector
 from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.connectors.zmq import ZmqConnector
-from zmq_omni.errors import DecodeError, TransportTimeoutError
+from zmq_omni.errors import DecodeError, EncodeError, TransportTimeoutError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -314,6 +314,13 @@ async def test_put_without_room_fails_at_its_timeout(short_tmp: Path) -> None:
             assert await sender.put("0", "1", "b", 2, timeout=0.2) == (False, 0, None)
             failures = sender.connector.drain_failures()
             assert [(f.key, type(f.error)) for f in failures] == [("b", TransportTimeoutError)]
+            # A payload that cannot be encoded, found out while it waited for room, raises in its own caller.
+            ahead = asyncio.create_task(sender.put("0", "1", "c", 3, timeout=0.5))
+            await asyncio.sleep(0.01)
+            assert sender.health()["aio_puts_waiting"] == 1
+            with pytest.raises(EncodeError):
+                await sender.put("0", "1", "bad", object(), timeout=0.1)  # queued behind "c", tried at its timeout
+            assert await ahead == (False, 0, None)
 
 
 @pytest.mark.anyio

@@ -53,6 +53,7 @@ __all__ = ["AsyncConnector"]
 log = logging.getLogger("zmq_omni.aio")
 
 _LONG_POLL_S = 3600.0  # what a pull-mode FETCH asks the sender to park at most (its own cap)
+_REFETCH_S = 0.05  # a FETCH the sender would not park is asked again after this
 _HANDED_BACK_MAX = 65_536  # items handed back and not taken again; beyond it the oldest are dropped (logged)
 
 PutResult = tuple[bool, int, "dict[str, Any] | None"]
@@ -79,6 +80,7 @@ class _Fetch:
     endpoint: str
     waiter: _GetWaiter | None
     deadline: float | None  # the waiter's (loop time); None: wait as long as it takes
+    parked_until: float  # an "absent" answer before this time means the sender did not park the FETCH
 
 
 @dataclass(eq=False)
@@ -216,7 +218,12 @@ class AsyncConnector:
             if waiter.fut.done():
                 puts.popleft()
                 continue
-            got = try_put(*waiter.args)
+            try:
+                got = try_put(*waiter.args)
+            except Exception as exc:  # a programming error of that put (its payload): its caller gets it
+                puts.popleft()
+                waiter.fut.set_exception(exc)
+                continue
             if got is None:
                 return
             puts.popleft()
@@ -229,7 +236,11 @@ class AsyncConnector:
             self._puts.remove(waiter)
         assert self._try_put is not None
         # One last try that, without room, fails the put as put_timeout_s does in the blocking put.
-        got = self._try_put(*waiter.args, True)
+        try:
+            got = self._try_put(*waiter.args, True)
+        except Exception as exc:
+            waiter.fut.set_exception(exc)
+            return
         waiter.fut.set_result(got if got is not None else (False, 0, None))
 
     # -- get ------------------------------------------------------------------------------
@@ -390,13 +401,19 @@ class AsyncConnector:
         self._gets.clear()
         puts, self._puts = self._puts, deque()
         for put in puts:
-            if not put.fut.done():
+            if put.fut.done():
+                continue
+            try:  # on a closed connector put counts and keeps the failure, as it does for any caller
                 put.fut.set_result(self.connector.put(*put.args) if self.connector.closed else (False, 0, None))
+            except Exception as exc:
+                put.fut.set_exception(exc)
 
     # -- pull mode -----------------------------------------------------------------------------
     def _fetch(self, waiter: _GetWaiter, deadline: float | None) -> None:
         """Send (or send again) the FETCH of a waiting pull-mode get."""
         assert self._loop is not None
+        if waiter.fut.done():
+            return
         from_stage, to_stage, key = waiter.slot
         endpoint, server_key = self._fetcher.fetch_route(from_stage, key, waiter.metadata)
         chan = self._channel(endpoint, server_key)
@@ -407,7 +424,7 @@ class AsyncConnector:
         except Exception as exc:
             waiter.fut.set_result(self._fetcher.fetch_done(from_stage, to_stage, key, endpoint, exc))
             return
-        chan.fetches[req_id] = _Fetch(waiter.slot, endpoint, waiter, deadline)
+        chan.fetches[req_id] = _Fetch(waiter.slot, endpoint, waiter, deadline, self._loop.time() + wait_s / 2)
         self._on_channel(chan)  # ZeroMQ's descriptor is edge-triggered: look once after each send
 
     def _channel(self, endpoint: str, server_key: bytes | None) -> _Channel:
@@ -441,8 +458,13 @@ class AsyncConnector:
                     self._hand_back(fetch.slot, got)
             elif waiter is not None and not waiter.fut.done():
                 assert self._loop is not None
-                if result is None and (fetch.deadline is None or fetch.deadline > self._loop.time()):
-                    self._fetch(waiter, fetch.deadline)  # the server's long poll ended first: ask again
+                now = self._loop.time()
+                if result is None and (fetch.deadline is None or fetch.deadline > now):
+                    if now < fetch.parked_until:
+                        # Answered at once: the sender parks no more FETCHes now. Ask again a little later.
+                        self._loop.call_later(_REFETCH_S, self._fetch, waiter, fetch.deadline)
+                    else:
+                        self._fetch(waiter, fetch.deadline)  # the server's long poll ended first: ask again
                 else:
                     waiter.fut.set_result(None)
 
