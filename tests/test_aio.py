@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import uvloop
 
 from tests.aio_peers import sizes
 from tests.connector_kinds import KINDS
@@ -391,10 +392,15 @@ async def test_closing_the_connector_wakes_waiters(short_tmp: Path, kind: str) -
         assert await asyncio.wait_for(asyncio.gather(*waiters), 10) == [None] * 50
 
 
-def test_loop_shutdown_with_pending_gets_cancels_them_cleanly(short_tmp: Path) -> None:
+RUNNERS = [pytest.param(asyncio.run, id="asyncio"), pytest.param(uvloop.run, id="uvloop")]
+
+
+@pytest.mark.parametrize("run", RUNNERS)
+def test_loop_shutdown_with_pending_gets_cancels_them_cleanly(short_tmp: Path, run: Any) -> None:
     endpoints = {"1": f"ipc://{short_tmp}/r.sock"}
     conn = AsyncConnector(ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": endpoints}))
     seen: list[BaseException] = []
+    loop_kinds: list[str] = []
 
     async def waiter(i: int) -> None:
         try:
@@ -404,31 +410,24 @@ def test_loop_shutdown_with_pending_gets_cancels_them_cleanly(short_tmp: Path) -
             raise
 
     async def main() -> None:
+        loop_kinds.append(type(asyncio.get_running_loop()).__module__)
         for i in range(100):
             asyncio.create_task(waiter(i))  # noqa: RUF006 -- left pending on purpose
         while conn.health()["aio_gets_waiting"] < 100:
             await asyncio.sleep(0.01)
 
-    asyncio.run(main())  # cancels the pending gets as it shuts the loop down
+    run(main())  # cancels the pending gets as it shuts the loop down
     assert len(seen) == 100
     assert conn.health()["aio_gets_waiting"] == 0
     conn.close()
     assert conn.connector.closed
+    assert loop_kinds == ["uvloop" if run is uvloop.run else "asyncio.unix_events"]
 
 
-def test_uvloop_runs_it() -> None:
-    uvloop = pytest.importorskip("uvloop") if sys.platform == "win32" else __import__("uvloop")
-
-    async def main() -> str:
-        namespace = uuid.uuid4().hex
-        async with AsyncConnector(InProcConnector({"namespace": namespace})) as conn:
-            task = asyncio.create_task(conn.get("0", "1", "k", timeout=10))
-            await conn.put("0", "1", "k", "v")
-            got = await task
-            assert got is not None
-            return type(asyncio.get_running_loop()).__module__ + ":" + str(got[0])
-
-    assert uvloop.run(main()).startswith("uvloop") and uvloop.run(main()).endswith(":v")
+@pytest.mark.anyio
+async def test_each_backend_runs_on_its_loop(anyio_backend: Any) -> None:
+    uses_uvloop = anyio_backend[1].get("use_uvloop", False)
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop) == uses_uvloop
 
 
 def test_a_connector_without_a_wakeup_hook_is_refused() -> None:
