@@ -305,6 +305,27 @@ async def test_put_waiting_for_room_lets_a_ticker_tick(short_tmp: Path, mode: st
 
 
 @pytest.mark.anyio
+async def test_put_cancelled_while_waiting_for_room_is_not_made(short_tmp: Path) -> None:
+    endpoints = {"1": f"ipc://{short_tmp}/r.sock"}
+    with ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": endpoints}) as receiver:
+        async with AsyncConnector(
+            ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": endpoints, "max_unacked": 1})
+        ) as sender:
+            assert (await sender.put("0", "1", "a", 1))[0]
+            waiting = asyncio.create_task(sender.put("0", "1", "b", 2))
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert sender.health()["aio_puts_waiting"] == 0
+            assert receiver.get_with_deadline("0", "1", "a", deadline=time.monotonic() + 10) == (1, 10)
+            assert (await sender.put("0", "1", "c", 3, timeout=10))[0]  # the room went to the next put
+            got = receiver.get_with_deadline("0", "1", "c", deadline=time.monotonic() + 10)
+            assert got is not None and got[0] == 3
+            assert receiver.get("0", "1", "b") is None
+
+
+@pytest.mark.anyio
 async def test_put_without_room_fails_at_its_timeout(short_tmp: Path) -> None:
     endpoints = {"1": f"ipc://{short_tmp}/r.sock"}
     with ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": endpoints}):
