@@ -150,10 +150,12 @@ async def test_5000_concurrent_gets_across_processes_exact_and_threadless(short_
             putter.event("ready")
             await conn.get("0", "1", "warm-up", timeout=0)  # binds the loop (and pull mode's channel)
             threads_before = threading.active_count()
+            os_threads_before = len(os.listdir("/proc/self/task"))  # ZeroMQ's own I/O threads included
             tasks = [asyncio.create_task(conn.get("0", "1", f"k{i}", timeout=120)) for i in range(n)]
             while conn.health()["aio_gets_waiting"] < n:
                 await asyncio.sleep(0.01)
             threads_during = threading.active_count()
+            os_threads_during = len(os.listdir("/proc/self/task"))
             putter.send("go")
             results = await asyncio.gather(*tasks)
             sent = putter.event("sent")
@@ -165,6 +167,7 @@ async def test_5000_concurrent_gets_across_processes_exact_and_threadless(short_
     assert wrong == []
     # Every get waited at once, and they cost no thread: the count is what it was with none waiting.
     assert threads_during == threads_before
+    assert os_threads_during == os_threads_before
 
 
 # -- cancellation loses nothing ---------------------------------------------------------------
