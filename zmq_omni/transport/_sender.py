@@ -203,7 +203,7 @@ class PushSender:
             TransportTimeoutError: no window room or ZeroMQ queue room in time.
             ClosedResourceError: the sender was closed.
             ConfigError: ``to_stage`` has no endpoint.
-            WouldBlock: ``block=False`` and the window is full.
+            WouldBlock: ``block=False`` and the window (or ZeroMQ's queue) is full.
         """
         now = time.monotonic()
         deadline = now + self._put_timeout
