@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "zmq_omni"
-ORDER = ["metrics", "errors", "config", "wire", "shm", "transport", "connectors", "adapters", "bench", "cli"]
+ORDER = ["metrics", "errors", "config", "wire", "shm", "transport", "connectors", "adapters", "aio", "bench", "cli"]
 
 
 def _room(module: str) -> str | None:

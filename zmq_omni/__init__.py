@@ -41,6 +41,9 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # name -> module that defines it; imported on first attribute access.
 _LAZY: dict[str, str] = {
+    "AsyncChunkSender": "zmq_omni.aio",
+    "AsyncChunkStream": "zmq_omni.aio",
+    "AsyncConnector": "zmq_omni.aio",
     "ChunkInputs": "zmq_omni.adapters",
     "DriverEvent": "zmq_omni.adapters.driver",
     "InProcConnector": "zmq_omni.connectors.inproc",
@@ -63,6 +66,9 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "AsyncChunkSender",
+    "AsyncChunkStream",
+    "AsyncConnector",
     "AuthenticationError",
     "ChunkInputs",
     "ClosedResourceError",

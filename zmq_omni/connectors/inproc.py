@@ -22,7 +22,7 @@ from typing import Any
 from ..config._fields import check_known_keys, read_stage_id, read_str
 from ..errors import ClosedResourceError
 from ..wire import decode, encode
-from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix
+from .base import ArrivalWatch, OmniConnectorBase, bounded_deadline, key_matches_prefix
 
 __all__ = ["InProcConnector"]
 
@@ -35,6 +35,7 @@ class _Mailbox:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.items: dict[_Slot, list[bytearray]] = {}
+        self.watches: list[ArrivalWatch] = []  # every connector's watches: a put notifies them all
 
 
 _mailboxes: weakref.WeakValueDictionary[str, _Mailbox] = weakref.WeakValueDictionary()
@@ -83,6 +84,8 @@ class InProcConnector(OmniConnectorBase):
         with self._box.cond:
             self._box.items[slot] = frames
             self._box.cond.notify_all()
+            for watch in self._box.watches:
+                watch.notify((slot,))
         self._counters.add("puts")
         self._counters.add("bytes_sent", nbytes)
         return True, nbytes, {"key": slot[2], "size": nbytes}
@@ -129,6 +132,24 @@ class InProcConnector(OmniConnectorBase):
                 self._box.cond.wait(remaining)
         return None
 
+    def watch_arrivals(self) -> ArrivalWatch:
+        """A watch notified by every put of the namespace (any connector) and by this connector's close."""
+        box = self._box
+
+        def forget(watch: ArrivalWatch) -> None:
+            self._forget_watch(watch)
+            with box.cond:
+                box.watches.remove(watch)
+
+        watch = ArrivalWatch(forget)
+        with self._watches_lock:
+            self._watches = [*self._watches, watch]
+        with box.cond:
+            box.watches.append(watch)
+        if self._closed:
+            self._notify_closed()
+        return watch
+
     def cleanup(self, request_id: str) -> bool:
         """Drop every unconsumed payload stored under the key ``request_id``."""
         key = str(request_id)
@@ -160,3 +181,4 @@ class InProcConnector(OmniConnectorBase):
         self._closed = True
         with self._box.cond:
             self._box.cond.notify_all()
+        self._notify_closed()

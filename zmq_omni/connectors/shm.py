@@ -36,14 +36,24 @@ from typing import Any
 from ..config._fields import check_known_keys, read_float, read_int, read_stage_id, read_str
 from ..config.device import read_device
 from ..errors import ClosedResourceError, ConfigError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
-from ..shm import Mailbox, Record, SlotPool, SlotReader, default_shm_dir, namespace_dir, self_owner
+from ..shm import (
+    DirEvents,
+    Mailbox,
+    Record,
+    SlotPool,
+    SlotReader,
+    default_shm_dir,
+    entry_address,
+    namespace_dir,
+    self_owner,
+)
 from ..shm._owner import is_our_name, make_name
 from ..shm._watch import DirWatch
 from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
 from ..shm.segment import shm_error
 from ..wire import decode, encode, frames_nbytes, resolve_device
-from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix
+from .base import ArrivalWatch, OmniConnectorBase, Slot, bounded_deadline, key_matches_prefix
 
 __all__ = ["SharedMemoryConfig", "SharedMemoryConnector"]
 
@@ -126,6 +136,40 @@ class SharedMemoryConfig:
         )
         namespace_dir(config.shm_dir, config.namespace)  # validates the namespace
         return config
+
+
+class _MailboxWatch(ArrivalWatch):
+    """An :class:`ArrivalWatch` that also hears puts of other processes: an inotify descriptor on the mailbox."""
+
+    def __init__(self, connector: SharedMemoryConnector, path: str) -> None:
+        self._events = DirEvents(path)
+        self._connector = connector
+        super().__init__(connector._forget_watch)
+
+    def filenos(self) -> tuple[int, ...]:
+        """The eventfd of this process's notifications and the mailbox directory's inotify descriptor."""
+        return (self.fileno(), self._events.fileno())
+
+    def drain(self) -> tuple[list[Slot] | None, bool]:
+        """Both descriptors' news: record names become addresses (a hashed name means "anything")."""
+        arrived, room = super().drain()
+        # Closed: its close removed the empty mailbox directory, which a re-arm would make anew.
+        names = self._events.read(rearm=not self._connector.closed)
+        if arrived is None or names is None:
+            return None, room
+        for name in names:
+            if name.startswith("."):
+                continue  # a poster's temp file or a taker's claim
+            address = entry_address(name)
+            if address is None:
+                return None, room  # a hashed (long) name: retry every waiting get
+            arrived.append(address)
+        return arrived, room
+
+    def close(self) -> None:
+        """Stop watching; release both descriptors."""
+        super().close()
+        self._events.close()
 
 
 class SharedMemoryConnector(OmniConnectorBase):
@@ -331,6 +375,19 @@ class SharedMemoryConnector(OmniConnectorBase):
                 watch.wait(min(remaining, _REARM_S))
         return None
 
+    def watch_arrivals(self) -> ArrivalWatch:
+        """A watch that hears every put of the namespace, from any process (inotify), and this connector's close.
+
+        Raises:
+            OSError: inotify is not available (not Linux).
+        """
+        watch = _MailboxWatch(self, self._box.path)
+        with self._watches_lock:
+            self._watches = [*self._watches, watch]
+        if self._closed:
+            self._notify_closed()
+        return watch
+
     # -- cleanup -----------------------------------------------------------------
     def cleanup(self, request_id: str) -> bool:
         """Drop every unconsumed put of the key ``request_id`` in the namespace (any edge)."""
@@ -397,6 +454,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             for record in self._box.withdraw(posted.keys(), self_owner()):
                 self._discard(record)
         finally:
+            self._notify_closed()
             self._pool.close()
             self._reader.close()
             with contextlib.suppress(OSError):

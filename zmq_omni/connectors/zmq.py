@@ -43,6 +43,7 @@ from ..errors import (
 from ..transport import (
     Curve,
     EndpointMap,
+    FetchChannel,
     IoLoop,
     PullClient,
     PullServer,
@@ -50,12 +51,13 @@ from ..transport import (
     PushSender,
     ShmReceive,
     ShmSend,
+    WouldBlock,
     insecure_from_env,
     require_curve,
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes, resolve_device
-from .base import OmniConnectorBase, bounded_deadline, bounded_timeout, key_matches_prefix
+from .base import ArrivalWatch, OmniConnectorBase, bounded_deadline, bounded_timeout, key_matches_prefix
 
 __all__ = ["ZmqConnector"]
 
@@ -271,6 +273,8 @@ class ZmqConnector(OmniConnectorBase):
         else:
             self._server = part
         self.endpoint = part.endpoint
+        if self._watches:  # a watch taken before this lazy bind hears the new part too
+            self._hook_watches()
         log.info("ZmqConnector stage=%s bound %s", stage, self.endpoint)
 
     def _on_loop(self, build: Callable[[], PushReceiver | PullServer]) -> PushReceiver | PullServer:
@@ -333,7 +337,35 @@ class ZmqConnector(OmniConnectorBase):
             ValueError: this connector's role cannot put.
             TransportError: a first put had to bind and the bind failed (the endpoint is named).
         """
-        key = put_key
+        got = self._put(from_stage, to_stage, put_key, data, True)
+        assert got is not None
+        return got
+
+    def try_put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any, give_up: bool = False
+    ) -> tuple[bool, int, dict[str, Any] | None] | None:
+        """:meth:`put` without waiting for window room: None (nothing sent, nothing kept) when there is none.
+
+        For callers that wait on an event loop: they retry when an
+        :class:`~zmq_omni.connectors.base.ArrivalWatch` of :meth:`watch_arrivals`
+        reports room. With ``give_up`` a full window fails the put as
+        :meth:`put` does after ``put_timeout_s`` (a ``TransportTimeoutError``
+        kept for the adapters). A put refused at ZeroMQ's high-water mark is
+        None too. It may still wait, briefly, while another thread holds the
+        peer's socket (bounded by ``put_timeout_s``). With ``shm: on`` the first
+        put to a peer does not wait for its shared-memory verdict (it goes as frames).
+        """
+        try:
+            return self._put(from_stage, to_stage, put_key, data, False)
+        except WouldBlock:
+            if not give_up:
+                return None
+            reason = "no room in the send window or ZeroMQ's queue within the caller's timeout"
+            return self._fail_put(str(from_stage), str(to_stage), str(put_key), TransportTimeoutError(reason))
+
+    def _put(
+        self, from_stage: str, to_stage: str, key: str, data: Any, block: bool
+    ) -> tuple[bool, int, dict[str, Any] | None] | None:
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if self._closed:
@@ -354,13 +386,13 @@ class ZmqConnector(OmniConnectorBase):
                 MessageTooLargeError(f"put of {nbytes} bytes > max_message_bytes {cfg.max_message_bytes}"),
             )
         shm = self._shm_send
-        loc = None if shm is None or nbytes < shm.threshold else self._to_shm(to_stage, frames, nbytes)
+        loc = None if shm is None or nbytes < shm.threshold else self._to_shm(to_stage, frames, nbytes, block)
         if loc is None and cfg.copy_on_put and len(frames) > 1:
             frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
         try:
             if sender is not None:
                 try:
-                    sender.send(from_stage, to_stage, key, frames, nbytes, loc)
+                    sender.send(from_stage, to_stage, key, frames, nbytes, loc, block=block)
                 except BaseException:
                     if loc is not None and shm is not None:
                         shm.discard(loc)
@@ -368,17 +400,17 @@ class ZmqConnector(OmniConnectorBase):
                 metadata: dict[str, Any] = {"key": key, "size": nbytes, "transport": _PUSH_METADATA_TAG}
             else:
                 assert self._server is not None
-                metadata = self._server.store(from_stage, to_stage, key, frames, nbytes)
+                metadata = self._server.store(from_stage, to_stage, key, frames, nbytes, block=block)
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
         return True, nbytes, metadata
 
-    def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int) -> bytes | None:
+    def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int, block: bool = True) -> bytes | None:
         """Write a large payload into a slot for a same-host receiver; the packed handle, or None (frames)."""
         shm, sender = self._shm_send, self._sender
         if shm is None or sender is None or nbytes < shm.threshold:
             return None
-        wait_s = self.config.put_timeout_s if self.config.shm == "on" else 0.0
+        wait_s = self.config.put_timeout_s if self.config.shm == "on" and block else 0.0
         if shm.probe is None or not sender.reads_shm(to_stage, wait_s):
             return None
         loc = shm.write(frames)
@@ -389,6 +421,27 @@ class ZmqConnector(OmniConnectorBase):
             self._counters.add("shm_puts")
             self._shm_degraded = False
         return loc
+
+    def watch_arrivals(self) -> ArrivalWatch:
+        """A watch notified when items reach the push receiver's mailbox, when window room frees, and at close.
+
+        A pull-mode receiver's items never arrive by themselves: wait for them on a
+        :class:`FetchChannel` instead (see :meth:`open_fetch_channel`).
+        """
+        watch = self._new_watch()
+        self._hook_watches()
+        return watch
+
+    def _hook_watches(self) -> None:
+        """Point the parts' signals at the watches: at the first watch, and at a lazy bind after it.
+
+        Connectors nobody watches keep their hot paths as they were.
+        """
+        if self._receiver is not None:
+            self._receiver.on_arrivals = self._notify_watches
+        for part in (self._sender, self._server):
+            if part is not None:
+                part.on_window_change(self._notify_room)
 
     def get_wakeup_generation(self) -> int | None:
         """A counter that changes whenever items arrive in the push receiver's mailbox.
@@ -534,6 +587,58 @@ class ZmqConnector(OmniConnectorBase):
             self._record_failure("get", from_stage, to_stage, key, f"bad reply from {endpoint}: {exc}", exc)
             return None
 
+    # -- pull-mode gets waited for on an event loop (zmq_omni.aio) ---------------------
+    @property
+    def pull_receiver(self) -> bool:
+        """True when gets fetch from the sender (pull mode): wait for them with a :class:`FetchChannel`."""
+        return self._client is not None
+
+    def fetch_route(self, from_stage: str, key: str, metadata: dict[str, Any] | None) -> tuple[str, bytes | None]:
+        """Where a pull-mode get fetches from: ``(endpoint, server_key)`` (the metadata's endpoint wins).
+
+        Raises:
+            ValueError: this connector does not get in pull mode.
+            ConfigError: no endpoint is known for ``from_stage``.
+        """
+        if self._client is None:
+            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode does not fetch")
+        from_stage, key = str(from_stage), str(key)
+        if isinstance(metadata, dict) and key in metadata and isinstance(metadata[key], dict):
+            metadata = metadata[key]  # vllm-omni's {key: meta} wrapper
+        endpoint = metadata.get("endpoint") if isinstance(metadata, dict) else None
+        if not isinstance(endpoint, str):
+            endpoint = self._endpoints.require(from_stage)
+        return endpoint, None if self._curve is None else self._curve.server_key_for(from_stage)
+
+    def open_fetch_channel(self, ctx: Any, endpoint: str, server_key: bytes | None) -> FetchChannel:
+        """A :class:`FetchChannel` to ``endpoint`` on the caller's ZeroMQ context (the caller closes it)."""
+        if self._client is None:
+            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode does not fetch")
+        return self._client.open_channel(ctx, endpoint, server_key)
+
+    def fetch_done(
+        self, from_stage: str, to_stage: str, key: str, endpoint: str, result: Any
+    ) -> tuple[Any, int] | None:
+        """A :class:`FetchChannel` result under the get contract: counted, and an error kept as a failure."""
+        from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        if isinstance(result, ShmError):  # the slot of a shared-memory reply was reclaimed (expired) first
+            self._counters.add("shm_stale")
+            self._record_failure("get", from_stage, to_stage, key, str(result), result)
+            return None
+        if isinstance(result, TransportError):
+            if not isinstance(result, ClosedResourceError):
+                self._record_failure("get", from_stage, to_stage, key, str(result), result)
+            return None
+        if isinstance(result, ZmqOmniError):  # a malformed or oversized reply
+            self._counters.add("rejected_frames")
+            self._record_failure("get", from_stage, to_stage, key, f"bad reply from {endpoint}: {result}", result)
+            return None
+        if result is not None:
+            self._counters.add("gets")
+            self._counters.add("bytes_received", result[1])
+        got: tuple[Any, int] | None = result
+        return got
+
     def cleanup(self, request_id: str) -> bool:
         """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads)."""
         key = str(request_id)
@@ -659,6 +764,7 @@ class ZmqConnector(OmniConnectorBase):
             for part in (self._sender, self._receiver, self._server, self._client):
                 if part is not None:
                     part.close()  # wakes waiting puts/gets; the client also gives back its sockets
+            self._notify_closed()
             if not self._loop.stop(timeout=1.0):
                 log.warning("I/O thread of stage %s did not stop within 1s", self.stage_id)
             self._loop = None

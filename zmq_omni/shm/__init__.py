@@ -18,13 +18,15 @@ No sockets here. The pieces, from the bottom up:
 from __future__ import annotations
 
 from ._owner import Owner, self_owner
-from .mailbox import Mailbox, Record, namespace_dir
+from ._watch import DirEvents
+from .mailbox import Mailbox, Record, entry_address, namespace_dir
 from .pool import SlotHandle, SlotPool, SlotReader
 from .segment import DEFAULT_SHM_DIR, Segment, check_free_space, default_shm_dir, free_bytes
 from .sweep import SweepReport, sweep, sweep_dead_once
 
 __all__ = [
     "DEFAULT_SHM_DIR",
+    "DirEvents",
     "Mailbox",
     "Owner",
     "Record",
@@ -35,6 +37,7 @@ __all__ = [
     "SweepReport",
     "check_free_space",
     "default_shm_dir",
+    "entry_address",
     "free_bytes",
     "namespace_dir",
     "self_owner",

@@ -46,6 +46,7 @@ __all__ = [
     "KIND_SPILL",
     "Mailbox",
     "Record",
+    "entry_address",
     "entry_name",
     "is_entry",
     "iter_namespace_dirs",
@@ -163,6 +164,17 @@ def _entry_key(name: str) -> str | None:
     if name.startswith("k."):
         return unquote(name[2:].split("=", 1)[0])
     return None
+
+
+def entry_address(name: str) -> tuple[str, str, str] | None:
+    """``(from_stage, to_stage, key)`` of a record name; None when it is hashed or not a record name."""
+    if not name.startswith("k."):
+        return None
+    parts = name[2:].split("=")
+    if len(parts) != 3:
+        return None
+    key, from_stage, to_stage = (unquote(part) for part in parts)
+    return from_stage, to_stage, key
 
 
 def is_entry(name: str) -> bool:

@@ -9,12 +9,13 @@ from __future__ import annotations
 from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoint, env_name
 from ._loop import IoLoop
 from ._probe import probe
-from ._pull import PullClient, PullServer
+from ._pull import FetchChannel, PullClient, PullServer
 from ._push_protocol import FailureCallback
 from ._receiver import PushReceiver
 from ._security import ENV_INSECURE, Curve, insecure_from_env, is_loopback, require_curve
 from ._sender import PushSender
 from ._shm import ShmReceive, ShmSend
+from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import tune_malloc
 
 __all__ = [
@@ -23,14 +24,17 @@ __all__ = [
     "ENV_INSECURE",
     "Curve",
     "EndpointMap",
+    "FetchChannel",
     "FailureCallback",
     "IoLoop",
+    "NotifyingCondition",
     "PullClient",
     "PullServer",
     "PushReceiver",
     "PushSender",
     "ShmReceive",
     "ShmSend",
+    "WouldBlock",
     "check_endpoint",
     "env_name",
     "insecure_from_env",

@@ -50,9 +50,10 @@ from ._push_protocol import FailureCallback
 from ._router import recv_routed
 from ._security import Curve, watch_refusals
 from ._shm import ShmReceive, ShmSend
+from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import bind, close_socket, make_socket
 
-__all__ = ["PullClient", "PullServer"]
+__all__ = ["FetchChannel", "PullClient", "PullServer"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -124,7 +125,7 @@ class PullServer:
         self._counters = counters
         self._on_failure = on_failure
         self._health = health
-        self._cv = threading.Condition()
+        self._cv = NotifyingCondition()
         self._store: dict[Slot, _Stored] = {}
         self._bytes = 0
         self._leaving: list[_Leaving] = []  # pending like the store: close() before they left loses them
@@ -150,12 +151,19 @@ class PullServer:
         loop.on_stop(self._shutdown)
 
     # -- put threads ----------------------------------------------------------------
-    def store(self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int) -> dict[str, Any]:
+    def on_window_change(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener`` (from any thread, with the store lock held) whenever room may have freed."""
+        self._cv.listener = listener
+
+    def store(
+        self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int, *, block: bool = True
+    ) -> dict[str, Any]:
         """Keep a payload until fetched; return the metadata a receiver fetches it with.
 
         Raises:
             TransportTimeoutError: the store stayed full for ``put_timeout_s``.
             ClosedResourceError: the server was closed.
+            WouldBlock: ``block=False`` and the store is full (nothing kept).
         """
         slot = (from_stage, to_stage, key)
         deadline = time.monotonic() + self._put_timeout
@@ -166,6 +174,8 @@ class PullServer:
                 used = self._bytes - (held.nbytes if held else 0)
                 if not count or (count < self._max_count and used + nbytes <= self._max_bytes):
                     break
+                if not block:
+                    raise WouldBlock
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransportTimeoutError(
@@ -472,13 +482,9 @@ class PullClient:
         reusable = False
         try:
             req_id = next(self._ids)
-            request: tuple[Any, ...] = (req_id, from_stage, to_stage, key, int(wait_s * 1000))
-            if self._shm is not None:
-                # The flag also tells the server we take its probe in the reply (older clients do not).
-                verdict = self._verdicts.get(endpoint)
-                request += (verdict is not None and verdict[1],)
+            # The shm flag also tells the server we take its probe in the reply (older clients do not).
             try:
-                sock.send(pack(Kind.FETCH, request), zmq.NOBLOCK)
+                sock.send(self.fetch_request(req_id, from_stage, to_stage, key, wait_s, endpoint), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 raise from_zmq_error(exc, endpoint=endpoint, op="fetch") from exc
             while True:
@@ -489,28 +495,64 @@ class PullClient:
                     raise TransportTimeoutError(f"no reply to fetch of {key!r}", endpoint=endpoint)
                 if not sock.poll(int(min(remaining, _POLL_SLICE_S) * 1000) + 1, zmq.POLLIN):
                     continue
-                frames = sock.recv_multipart(copy=False)
-                kind, header, payload = unpack(frames[0].buffer)
-                if kind is not Kind.FETCH_REPLY:
-                    raise DecodeError(f"unexpected {kind.name} reply")
-                check_types(header[:2], (int, bool), "FETCH_REPLY")
-                if header[0] != req_id:
+                answered, got = self._answer(endpoint, sock.recv_multipart(copy=False))
+                if answered != req_id:
                     continue  # a late answer to an earlier request on this socket
                 reusable = True
-                if len(header) > 2:
-                    self._learn_probe(endpoint, header[2])
-                if not header[1]:
-                    return None
-                if len(header) > 3:
-                    if len(frames) != 1 or payload.nbytes:
-                        raise DecodeError("a shared-memory FETCH_REPLY carries frames")
-                    return self._open_shm(header[3])
-                size = payload.nbytes + sum(f.buffer.nbytes for f in frames[1:])
-                if size > self._max_message:
-                    raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
-                return self._decode([payload, *frames[1:]]), size
+                if isinstance(got, BaseException):
+                    raise got
+                result: tuple[Any, int] | None = got
+                return result
         finally:
             self._checkin(endpoint, sock, reusable)
+
+    def _answer(self, endpoint: str, frames: list[Any]) -> tuple[int, Any]:
+        """``(req_id, result)`` of a FETCH_REPLY; the result is ``(obj, nbytes)``, None, or the error it makes.
+
+        Raises:
+            DecodeError: the reply is not a FETCH_REPLY (no request id can be trusted).
+        """
+        kind, header, payload = unpack(frames[0].buffer)
+        if kind is not Kind.FETCH_REPLY:
+            raise DecodeError(f"unexpected {kind.name} reply")
+        check_types(header[:2], (int, bool), "FETCH_REPLY")
+        try:
+            if len(header) > 2:
+                self._learn_probe(endpoint, header[2])
+            if not header[1]:
+                return header[0], None
+            if len(header) > 3:
+                if len(frames) != 1 or payload.nbytes:
+                    raise DecodeError("a shared-memory FETCH_REPLY carries frames")
+                return header[0], self._open_shm(header[3])
+            size = payload.nbytes + sum(f.buffer.nbytes for f in frames[1:])
+            if size > self._max_message:
+                raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+            return header[0], (self._decode([payload, *frames[1:]]), size)
+        except (DecodeError, MessageTooLargeError, ShmError) as exc:
+            return header[0], exc
+
+    def open_channel(self, ctx: zmq.Context[Any], endpoint: str, server_key: bytes | None = None) -> FetchChannel:
+        """A DEALER to ``endpoint`` in ``ctx`` for FETCHes answered on an event loop (see :class:`FetchChannel`).
+
+        ``ctx`` belongs to the caller, so closing the connector never closes a
+        socket under the caller's loop; the caller closes the channel.
+        """
+        sock = make_socket(ctx, zmq.DEALER, hwm=self._hwm, max_message_bytes=self._max_message)
+        if self._curve is not None and server_key is not None:
+            self._curve.make_client(sock, server_key)
+        sock.connect(endpoint)
+        return FetchChannel(self, endpoint, sock)
+
+    def fetch_request(
+        self, req_id: int, from_stage: str, to_stage: str, key: str, wait_s: float, endpoint: str
+    ) -> bytes:
+        """The FETCH message for ``req_id`` (with the shared-memory flag this client would send)."""
+        request: tuple[Any, ...] = (req_id, from_stage, to_stage, key, int(wait_s * 1000))
+        if self._shm is not None:
+            verdict = self._verdicts.get(endpoint)
+            request += (verdict is not None and verdict[1],)
+        return pack(Kind.FETCH, request)
 
     def shm_verdicts(self) -> dict[str, bool]:
         """Per server endpoint heard from: whether we read its shared memory (its large replies come as handles)."""
@@ -572,3 +614,60 @@ class PullClient:
             self._lock.wait_for(lambda: not self._busy, timeout=4 * _POLL_SLICE_S)
         for sock in idle:
             close_socket(sock)
+
+
+class FetchChannel:
+    """FETCHes in flight on one DEALER, answered in any order: pull-mode gets waited for on an event loop.
+
+    One thread uses a channel (the event loop's). It registers :meth:`fileno`
+    with its loop and calls :meth:`replies` when that is readable, and once
+    after each :meth:`send`: ZeroMQ's descriptor only signals changes
+    (edge-triggered), so a reply that came in before the loop looked would
+    otherwise go unnoticed.
+    """
+
+    def __init__(self, client: PullClient, endpoint: str, sock: Any) -> None:
+        self._client = client
+        self.endpoint = endpoint
+        self._sock = sock
+
+    def fileno(self) -> int:
+        """ZeroMQ's descriptor of the socket."""
+        return int(self._sock.getsockopt(zmq.FD))
+
+    def send(self, from_stage: str, to_stage: str, key: str, wait_s: float) -> int:
+        """Send a FETCH the server parks up to ``wait_s``; its request id.
+
+        Raises:
+            TransportError: ZeroMQ refused it (its queue is full, or the socket is closed).
+        """
+        req_id = next(self._client._ids)
+        message = self._client.fetch_request(req_id, from_stage, to_stage, key, wait_s, self.endpoint)
+        try:
+            self._sock.send(message, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise from_zmq_error(exc, endpoint=self.endpoint, op="fetch") from exc
+        return req_id
+
+    def replies(self) -> list[tuple[int, Any]]:
+        """Every reply waiting, never blocking: ``(req_id, result)`` with the result as in ``PullClient._answer``.
+
+        A malformed reply is counted (``rejected_frames``) and skipped.
+        """
+        out: list[tuple[int, Any]] = []
+        sock = self._sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                out.append(self._client._answer(self.endpoint, frames))
+            except DecodeError as exc:
+                self._client._counters.add("rejected_frames")
+                log.debug("rejected a reply from %s: %s", self.endpoint, exc)
+        return out
+
+    def close(self) -> None:
+        """Close the socket (linger 0: parked FETCHes are simply never answered here)."""
+        close_socket(self._sock)

@@ -106,6 +106,8 @@ class PushReceiver:
         self._box: dict[tuple[str, str, str], _Item] = {}
         self._arrivals: list[tuple[tuple[str, str, str], _Item]] = []  # decoded this drain, stored at its end
         self._generation = 0  # bumped under _cv whenever items arrive (wait_for_change)
+        # Called on the I/O thread with the addresses of each drain's arrivals, after they are in the mailbox.
+        self.on_arrivals: Callable[[list[tuple[str, str, str]]], None] | None = None
         self._batches_received = 0
         self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
         self._sources: dict[str, _Source] = {}
@@ -283,6 +285,8 @@ class PushReceiver:
             self._cv.notify_all()
         if replaced:
             self._discard(replaced)
+        if self.on_arrivals is not None:
+            self.on_arrivals([slot for slot, _ in arrivals])
 
     def _on_batch(self, header: list[Any], payload: memoryview, n_frames: int) -> int:
         """Take in the puts of one BATCH, each validated on its own; how many of them were rejected.

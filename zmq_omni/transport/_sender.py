@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from ._loop import IoLoop
 from ._push_protocol import _MAX_DRAIN, FailureCallback
 from ._security import Curve
 from ._shm import ShmSend
+from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import close_socket, make_socket
 
 __all__ = ["PushSender"]
@@ -153,7 +155,7 @@ class PushSender:
         self._on_failure = on_failure
         # A plain Lock under the condition: ``with self._lock`` costs a C call, a Condition's two Python ones.
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._cv = NotifyingCondition(self._lock)
         self._peers: dict[str, _Peer] = {}
         self._count = 0
         self._bytes = 0
@@ -167,8 +169,20 @@ class PushSender:
         loop.on_stop(self._close_sockets)
 
     # -- put threads ----------------------------------------------------------------
+    def on_window_change(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener`` (from any thread, with the window lock held) whenever room may have freed."""
+        self._cv.listener = listener
+
     def send(
-        self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int, loc: bytes | None = None
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        frames: list[Any],
+        nbytes: int,
+        loc: bytes | None = None,
+        *,
+        block: bool = True,
     ) -> None:
         """Admit one put into the window and hand it to ZeroMQ, waiting at most ``put_timeout_s``.
 
@@ -181,16 +195,24 @@ class PushSender:
         a full outbox's put or by the I/O thread's next turn). Either way it is in
         the window when this returns, so its deadline covers it.
 
+        With ``block=False`` a full window, or ZeroMQ's queue at its high-water
+        mark for a put that does not ride in a batch, raises :class:`WouldBlock`
+        at once (nothing kept); room is signalled through :meth:`on_window_change`
+        (window room, and arrivals that drained ZeroMQ's queue).
+
         Raises:
             TransportTimeoutError: no window room or ZeroMQ queue room in time.
             ClosedResourceError: the sender was closed.
             ConfigError: ``to_stage`` has no endpoint.
+            WouldBlock: ``block=False`` and the window (or ZeroMQ's queue) is full.
         """
         now = time.monotonic()
         deadline = now + self._put_timeout
         with self._lock:
             peer = self._peers.get(to_stage) or self._peer(to_stage)
             if self._count and (self._count >= self._max_count or self._bytes + nbytes > self._max_bytes):
+                if not block and not self._closed:
+                    raise WouldBlock
                 now = self._wait_for_room(peer, nbytes, deadline)
             if self._closed:
                 raise ClosedResourceError("connector closed", endpoint=peer.endpoint)
@@ -237,7 +259,7 @@ class PushSender:
         if wake:
             self._loop.call_soon(peer.flush_soon)
         if not batched:
-            self._send_direct(peer, out, deadline)
+            self._send_direct(peer, out, deadline, block)
 
     def _wait_for_room(self, peer: _Peer, nbytes: int, deadline: float) -> float:
         """Wait (caller holds ``_cv``) until the window admits ``nbytes``; the time then."""
@@ -255,9 +277,9 @@ class PushSender:
             self._cv.wait(remaining)
         return time.monotonic()
 
-    def _send_direct(self, peer: _Peer, out: _Out, deadline: float) -> None:
+    def _send_direct(self, peer: _Peer, out: _Out, deadline: float, block: bool = True) -> None:
         try:
-            self._send_data(peer, out, deadline)
+            self._send_data(peer, out, deadline, block)
         except BaseException:
             with self._lock:
                 self._puts -= 1
@@ -267,7 +289,11 @@ class PushSender:
                     self._count -= 1
                     self._bytes -= out.nbytes
                     peer.advance_low()
-                    self._cv.notify_all()
+                    if isinstance(sys.exc_info()[1], WouldBlock):
+                        # Threads only: telling the refused caller "room" would have it retry at once, in a loop.
+                        threading.Condition.notify_all(self._cv)
+                    else:
+                        self._cv.notify_all()
             raise
 
     def _peer(self, to_stage: str) -> _Peer:
@@ -296,7 +322,7 @@ class PushSender:
                 self._cv.wait(remaining)
             return peer.shm is True
 
-    def _send_data(self, peer: _Peer, out: _Out, deadline: float) -> None:
+    def _send_data(self, peer: _Peer, out: _Out, deadline: float, block: bool = True) -> None:
         """Send a put that cannot ride in a BATCH, after whatever small puts wait before it (their order)."""
         lock = peer.data_lock
         if not lock.acquire(False) and not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -314,6 +340,8 @@ class PushSender:
                     self._transmit(sock, peer, out)
                     return
                 except zmq.Again as exc:
+                    if not block:
+                        raise WouldBlock from exc  # withdrawn from the window by _send_direct
                     # At the high-water mark: wait for room in short slices so close() is never held up.
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or self._closed:
@@ -698,6 +726,9 @@ class PushSender:
                         out = unarrived_pop(seq, None)
                         if out is not None:
                             out.arrived = True
+                if arrived and self._cv.listener is not None:
+                    # Arrivals drained ZeroMQ's queue: a non-blocking put refused at the high-water mark may go now.
+                    self._cv.listener()
                 if self._delivery_waiters:
                     self._cv.notify_all()
                 if renewed:

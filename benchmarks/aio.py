@@ -1,0 +1,245 @@
+"""The asyncio path (zmq_omni.aio) beside the threaded one, measured in one run.
+
+Run: ``python benchmarks/aio.py`` (about a minute on 2 cores; ``--quick`` for less).
+
+Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
+
+* **lone-message RTT** -- one message in flight: A puts ``k``, B gets it and
+  puts it back, A gets it. Threaded: both ends call ``put`` and
+  ``get_with_deadline`` (a condition wait). Async: both ends run
+  ``await conn.put`` / ``await conn.get`` on an event loop (asyncio, and uvloop
+  when installed). Median and p99 of the round trips, in microseconds.
+* **many in flight** -- A puts N messages of 200 bytes as fast as it can; B
+  takes them all. Threaded: B's one receive thread takes the keys in order with
+  ``get_with_deadline`` (what an adapter's receive worker does). Async, in
+  order: one task awaits each key in turn. Async, all waiting: B starts N get
+  tasks first, then A puts (the pattern the asyncio face is for; threaded, it
+  would take N threads). Messages per second from A's first put to B's last get.
+
+Rounds alternate threaded and async; each figure is the median of its rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+SMALL = 200
+
+
+def config(stage: str, endpoints: dict[str, str]) -> dict[str, Any]:
+    return {"stage_id": stage, "role": "dual", "endpoints": endpoints, "max_unacked": 100_000}
+
+
+def new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+# -- the peer (B) ----------------------------------------------------------------------------
+
+
+def child(mode: str, endpoints: dict[str, str], n: int, loop_kind: str) -> None:
+    from zmq_omni.aio import AsyncConnector
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    conn = ZmqConnector(config("b", endpoints))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    if mode == "echo-thread":
+        for i in range(n):
+            got = conn.get_with_deadline("a", "b", f"p{i}", deadline=time.monotonic() + 30)
+            assert got is not None
+            conn.put("b", "a", f"q{i}", got[0])
+        conn.flush(30)
+        conn.close()
+    elif mode == "drain-thread":
+        for i in range(n):
+            assert conn.get_with_deadline("a", "b", f"m{i}", deadline=time.monotonic() + 60) is not None
+        print(json.dumps({"done": time.monotonic()}), flush=True)
+        conn.close()
+    else:
+        loop = new_loop(loop_kind)
+
+        async def main() -> None:
+            async with AsyncConnector(conn) as aconn:
+                if mode == "echo-async":
+                    for i in range(n):
+                        got = await aconn.get("a", "b", f"p{i}", timeout=30)
+                        assert got is not None
+                        await aconn.put("b", "a", f"q{i}", got[0])
+                    conn.flush(30)
+                    return
+                if mode == "drain-async-seq":
+                    for i in range(n):
+                        assert await aconn.get("a", "b", f"m{i}", timeout=60) is not None
+                else:  # drain-async-all
+                    tasks = [asyncio.ensure_future(aconn.get("a", "b", f"m{i}", timeout=60)) for i in range(n)]
+                    while aconn.health()["aio_gets_waiting"] < n:
+                        await asyncio.sleep(0.001)
+                    print("waiting", flush=True)
+                    assert None not in await asyncio.gather(*tasks)
+                print(json.dumps({"done": time.monotonic()}), flush=True)
+
+        loop.run_until_complete(main())
+        loop.close()
+    sys.stdin.readline()
+
+
+# -- the driver (A) ----------------------------------------------------------------------------
+
+
+class Peer:
+    def __init__(self, mode: str, endpoints: dict[str, str], n: int, loop_kind: str) -> None:
+        args = [sys.executable, __file__, "--child", json.dumps([mode, endpoints, n, loop_kind])]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.readline() == "ready"
+
+    def readline(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited ({self.proc.wait()})")
+        return line.strip()
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def finish(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def rtt_threaded(tmp: str, n: int) -> list[float]:
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoints = {"a": f"ipc://{tmp}/a.sock", "b": f"ipc://{tmp}/b.sock"}
+    with ZmqConnector(config("a", endpoints)) as conn:
+        peer = Peer("echo-thread", endpoints, n, "")
+        peer.go()
+        samples = []
+        payload = {"x": b"\0" * SMALL}
+        for i in range(n):
+            started = time.perf_counter()
+            conn.put("a", "b", f"p{i}", payload)
+            assert conn.get_with_deadline("b", "a", f"q{i}", deadline=time.monotonic() + 30) is not None
+            samples.append(time.perf_counter() - started)
+        peer.finish()
+        conn.flush(10)
+    return samples
+
+
+def rtt_async(tmp: str, n: int, loop_kind: str) -> list[float]:
+    from zmq_omni.aio import AsyncConnector
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoints = {"a": f"ipc://{tmp}/a.sock", "b": f"ipc://{tmp}/b.sock"}
+
+    async def main() -> list[float]:
+        async with AsyncConnector(ZmqConnector(config("a", endpoints))) as conn:
+            peer = Peer("echo-async", endpoints, n, loop_kind)
+            peer.go()
+            samples = []
+            payload = {"x": b"\0" * SMALL}
+            for i in range(n):
+                started = time.perf_counter()
+                await conn.put("a", "b", f"p{i}", payload)
+                assert await conn.get("b", "a", f"q{i}", timeout=30) is not None
+                samples.append(time.perf_counter() - started)
+            peer.finish()
+            conn.connector.flush(10)
+            return samples
+
+    loop = new_loop(loop_kind)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def rate(tmp: str, n: int, mode: str, loop_kind: str) -> float:
+    """Messages per second, A's first put to B's last get; A puts from a plain thread in every mode."""
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    endpoints = {"a": f"ipc://{tmp}/a.sock", "b": f"ipc://{tmp}/b.sock"}
+    with ZmqConnector(config("a", endpoints)) as conn:
+        peer = Peer(mode, endpoints, n, loop_kind)
+        conn.put("a", "b", "warm", 0)
+        peer.go()
+        if mode == "drain-async-all":
+            assert peer.readline() == "waiting"
+        payload = {"x": b"\0" * SMALL}
+        started = time.monotonic()
+        for i in range(n):
+            ok, _, _ = conn.put("a", "b", f"m{i}", payload)
+            assert ok
+        done = json.loads(peer.readline())["done"]
+        peer.finish()
+    return n / (done - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer messages and rounds")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*json.loads(args.child))
+        return
+    try:
+        import uvloop  # noqa: F401
+
+        loops = ["asyncio", "uvloop"]
+    except ImportError:
+        loops = ["asyncio"]
+    rounds = 2 if args.quick else 3
+    n_rtt = 1000 if args.quick else 3000
+    n_rate = 10_000 if args.quick else 20_000
+    started = time.perf_counter()
+    rtts: dict[str, list[float]] = {}
+    rates: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="zo-bench-") as tmp:
+        for _ in range(rounds):
+            rtts.setdefault("threaded", []).extend(rtt_threaded(tmp, n_rtt))
+            for loop_kind in loops:
+                rtts.setdefault(f"async {loop_kind}", []).extend(rtt_async(tmp, n_rtt, loop_kind))
+            rates.setdefault("threaded, one receive thread", []).append(rate(tmp, n_rate, "drain-thread", ""))
+            for loop_kind in loops:
+                rates.setdefault(f"async {loop_kind}, one task in order", []).append(
+                    rate(tmp, n_rate, "drain-async-seq", loop_kind)
+                )
+                rates.setdefault(f"async {loop_kind}, all {n_rate} waiting", []).append(
+                    rate(tmp, n_rate, "drain-async-all", loop_kind)
+                )
+    print(f"lone-message RTT ({SMALL} B payload, push mode, ipc, {rounds} x {n_rtt} round trips)")
+    base = statistics.median(rtts["threaded"])
+    print(f"{'path':<34} {'median us':>10} {'p99 us':>8} {'vs threaded':>12}")
+    for name, samples in rtts.items():
+        samples.sort()
+        median, p99 = statistics.median(samples), samples[int(len(samples) * 0.99)]
+        print(f"{name:<34} {median * 1e6:>10.1f} {p99 * 1e6:>8.1f} {median / base:>11.2f}x")
+    print(f"\nmany in flight ({n_rate} x {SMALL} B, push mode, ipc, median of {rounds} rounds)")
+    base_rate = statistics.median(rates["threaded, one receive thread"])
+    print(f"{'receiver':<34} {'msg/s':>10} {'threaded/this':>14}")
+    for name, values in rates.items():
+        value = statistics.median(values)
+        print(f"{name:<34} {value:>10,.0f} {base_rate / value:>13.2f}x")
+    print(f"\ntotal time {time.perf_counter() - started:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
