@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from ..config import ConnectorSpec
 from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
 from ..connectors import OmniConnectorBase
-from ..errors import ConfigError
+from ..errors import ClosedResourceError, ConfigError
 from ._assemble import assemble_chunks
 from .base import OmniTransferAdapterBase, RecvTarget
 from .retry import RetryPolicy
@@ -227,6 +227,11 @@ class OmniChunkManager(OmniTransferAdapterBase):
         while len(book) > _REMEMBERED:
             book.popitem(last=False)
 
+    def _check_open(self) -> None:
+        """Refuse new work once stopping (call with ``self._lock`` held): it could never be served."""
+        if self.stop_event.is_set():
+            raise ClosedResourceError(f"the chunk manager of stage {self.stage_id} is shut down")
+
     # -- sender side -----------------------------------------------------------------------
     def save_async(
         self,
@@ -254,6 +259,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         Raises:
             ValueError: a chunk after the final one.
             ConfigError: this stage has no downstream stage.
+            ClosedResourceError: the manager is shut down (or its workers stopped).
         """
         _save_item = self._queue_chunk(request_id, payload, is_final, external_req_id, None)
         return None if _save_item is None else _save_item.chunk_id
@@ -270,7 +276,12 @@ class OmniChunkManager(OmniTransferAdapterBase):
         """Send one chunk (by default the whole, final payload) and wait until it is put.
 
         Returns True when the put succeeded; False when it failed (reported as a
-        send failure) or ``timeout_s`` passed first (the chunk stays queued).
+        send failure), ``timeout_s`` passed first (the chunk stays queued) or
+        the manager shut down first (reported as a send failure). With
+        ``timeout_s=None`` it still returns by the end of :meth:`shutdown`.
+
+        Raises:
+            ClosedResourceError: the manager is shut down (or its workers stopped).
         """
         done = threading.Event()
         item = self._queue_chunk(request_id, payload, is_final, external_req_id, done)
@@ -292,6 +303,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         if payload is not None and not isinstance(payload, Mapping):
             raise TypeError(f"chunk payload must be a mapping, got {type(payload).__name__}")
         with self._lock:
+            self._check_open()
             state = self._send.get(request_id)
             if state is None:
                 if request_id in self._ended_streams:
@@ -313,6 +325,10 @@ class OmniChunkManager(OmniTransferAdapterBase):
 
     def _next_save_item(self) -> _SaveItem | None:
         return self._save_queue.popleft() if self._save_queue else None
+
+    def _drain_save_queue(self) -> list[Any]:
+        unsent, self._save_queue = list(self._save_queue), deque()
+        return unsent
 
     def _request_id_of_item(self, item: Any) -> str | None:
         return item.request_id if isinstance(item, _SaveItem) else None
@@ -363,6 +379,9 @@ class OmniChunkManager(OmniTransferAdapterBase):
         """Start receiving the chunk stream of ``request_id``; returns at once, idempotent.
 
         A no-op on a stage without an upstream stage (stage 0).
+
+        Raises:
+            ClosedResourceError: the manager is shut down (or its workers stopped).
         """
         self._register(request_id, external_req_id, keep_all=False)
 
@@ -370,6 +389,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         if self.config.upstream_stage_id is None:
             return None
         with self._lock:
+            self._check_open()
             state = self._recv.get(request_id)
             if state is None:
                 prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"

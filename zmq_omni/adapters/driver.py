@@ -118,14 +118,16 @@ class PipelineDriver:
         """Send a request (one chunk, the whole input) to the first stage; returns at once.
 
         Raises:
-            ValueError: ``request_id`` is already in flight.
+            ValueError: ``request_id`` is already in flight (or this driver already ended it).
+            ClosedResourceError: the driver is closed.
         """
         if request_id in self._submitted:
             raise ValueError(f"request {request_id!r} is already in flight")
         now = time.time()
+        # The chunk first: a driver that is shut down refuses it before anything is announced.
+        self._link.chunks.save_async(request_id, {**payload, TRACE_KEY: {self.stage_id: [now, now]}}, is_final=True)
         self._submitted[request_id] = now
         self._link.announce(request_id)
-        self._link.chunks.save_async(request_id, {**payload, TRACE_KEY: {self.stage_id: [now, now]}}, is_final=True)
 
     def poll(self, timeout: float = 0.1) -> list[DriverEvent]:
         """Wait up to ``timeout`` for progress and return what happened since the last call."""

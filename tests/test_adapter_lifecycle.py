@@ -1,0 +1,82 @@
+"""The adapters over weeks: nothing hangs past shutdown, no failure reaches the wrong owner, state is bounded.
+
+Real in-process connectors and real threads (issue 13, adapters side).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.adapter_helpers import chunk_pair, rid
+from zmq_omni.errors import ClosedResourceError
+
+
+def _join(thread: threading.Thread, timeout: float) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+# -- 1. save() never hangs past shutdown(); nothing is accepted after it -----------------------------------------
+def test_save_without_timeout_returns_when_the_manager_shuts_down() -> None:
+    with chunk_pair(flaky=True) as ((sender, _), (conn0, _)):
+        request = rid()
+        conn0.gate.clear()  # the link stalls: chunk 0 is inside put, the rest stay queued
+        try:
+            assert sender.save_async(request, {"n": [0]}) == 0
+            results: dict[str, bool] = {}
+
+            def blocking_save(name: str, final: bool) -> None:
+                results[name] = sender.save(request, {"n": [1]}, is_final=final, timeout_s=None)
+
+            waiters = [threading.Thread(target=blocking_save, args=("queued", False), daemon=True)]
+            waiters[0].start()
+            while sender.pending_state()["queued"] < 1:
+                time.sleep(0.01)
+            waiters.append(threading.Thread(target=blocking_save, args=("final", True), daemon=True))
+            waiters[1].start()
+            while sender.pending_state()["queued"] < 2:
+                time.sleep(0.01)
+            sender.shutdown()
+            # Every pending save completes or fails once shutdown() returned: none is left waiting.
+            assert all(_join(t, 3.0) for t in waiters), "save(timeout_s=None) still waiting after shutdown()"
+            assert results == {"queued": False, "final": False}
+            assert sender.pending_state()["queued"] == 0
+            # ...and the scheduler learns why.
+            failed = sender.collect_failed_send_request_ids()
+            assert "shut down" in failed[request]
+        finally:
+            conn0.gate.set()
+
+
+def test_the_save_in_flight_at_shutdown_is_released_too() -> None:
+    with chunk_pair(flaky=True) as ((sender, _), (conn0, _)):
+        conn0.gate.clear()  # the put inside the save thread blocks (up to 10 s) past the shutdown grace
+        try:
+            result: list[bool] = []
+            waiter = threading.Thread(target=lambda: result.append(sender.save(rid(), {"n": [0]})), daemon=True)
+            waiter.start()
+            while not conn0.put_calls and sender.pending_state()["queued"]:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            sender.shutdown()
+            assert _join(waiter, 3.0), "save() of the chunk being put still waiting after shutdown()"
+            assert result == [False]
+        finally:
+            conn0.gate.set()
+
+
+def test_nothing_is_accepted_after_shutdown() -> None:
+    with chunk_pair() as ((sender, receiver), _):
+        sender.shutdown()
+        receiver.shutdown()
+        with pytest.raises(ClosedResourceError):
+            sender.save_async(rid(), {"n": [0]})
+        with pytest.raises(ClosedResourceError):
+            sender.save(rid(), {"n": [0]}, timeout_s=None)
+        with pytest.raises(ClosedResourceError):
+            receiver.load_async(rid())
+        assert sender.pending_state() == {"sending": 0, "receiving": 0, "queued": 0, "parked": 0}
+        assert receiver.pending_state() == {"sending": 0, "receiving": 0, "queued": 0, "parked": 0}
