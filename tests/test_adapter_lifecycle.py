@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 
 import pytest
 
-from tests.adapter_helpers import chunk_pair, rid
+from tests.adapter_helpers import FAST_RETRY, FlakyConnector, chunk_pair, rid
+from zmq_omni.adapters._link import _Endpoint
+from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.errors import ClosedResourceError
 
 
@@ -80,3 +84,62 @@ def test_nothing_is_accepted_after_shutdown() -> None:
             receiver.load_async(rid())
         assert sender.pending_state() == {"sending": 0, "receiving": 0, "queued": 0, "parked": 0}
         assert receiver.pending_state() == {"sending": 0, "receiving": 0, "queued": 0, "parked": 0}
+
+
+# -- 2. a connector failure reaches the owner of its key, whichever consumer drains the connector first ----------
+@pytest.fixture
+def endpoint() -> Iterator[tuple[_Endpoint, FlakyConnector]]:
+    namespace = f"link-{uuid.uuid4().hex}"
+    inbound = InProcConnector({"namespace": namespace, "stage_id": "0"})
+    outbound = FlakyConnector({"namespace": namespace, "stage_id": "0"})
+    link = _Endpoint(stage_id="0", upstream_stage_id="driver", downstream_stage_id="1", inbound=inbound,
+                     outbound=outbound, stall_timeout_s=5.0, retry=FAST_RETRY, label="test")
+    try:
+        yield link, outbound
+    finally:
+        link.close()
+
+
+def _announce_failure(link: _Endpoint, timeout: float = 5.0) -> tuple[str, str]:
+    return link.announce_failures.get(timeout=timeout)
+
+
+def test_an_announcement_failure_does_not_swallow_another_requests_delivery_failure(
+    endpoint: tuple[_Endpoint, FlakyConnector],
+) -> None:
+    link, outbound = endpoint
+    streaming, unannounced = rid(), rid()
+    # The chunk of one request is "put" but its delivery is never confirmed: the
+    # connector keeps a DeliveryError-like failure for that key...
+    outbound.lost.add(link.chunks.send_key(streaming, 0))
+    assert link.chunks.save(streaming, {"n": [0]}, is_final=True, timeout_s=5.0)
+    # ...then the announcement of another request fails, and the announcer looks
+    # at the connector's failures for its own key.
+    outbound.fail_puts["_zo_req_0_0"] = 100
+    link.announce(unannounced)
+    assert _announce_failure(link)[0] == unannounced
+    # The first request's failure still reaches its owner, the chunk manager.
+    failed = link.chunks.collect_failed_send_request_ids()
+    assert streaming in failed and "delivery never confirmed" in failed[streaming]
+    assert unannounced not in failed
+
+
+def test_a_late_announcement_failure_reaches_the_announcer_not_the_chunk_manager(
+    endpoint: tuple[_Endpoint, FlakyConnector],
+) -> None:
+    link, outbound = endpoint
+    request = rid()
+    outbound.lost.add("_zo_req_0_0")  # put returns ok, delivery fails later
+    link.announce(request)
+    deadline = time.monotonic() + 5.0
+    while "_zo_req_0_0" not in outbound.put_calls:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # The chunk manager drains the connector every scheduler step: the announcement's
+    # failure must come back as that request's announcement failure, not as an
+    # unattributed send failure.
+    failed = link.chunks.collect_failed_send_request_ids()
+    assert failed == {}
+    assert link.chunks.counters.snapshot().get("unattributed_send_failures", 0) == 0
+    failed_request, reason = _announce_failure(link)
+    assert failed_request == request and "delivery never confirmed" in reason

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +43,10 @@ TRACE_KEY = "_zo_trace"
 ANNOUNCE_PREFIX = "_zo_req_"
 #: How far past the next expected announcement a receiver looks for later ones.
 _ANNOUNCE_WINDOW = 16
+#: Failures of chunk keys held for the chunk manager until it drains them.
+_HELD_FAILURES = 65_536
+#: Announcement keys remembered to attribute a failure reported after the put returned.
+_ANNOUNCED_KEYS = 65_536
 
 
 # -- one connector for two edges ------------------------------------------------------------------
@@ -57,6 +61,12 @@ class _EdgePair(OmniConnectorBase):
         super().__init__()
         self.inbound = inbound
         self.outbound = outbound
+        # Two consumers read the connectors' failures (the chunk manager and the
+        # announcer); whichever drains first routes each failure to the owner of
+        # its key, so neither can swallow the other's. Guarded by _route_lock.
+        self._route_lock = threading.Lock()
+        self._chunk_failures: deque[TransferFailure] = deque(maxlen=_HELD_FAILURES)
+        self.on_announce_failure: Callable[[TransferFailure], None] | None = None
         # The adapter waits on these when the backend offers them (fewer wakeups).
         for name in ("get_wakeup_generation", "wait_for_change"):
             method = getattr(inbound, name, None)
@@ -97,9 +107,35 @@ class _EdgePair(OmniConnectorBase):
         """Clean up on both edges."""
         return self.inbound.cleanup_prefix(prefix) + self.outbound.cleanup_prefix(prefix)
 
+    def route_failures(self) -> None:
+        """Take both edges' failures: announcements' go to ``on_announce_failure``, the rest are held.
+
+        Held failures (chunk keys) wait for :meth:`drain_failures`; at most
+        ``_HELD_FAILURES`` are held, the oldest dropped first (with a warning).
+        """
+        with self._route_lock:
+            pulled = self.inbound.drain_failures() + self.outbound.drain_failures()
+            announcements: list[TransferFailure] = []
+            for failure in pulled:
+                if failure.key.startswith(ANNOUNCE_PREFIX) and self.on_announce_failure is not None:
+                    announcements.append(failure)
+                else:
+                    if len(self._chunk_failures) == self._chunk_failures.maxlen:
+                        logger.warning("dropping an uncollected transfer failure: %s [key=%r]",
+                                       self._chunk_failures[0].reason, self._chunk_failures[0].key)
+                    self._chunk_failures.append(failure)
+            sink = self.on_announce_failure
+        if sink is not None:
+            for failure in announcements:
+                sink(failure)
+
     def drain_failures(self) -> list[TransferFailure]:
-        """Failures of both edges."""
-        return self.inbound.drain_failures() + self.outbound.drain_failures()
+        """Failures of both edges, announcement keys excepted (those go to the announcer)."""
+        self.route_failures()
+        with self._route_lock:
+            out = list(self._chunk_failures)
+            self._chunk_failures.clear()
+        return out
 
     def health(self) -> dict[str, Any]:
         """Status plus each edge's health."""
@@ -173,6 +209,14 @@ class _Endpoint:
         self._announce_queue: deque[str] = deque()
         self._announce_cond = threading.Condition()
         self._seq = 0
+        # Announcement key -> request id, and the key being put now with the cause
+        # found for it (guarded by _announce_lock; written by the announcer, read by
+        # whichever thread routes the connectors' failures).
+        self._announce_lock = threading.Lock()
+        self._announced_keys: OrderedDict[str, str] = OrderedDict()
+        self._announce_attempt: str | None = None
+        self._announce_cause: TransferFailure | None = None
+        self.connector.on_announce_failure = self._on_announce_failure
         self._threads = [
             threading.Thread(target=self._guard, args=(self._announce_loop,), daemon=True,
                              name=f"{label}-announce-{self.stage_id}"),
@@ -211,20 +255,48 @@ class _Endpoint:
                 self.announce_failures.put((request_id, f"could not announce the request to stage "
                                                         f"{self.downstream} (key {key!r})"))
 
+    def _on_announce_failure(self, failure: TransferFailure) -> None:
+        """A failure of an announcement key, routed here by the edge pair (any thread)."""
+        with self._announce_lock:
+            if failure.key == self._announce_attempt:
+                self._announce_cause = failure  # the cause of the put in progress (maybe retried)
+                return
+            request_id = self._announced_keys.pop(failure.key, None)
+        if request_id is None:
+            logger.warning("%s %s: failure of an unknown announcement: %s [key=%r]", self.label, self.stage_id,
+                           failure.reason, failure.key)
+            return
+        # Delivery of an announcement that put accepted failed later: the request
+        # can never be started downstream.
+        self.announce_failures.put((request_id, f"announcing the request to stage {self.downstream} failed: "
+                                                f"{failure.reason} [key={failure.key!r}]"))
+
     def _put_announcement(self, key: str, request_id: str) -> bool:
         def attempt() -> None:
             if self.stop_event.is_set():
                 raise InterruptedError("stopping")
+            with self._announce_lock:
+                self._announce_attempt, self._announce_cause = key, None
             ok, _, _ = self.connector.outbound.put(self.stage_id, self.downstream, key, {"request_id": request_id})
-            if not ok:
-                failures = [f for f in self.connector.outbound.drain_failures() if f.key == key]
-                if failures and failures[-1].error is not None:
-                    raise failures[-1].error
-                raise _AnnounceFailed(f"put of {key!r} failed")
+            if ok:
+                with self._announce_lock:
+                    self._announce_attempt = None
+                    self._announced_keys[key] = request_id
+                    while len(self._announced_keys) > _ANNOUNCED_KEYS:
+                        self._announced_keys.popitem(last=False)
+                return
+            self.connector.route_failures()
+            with self._announce_lock:
+                cause, self._announce_attempt, self._announce_cause = self._announce_cause, None, None
+            if cause is not None and cause.error is not None:
+                raise cause.error
+            raise _AnnounceFailed(f"put of {key!r} failed" + (f": {cause.reason}" if cause is not None else ""))
 
         try:
             self.retry.retrying(stop_event=self.stop_event)(attempt)
         except Exception as exc:
+            with self._announce_lock:
+                self._announce_attempt = None
             if not self.stop_event.is_set():
                 logger.warning("%s %s: announcing %s failed: %s", self.label, self.stage_id, request_id, exc)
             return False
