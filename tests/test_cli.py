@@ -235,3 +235,36 @@ def test_stage_serves_prometheus_metrics(short_tmp: Path, stage_procs: list[Stag
         _, err = proc.communicate(timeout=15)
     assert proc.returncode == 0, err
     assert "metrics on http://127.0.0.1:" in err
+
+
+def test_a_second_drive_with_the_same_ids_fails_fast_with_the_real_cause(
+    short_tmp: Path, stage_procs: list[StageProcs]
+) -> None:
+    config = short_tmp / "pipeline.yaml"
+    # A stall bound far away: the old behaviour (every request "stalled" after it) cannot pass.
+    write_pipeline(config, stall=20.0, request_timeout=60.0)
+    procs = StageProcs(config, ["thinker", "talker", "vocoder"])
+    stage_procs.append(procs)
+    args = ("drive", "--config", str(config), "--requests", "2", "--chunks", "2", "--payload-size", "16384")
+
+    first = run_cli(*args, "--wait-ready", "30", timeout=90)
+    assert first.returncode == 0, first.stdout + first.stderr
+
+    started = time.monotonic()
+    again = run_cli(*args, "--wait-ready", "0", timeout=90)
+    elapsed = time.monotonic() - started
+    assert again.returncode == 1, again.stdout + again.stderr
+    for i in range(2):
+        line = next(ln for ln in again.stdout.splitlines() if ln.startswith(f"req-{i:03d} FAILED: "))
+        assert f"request 'req-{i:03d}' already ended its stream" in line and "stage thinker" in line, again.stdout
+    assert "stalled" not in again.stdout
+    assert elapsed < 20.0, f"the refusal took {elapsed:.1f}s, as long as a stall"
+
+    # The stages keep serving other requests.
+    fresh = run_cli(*args, "--prefix", "fresh", "--wait-ready", "0", timeout=90)
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "fresh-000 completed: " in fresh.stdout and "fresh-001 completed: " in fresh.stdout
+
+    for name, (code, err) in procs.terminate().items():
+        assert code == 0, (name, err)
+        assert "Traceback" not in err, (name, err)

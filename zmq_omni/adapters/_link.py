@@ -12,6 +12,14 @@ How a downstream stage learns about a new request:
     is picked up. A restarted *downstream* stage does not learn about requests
     announced before it came back: restart a pipeline from its last stage.
 
+Refusals travel as announcements too:
+    a stage that cannot serve an announced request (its id was already used:
+    the stream under it ended, or it is in flight) announces
+    ``{"request_id": ..., "error": reason}`` instead of streaming it; every
+    stage after it forwards such an announcement at once, so the driver fails
+    the request with the real reason within a few hops' latency. Announcement
+    keys are fresh per announcement, so a reused request id cannot block them.
+
 Reserved payload keys (removed before the user function sees the payload):
     ``_zo_error``: a request failed upstream; the worker forwards the error to
     the next stage at once instead of calling the function, so the driver
@@ -204,9 +212,11 @@ class _Endpoint:
             self.connector.close()
             raise
         self.stop_event = threading.Event()
-        self.admitted: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # (request id, None) for a request to serve (its load is registered), or
+        # (request id, reason) for one an upstream stage refused or failed before streaming.
+        self.admitted: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
         self.announce_failures: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
-        self._announce_queue: deque[str] = deque()
+        self._announce_queue: deque[tuple[str, str | None]] = deque()
         self._announce_cond = threading.Condition()
         self._seq = 0
         # Announcement key -> request id, and the key being put now with the cause
@@ -235,10 +245,15 @@ class _Endpoint:
                 self.stop_event.set()
 
     # announcements out ----------------------------------------------------------------------------
-    def announce(self, request_id: str) -> None:
-        """Queue the announcement of a new request to the downstream stage (returns at once)."""
+    def announce(self, request_id: str, *, error: str | None = None) -> None:
+        """Queue the announcement of a new request to the downstream stage (returns at once).
+
+        With ``error``, announce instead that the request failed before any of
+        its chunks went downstream (it was refused): the downstream stages
+        forward that to the driver, which fails the request with ``error``.
+        """
         with self._announce_cond:
-            self._announce_queue.append(request_id)
+            self._announce_queue.append((request_id, error))
             self._announce_cond.notify()
 
     def _announce_loop(self) -> None:
@@ -248,10 +263,10 @@ class _Endpoint:
                     self._announce_cond.wait()
                 if self.stop_event.is_set():
                     return
-                request_id = self._announce_queue.popleft()
+                request_id, error = self._announce_queue.popleft()
             key = f"{ANNOUNCE_PREFIX}{self.stage_id}_{self._seq}"
             self._seq += 1
-            if not self._put_announcement(key, request_id):
+            if not self._put_announcement(key, request_id, error):
                 self.announce_failures.put((request_id, f"could not announce the request to stage "
                                                         f"{self.downstream} (key {key!r})"))
 
@@ -271,13 +286,16 @@ class _Endpoint:
         self.announce_failures.put((request_id, f"announcing the request to stage {self.downstream} failed: "
                                                 f"{failure.reason} [key={failure.key!r}]"))
 
-    def _put_announcement(self, key: str, request_id: str) -> bool:
+    def _put_announcement(self, key: str, request_id: str, error: str | None = None) -> bool:
+        body: dict[str, str] = {"request_id": request_id} if error is None else \
+            {"request_id": request_id, "error": error}
+
         def attempt() -> None:
             if self.stop_event.is_set():
                 raise InterruptedError("stopping")
             with self._announce_lock:
                 self._announce_attempt, self._announce_cause = key, None
-            ok, _, _ = self.connector.outbound.put(self.stage_id, self.downstream, key, {"request_id": request_id})
+            ok, _, _ = self.connector.outbound.put(self.stage_id, self.downstream, key, body)
             if ok:
                 with self._announce_lock:
                     self._announce_attempt = None
@@ -313,11 +331,13 @@ class _Endpoint:
 
         def admit(obj: Any) -> None:
             request_id = obj.get("request_id") if isinstance(obj, Mapping) else None
-            if not isinstance(request_id, str):
+            error = obj.get("error") if isinstance(obj, Mapping) else None
+            if not isinstance(request_id, str) or not isinstance(error, (str, type(None))):
                 logger.warning("%s %s: ignoring a malformed announcement %r", self.label, self.stage_id, obj)
                 return
-            self.chunks.load_async(request_id)
-            self.admitted.put(request_id)
+            if error is None:
+                self.chunks.load_async(request_id)
+            self.admitted.put((request_id, error))
 
         while not self.stop_event.is_set():
             deadline = time.monotonic() + 0.2

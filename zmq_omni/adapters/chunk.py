@@ -374,6 +374,22 @@ class OmniChunkManager(OmniTransferAdapterBase):
                     item.done.set()
         return dropped
 
+    def stream_refusal(self, request_id: str) -> str | None:
+        """Why this stage could not stream ``request_id`` downstream, or None when it can.
+
+        A request id names one stream per stage: once its stream ended (its
+        final chunk was put, or the request was released), or while its final
+        chunk is queued, :meth:`save_async` refuses it. A stage worker asks
+        this when a request is announced, to refuse a reused id at once.
+        """
+        with self._lock:
+            if request_id in self._ended_streams:
+                return f"request {request_id!r} already ended its stream"
+            state = self._send.get(request_id)
+            if state is not None and state.terminal_queued:
+                return f"request {request_id!r} is ending its stream"
+            return None
+
     # -- receiver side --------------------------------------------------------------------
     def load_async(self, request_id: str, *, external_req_id: str | None = None) -> None:
         """Start receiving the chunk stream of ``request_id``; returns at once, idempotent.

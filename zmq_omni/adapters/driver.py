@@ -135,10 +135,17 @@ class PipelineDriver:
         events: list[DriverEvent] = []
         while True:
             try:
-                request_id = self._link.admitted.get_nowait()
+                request_id, error = self._link.admitted.get_nowait()
             except queue.Empty:
                 break
-            if request_id in self._submitted:
+            if error is not None:
+                # A stage refused it (a reused id) or failed it before it streamed.
+                if request_id in self._submitted:
+                    events.append(self._failed(request_id, error, time.time()))
+                else:
+                    logger.warning("driver: stage %s failed unknown request %s: %s", self._link.upstream,
+                                   request_id, error)
+            elif request_id in self._submitted:
                 self._streaming.add(request_id)
             else:
                 logger.warning("driver: stage %s announced unknown request %s", self._link.upstream, request_id)
