@@ -9,10 +9,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from tests.adapter_helpers import FAST_RETRY, FlakyConnector, chunk_pair, rid
+from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager
 from zmq_omni.adapters._link import _Endpoint
 from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.errors import ClosedResourceError
@@ -143,3 +145,123 @@ def test_a_late_announcement_failure_reaches_the_announcer_not_the_chunk_manager
     assert link.chunks.counters.snapshot().get("unattributed_send_failures", 0) == 0
     failed_request, reason = _announce_failure(link)
     assert failed_request == request and "delivery never confirmed" in reason
+
+
+# -- 3. the save queue is bounded; per-request state ages out ---------------------------------------------------
+def _manager(conn: InProcConnector, stage: str, **config: Any) -> OmniChunkManager:
+    return OmniChunkManager(ChunkManagerConfig(stage_id=stage, retry=FAST_RETRY, **config), conn)
+
+
+@pytest.fixture
+def namespace_pair() -> Iterator[tuple[FlakyConnector, InProcConnector]]:
+    namespace = f"bound-{uuid.uuid4().hex}"
+    conn0 = FlakyConnector({"namespace": namespace, "stage_id": "0"})
+    conn1 = InProcConnector({"namespace": namespace, "stage_id": "1"})
+    try:
+        yield conn0, conn1
+    finally:
+        conn0.gate.set()
+        conn0.close()
+        conn1.close()
+
+
+def test_a_full_save_queue_pushes_back_then_fails_the_request_it_cannot_take(
+    namespace_pair: tuple[FlakyConnector, InProcConnector],
+) -> None:
+    conn0, _ = namespace_pair
+    sender = _manager(conn0, "0", max_queued_chunks=4, queue_full_timeout_s=0.5)
+
+    def fill(request: str) -> None:
+        conn0.gate.clear()  # the link stalls: chunk 0 is inside put, the next four fill the queue
+        assert sender.save_async(request, {"n": [0]}) == 0
+        while sender.pending_state()["queued"]:
+            time.sleep(0.01)
+        for n in range(1, 5):
+            assert sender.save_async(request, {"n": [n]}) == n
+        assert sender.pending_state()["queued"] == 4
+
+    try:
+        # Room made while a save_async waits is taken: the call is backpressure, not a failure.
+        streaming = rid()
+        fill(streaming)
+        opener = threading.Timer(0.1, conn0.gate.set)
+        opener.start()
+        assert sender.save_async(streaming, {"n": [5]}, is_final=True) == 5
+        opener.join()
+        deadline = time.monotonic() + 5.0
+        while sender.pending_state()["sending"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # No room in time: the chunk is refused and its request fails (a stream cannot
+        # have a hole); the queue never grew past the bound.
+        stuck = rid()
+        fill(stuck)
+        assert sender.save_async(stuck, {"n": [5]}) is None
+        assert sender.pending_state()["queued"] <= 4
+        failed = sender.collect_failed_send_request_ids()
+        assert "save queue full" in failed[stuck] and streaming not in failed
+    finally:
+        conn0.gate.set()
+        sender.shutdown()
+
+
+def test_a_stream_the_scheduler_abandoned_ages_out_and_is_reported(
+    namespace_pair: tuple[FlakyConnector, InProcConnector],
+) -> None:
+    conn0, conn1 = namespace_pair
+    sender = _manager(conn0, "0", idle_state_timeout_s=0.3)
+    receiver = _manager(conn1, "1", idle_state_timeout_s=0.3)
+    try:
+        abandoned = rid()
+        receiver.load_async(abandoned)
+        assert sender.save(abandoned, {"n": [0]}, is_final=False, timeout_s=5.0)
+        # Nothing more is ever queued and release() is never called.
+        deadline = time.monotonic() + 5.0
+        failed: dict[str, str] = {}
+        while abandoned not in failed:
+            assert time.monotonic() < deadline, "the abandoned stream never aged out"
+            time.sleep(0.05)
+            failed.update(sender.collect_failed_send_request_ids())
+        assert "no chunk queued for" in failed[abandoned]
+        # The next stage is told (a cancelled end of stream), not left to stall.
+        deadline = time.monotonic() + 5.0
+        inputs = receiver.take_inputs(abandoned)
+        while inputs is None or not inputs.is_final:
+            assert time.monotonic() < deadline, "the receiver never got the end of the abandoned stream"
+            time.sleep(0.02)
+            inputs = receiver.take_inputs(abandoned)
+        assert inputs.cancelled
+        while sender.pending_state()["sending"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+            sender.collect_failed_send_request_ids()
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_failed_and_finished_but_untaken_state_ages_out_without_release(
+    namespace_pair: tuple[FlakyConnector, InProcConnector],
+) -> None:
+    conn0, conn1 = namespace_pair
+    sender = _manager(conn0, "0", idle_state_timeout_s=0.3)
+    receiver = _manager(conn1, "1", idle_state_timeout_s=0.3)
+    try:
+        dead, untaken = rid(), rid()
+        conn0.fail_puts[sender.send_key(dead, 0)] = 100
+        assert not sender.save(dead, {"n": [0]}, timeout_s=5.0)
+        assert dead in sender.collect_failed_send_request_ids()  # the scheduler never calls release()
+        receiver.load_async(untaken)
+        assert sender.save(untaken, {"n": [1]}, timeout_s=5.0)  # final; its inputs are never taken
+        deadline = time.monotonic() + 5.0
+        while sender.pending_state()["sending"] or receiver.pending_state()["receiving"]:
+            assert time.monotonic() < deadline, (sender.pending_state(), receiver.pending_state())
+            time.sleep(0.05)
+            sender.collect_failed_send_request_ids()
+            receiver.collect_failed_receive_request_ids()
+        assert receiver.health()["expired_states"] >= 1
+        # An aged-out id stays a used id.
+        assert sender.stream_refusal(dead) is not None
+    finally:
+        sender.shutdown()
+        receiver.shutdown()

@@ -262,6 +262,7 @@ class OmniTransferAdapterBase(ABC):
         with self._lock:
             self._save_cond.notify_all()
             self._recv_cond.notify_all()
+            self._on_stopping()
         deadline = time.monotonic() + self.shutdown_grace_s
         for thread in (self.recv_thread, self.save_thread):
             if thread.is_alive() and thread is not threading.current_thread():
@@ -445,6 +446,9 @@ class OmniTransferAdapterBase(ABC):
                     self.record_receive_failure(request_id, f"{failure.reason} [key={failure.key!r}]")
 
     # -- hooks for subclasses --------------------------------------------------------------
+    def _on_stopping(self) -> None:
+        """Wake the subclass's own waiters at shutdown (called with ``self._lock`` held)."""
+
     def _on_send_failure(self, request_id: str) -> None:
         """Called after a send failure of ``request_id`` was booked (drop its queued items)."""
 

@@ -74,6 +74,20 @@ class ChunkManagerConfig:
             the latency of other keys and of stall detection).
         concat_axis: axis along which received arrays are concatenated.
         shutdown_grace_s: how long ``shutdown`` waits for a put in progress.
+        max_queued_chunks: most chunks queued for the save thread at once.
+            A ``save_async`` / ``save`` that finds the queue full waits for
+            room up to ``queue_full_timeout_s``; then the chunk is refused and
+            its request fails to send (reason "save queue full"), since a
+            stream cannot go on with a hole. A cancellation's end-of-stream
+            marker is always queued (one per request at most).
+        queue_full_timeout_s: how long a save waits for room in a full queue.
+        idle_state_timeout_s: a request whose state here saw no activity this
+            long is forgotten without ``release``: a stream still open (no
+            chunk queued since) is cancelled (the next stage gets a cancelled
+            end of stream) and reported as a send failure; a failed or ended
+            send state and a finished receiving stream whose inputs were never
+            taken are dropped (counted as ``expired_states``). Its id stays a
+            used id.
     """
 
     stage_id: str
@@ -85,6 +99,9 @@ class ChunkManagerConfig:
     recv_wait_s: float = 0.01
     concat_axis: int = 0
     shutdown_grace_s: float = 0.5
+    max_queued_chunks: int = 4096
+    queue_full_timeout_s: float = 10.0
+    idle_state_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_id", str(self.stage_id))
@@ -94,12 +111,17 @@ class ChunkManagerConfig:
             object.__setattr__(self, "downstream_stage_id", _neighbour(self.stage_id, +1))
         if self.stall_timeout_s <= 0 or self.recv_wait_s <= 0:
             raise ConfigError("'stall_timeout_s' and 'recv_wait_s' must be > 0")
+        if self.max_queued_chunks < 1:
+            raise ConfigError(f"'max_queued_chunks' must be >= 1, got {self.max_queued_chunks}")
+        if self.queue_full_timeout_s < 0 or self.idle_state_timeout_s <= 0:
+            raise ConfigError("'queue_full_timeout_s' must be >= 0 and 'idle_state_timeout_s' > 0")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
         known = ("stage_id", "upstream_stage_id", "downstream_stage_id", "connector", "retry",
-                 "stall_timeout_s", "recv_wait_s", "concat_axis", "shutdown_grace_s")
+                 "stall_timeout_s", "recv_wait_s", "concat_axis", "shutdown_grace_s", "max_queued_chunks",
+                 "queue_full_timeout_s", "idle_state_timeout_s")
         check_known_keys(data, known, path)
         spec = data.get("connector")
         d = cls.__dataclass_fields__
@@ -115,6 +137,10 @@ class ChunkManagerConfig:
             recv_wait_s=read_float(data, "recv_wait_s", d["recv_wait_s"].default, path),
             concat_axis=read_int(data, "concat_axis", d["concat_axis"].default, path),
             shutdown_grace_s=read_float(data, "shutdown_grace_s", d["shutdown_grace_s"].default, path, minimum=0),
+            max_queued_chunks=read_int(data, "max_queued_chunks", d["max_queued_chunks"].default, path),
+            queue_full_timeout_s=read_float(data, "queue_full_timeout_s", d["queue_full_timeout_s"].default, path,
+                                            minimum=0),
+            idle_state_timeout_s=read_float(data, "idle_state_timeout_s", d["idle_state_timeout_s"].default, path),
         )
 
 
@@ -159,6 +185,7 @@ class _SendState:
     terminal_queued: bool = False
     cancelled: bool = False
     failed: bool = False
+    last_activity: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -209,6 +236,10 @@ class OmniChunkManager(OmniTransferAdapterBase):
         self._loaded_cond = threading.Condition(self._lock)
         self._sent_cond = threading.Condition(self._lock)
         self._parked: dict[str, tuple[list[str], list[Any]]] = {}
+        # Signalled (under self._lock) whenever the save queue shrinks or the manager stops.
+        self._room_cond = threading.Condition(self._lock)
+        self._last_sweep = time.monotonic()
+        self.counters.add("expired_states", 0)
         self._start_workers()
 
     # -- keys --------------------------------------------------------------------------
@@ -315,20 +346,96 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 return None
             if state.terminal_queued:
                 raise ValueError(f"request {request_id!r}: chunk after the final one")
+            if len(self._save_queue) >= self.config.max_queued_chunks and not self._wait_for_room(state):
+                if not (state.cancelled or state.failed):
+                    self.record_send_failure(
+                        request_id, f"save queue full: {len(self._save_queue)} chunks queued (max_queued_chunks) "
+                                    f"and no room within {self.config.queue_full_timeout_s:g}s")
+                return None
+            state.last_activity = time.monotonic()
             item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id,
                              payload or {}, is_final, done=done)
             state.next_chunk_id += 1
             state.terminal_queued = is_final
             self._save_queue.append(item)
             self._save_cond.notify()
+        self._sweep_idle()
         return item
 
+    def _wait_for_room(self, state: _SendState) -> bool:
+        """Wait (lock held) up to ``queue_full_timeout_s`` for room in the save queue; True when there is.
+
+        Ends early, False, when the request stopped meanwhile; raises once the manager stops.
+        """
+        deadline = time.monotonic() + self.config.queue_full_timeout_s
+        while len(self._save_queue) >= self.config.max_queued_chunks:
+            self._check_open()
+            if state.cancelled or state.failed or self._send.get(state.request_id) is not state:
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._room_cond.wait(remaining)
+        return True
+
     def _next_save_item(self) -> _SaveItem | None:
-        return self._save_queue.popleft() if self._save_queue else None
+        if not self._save_queue:
+            return None
+        self._room_cond.notify_all()
+        return self._save_queue.popleft()
 
     def _drain_save_queue(self) -> list[Any]:
         unsent, self._save_queue = list(self._save_queue), deque()
+        self._room_cond.notify_all()
         return unsent
+
+    def _on_stopping(self) -> None:
+        self._room_cond.notify_all()
+
+    def _sweep_idle(self, *, force: bool = False) -> None:
+        """Forget the state of requests idle for ``idle_state_timeout_s`` (see :class:`ChunkManagerConfig`).
+
+        Runs at most a few times per timeout, from the calls that add state
+        (``save_async``, ``load_async``) and those the scheduler makes every
+        step (``collect_failed_*``, ``pending_state``), so state cannot grow
+        without a sweep; each sweep is one pass over the requests.
+        """
+        ttl = self.config.idle_state_timeout_s
+        now = time.monotonic()
+        if not force and now - self._last_sweep < min(1.0, ttl / 4):
+            return
+        self._last_sweep = now
+        abandoned: list[str] = []
+        with self._lock:
+            busy = {item.request_id for item in self._save_queue}
+            if isinstance(self._save_in_flight, _SaveItem):
+                busy.add(self._save_in_flight.request_id)
+            for request_id, state in list(self._send.items()):
+                if request_id in busy or now - state.last_activity < ttl:
+                    continue
+                if state.failed or state.cancelled or state.terminal_queued:
+                    del self._send[request_id]
+                    self._remember(self._ended_streams, request_id, None)
+                    self.counters.add("expired_states")
+                else:
+                    abandoned.append(request_id)
+            for request_id, recv in list(self._recv.items()):
+                # Unfinished streams are bounded by stall_timeout_s already; a finished
+                # one whose inputs nobody takes would stay forever.
+                if recv.final and recv.all_chunks is None and now - recv.last_progress >= ttl:
+                    del self._recv[request_id]
+                    self.counters.add("expired_states")
+                    logger.warning("stage %s: dropping the received stream of %s: not taken for %.0fs",
+                                   self.stage_id, request_id, ttl)
+        for request_id in abandoned:
+            # A stream left open: end it for the next stage (cancelled) and tell the scheduler.
+            self.cancel(request_id, notify_downstream=True)
+            self.counters.add("send_failures")
+            logger.warning("stage %s: request %s abandoned: no chunk queued for %.0fs", self.stage_id, request_id, ttl)
+            with self._failures_lock:
+                self._failed_send.setdefault(
+                    request_id, f"abandoned: no chunk queued for {ttl:g}s (idle_state_timeout_s); stream cancelled")
+            self._progress.set()
 
     def _request_id_of_item(self, item: Any) -> str | None:
         return item.request_id if isinstance(item, _SaveItem) else None
@@ -344,6 +451,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         downstream = self.config.downstream_stage_id
         assert downstream is not None
         item.ok = self._put_with_retry(item.request_id, downstream, item.key, wire)
+        state.last_activity = time.monotonic()
         if item.ok and item.final:
             with self._lock:
                 if self._send.get(item.request_id) is state:
@@ -369,6 +477,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         dropped = [item for item in self._save_queue if item.request_id == request_id]
         if dropped:
             self._save_queue = deque(item for item in self._save_queue if item.request_id != request_id)
+            self._room_cond.notify_all()
             for item in dropped:
                 if item.done is not None:
                     item.done.set()
@@ -414,7 +523,8 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 self._kick_recv()
             if keep_all and state.all_chunks is None:
                 state.all_chunks = list(state.ready)
-            return state
+        self._sweep_idle()
+        return state
 
     def load(
         self, request_id: str, *, external_req_id: str | None = None, timeout_s: float | None = None
@@ -659,8 +769,19 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 del self._send[request_id]
                 self._remember(self._ended_streams, request_id, None)
 
+    def collect_failed_send_request_ids(self) -> dict[str, str]:
+        """Drain ``{request_id: reason}`` of requests whose send gave up (also ages out idle state)."""
+        self._sweep_idle()
+        return super().collect_failed_send_request_ids()
+
+    def collect_failed_receive_request_ids(self) -> dict[str, str]:
+        """Drain ``{request_id: reason}`` of requests whose data will never arrive (also ages out idle state)."""
+        self._sweep_idle()
+        return super().collect_failed_receive_request_ids()
+
     def pending_state(self) -> dict[str, int]:
         """Sizes of the internal state (for tests, health and leak checks)."""
+        self._sweep_idle()
         with self._lock:
             return {"sending": len(self._send), "receiving": len(self._recv), "queued": len(self._save_queue),
                     "parked": sum(len(p[1]) for p in self._parked.values())}
