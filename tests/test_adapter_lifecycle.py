@@ -9,14 +9,17 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.adapter_helpers import FAST_RETRY, FlakyConnector, chunk_pair, rid
-from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager
+from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, RetryPolicy
 from zmq_omni.adapters._link import _Endpoint
 from zmq_omni.connectors.inproc import InProcConnector
+from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import ClosedResourceError
 
 
@@ -265,3 +268,95 @@ def test_failed_and_finished_but_untaken_state_ages_out_without_release(
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+# -- 5. a receiving stage that gives a request up tells the connector, so late chunks can be released -------------
+class RecordingConnector(InProcConnector):
+    """An InProcConnector that records the release hooks the adapters call."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.abandoned: list[str] = []
+        self.cleaned: list[str] = []
+
+    def abandon_get(self, get_key: str) -> None:
+        self.abandoned.append(get_key)
+        super().abandon_get(get_key)
+
+    def cleanup_prefix(self, prefix: str) -> int:
+        self.cleaned.append(prefix)
+        return super().cleanup_prefix(prefix)
+
+
+@pytest.mark.parametrize("how", ["cancel", "stall", "release", "expire"])
+def test_giving_up_a_receiving_stream_abandons_its_next_key_and_cleans_its_prefix(how: str) -> None:
+    namespace = f"give-up-{uuid.uuid4().hex}"
+    conn0 = InProcConnector({"namespace": namespace, "stage_id": "0"})
+    conn1 = RecordingConnector({"namespace": namespace, "stage_id": "1"})
+    sender = _manager(conn0, "0")
+    receiver = _manager(conn1, "1", stall_timeout_s=0.3 if how == "stall" else 5.0,
+                        idle_state_timeout_s=0.3 if how == "expire" else 600.0)
+    try:
+        request = rid()
+        receiver.load_async(request)
+        assert sender.save(request, {"n": [0]}, is_final=how == "expire", timeout_s=5.0)
+        deadline = time.monotonic() + 5.0
+        while receiver.take_inputs(request) is None:  # chunk 0 is in: the stream waits for chunk 1
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        if how == "cancel":
+            receiver.cancel(request)
+        elif how == "release":
+            receiver.release(request)
+        elif how == "stall":
+            while request not in receiver.collect_failed_receive_request_ids():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        next_key = receiver.recv_key(request, 1)
+        prefix = receiver.recv_key(request, 0)[:-1]
+        if how == "expire":
+            # A finished stream nobody took: nothing more will come, but its keys are given up too.
+            while receiver.pending_state()["receiving"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert next_key in conn1.abandoned or how == "expire"
+        assert prefix in conn1.cleaned
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+        conn0.close()
+        conn1.close()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "needs transport work (issue 13): the push receiver must keep a bounded tombstone per "
+    "cleanup/cleanup_prefix/abandon_get and drop a late arrival under it at once, acknowledging it as "
+    "disposed so the sender's window slot is freed (plus a TTL for unclaimed mailbox items)"))
+def test_fifty_cancelled_streams_do_not_fill_a_window_of_fifty(short_tmp: Path) -> None:
+    endpoint = f"ipc://{short_tmp}/edge.sock"
+    common = {"endpoints": {"1": endpoint}, "shm": "off", "heartbeat_s": 0.2}
+    once = RetryPolicy(attempts=1, deadline_s=5.0)
+    with ZmqConnector({"stage_id": "1", "role": "receiver", **common}) as rconn, \
+            ZmqConnector({"stage_id": "0", "role": "sender", "max_unacked": 50, "put_timeout_s": 1.0,
+                          **common}) as sconn:
+        sender = OmniChunkManager(ChunkManagerConfig(stage_id="0", retry=once), sconn)
+        receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", retry=once), rconn)
+        try:
+            # The receiving stage gives up fifty requests (cancel, stall, a function that raised)
+            # before their chunks arrive; the upstream stage sends them anyway.
+            for i in range(50):
+                receiver.load_async(f"gone-{i}")
+                receiver.cancel(f"gone-{i}")
+            for i in range(50):
+                assert sender.save(f"gone-{i}", {"x": np.full(8, i)}, timeout_s=10.0)
+            # Later requests on the same edge must still go through.
+            for i in range(10):
+                request = f"live-{i}"
+                receiver.load_async(request)
+                assert sender.save(request, {"x": np.full(8, i)}, timeout_s=10.0), \
+                    sender.collect_failed_send_request_ids()
+                inputs = receiver.load(request, timeout_s=5.0)
+                assert inputs is not None and inputs.is_final
+        finally:
+            sender.shutdown()
+            receiver.shutdown()

@@ -648,7 +648,17 @@ class OmniChunkManager(OmniTransferAdapterBase):
         self._loaded_cond.notify_all()
         self.record_receive_failure(state.request_id, reason)
         self._progress.set()
-        self.connector.cleanup_prefix(state.prefix)
+        self._give_up_stream(state.prefix, state.next_chunk_id)
+
+    def _give_up_stream(self, prefix: str, next_chunk_id: int) -> None:
+        """Tell the connector nobody will read this stream any more, so it can release what comes for it.
+
+        ``abandon_get`` names the key a get was (or would next be) waiting on;
+        ``cleanup_prefix`` drops what is held under the stream's keys now. A
+        connector that keeps a tombstone for either drops late chunks at once.
+        """
+        self.connector.abandon_get(f"{prefix}{next_chunk_id}")
+        self.connector.cleanup_prefix(prefix)
 
     def _request_id_for_key(self, key: str, op: str) -> str | None:
         prefix = key.rstrip("0123456789")
@@ -748,8 +758,8 @@ class OmniChunkManager(OmniTransferAdapterBase):
             if recv is not None:
                 prefix = recv.prefix
                 self._loaded_cond.notify_all()
-        if prefix is not None:
-            self.connector.cleanup_prefix(prefix)
+        if recv is not None and prefix is not None:
+            self._give_up_stream(prefix, recv.next_chunk_id)
 
     def release(self, request_id: str) -> None:
         """Forget every state of a finished request (idempotent).
