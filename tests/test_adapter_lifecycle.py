@@ -5,6 +5,8 @@ Real in-process connectors and real threads (issue 13, adapters side).
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 import time
 import uuid
@@ -360,3 +362,42 @@ def test_fifty_cancelled_streams_do_not_fill_a_window_of_fifty(short_tmp: Path) 
         finally:
             sender.shutdown()
             receiver.shutdown()
+
+
+# -- a receiver that starts after its upstream announced many requests still finds the new ones --------------------
+def test_a_restarted_downstream_finds_announcements_far_past_the_look_ahead_window() -> None:
+    namespace = f"head-{uuid.uuid4().hex}"
+    conns = [InProcConnector({"namespace": namespace, "stage_id": sid}) for sid in ("0", "0", "1", "1", "1", "1")]
+
+    def link(stage: str, up: str, down: str, inbound: InProcConnector, outbound: InProcConnector) -> _Endpoint:
+        return _Endpoint(stage_id=stage, upstream_stage_id=up, downstream_stage_id=down, inbound=inbound,
+                         outbound=outbound, stall_timeout_s=5.0, retry=FAST_RETRY, label="test")
+
+    def admitted(endpoint: _Endpoint, count: int) -> list[str]:
+        got: list[str] = []
+        deadline = time.monotonic() + 5.0
+        while len(got) < count:
+            assert time.monotonic() < deadline, f"admitted {got}, expected {count}"
+            with contextlib.suppress(queue.Empty):
+                got.append(endpoint.admitted.get(timeout=0.05)[0])
+        return got
+
+    upstream = link("0", "x", "1", conns[0], conns[1])
+    first = link("1", "0", "2", conns[2], conns[3])
+    try:
+        # The upstream stage (or a driver's last stage) has announced 40 requests to a first incarnation...
+        for i in range(40):
+            upstream.announce(f"old-{i}")
+        assert admitted(first, 40) == [f"old-{i}" for i in range(40)]
+        first.close()
+        # ...and a fresh one (a second `zmq-omni drive`, a restarted stage) must still learn of new requests.
+        second = link("1", "0", "2", conns[4], conns[5])
+        try:
+            for i in range(3):
+                upstream.announce(f"new-{i}")
+            assert admitted(second, 3) == [f"new-{i}" for i in range(3)]
+        finally:
+            second.close()
+    finally:
+        upstream.close()
+        first.close()

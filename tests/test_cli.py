@@ -245,10 +245,12 @@ def test_a_second_drive_with_the_same_ids_fails_fast_with_the_real_cause(
     write_pipeline(config, stall=20.0, request_timeout=60.0)
     procs = StageProcs(config, ["thinker", "talker", "vocoder"])
     stage_procs.append(procs)
-    args = ("drive", "--config", str(config), "--requests", "2", "--chunks", "2", "--payload-size", "16384")
+    args = ("drive", "--config", str(config), "--chunks", "2", "--payload-size", "16384")
 
-    first = run_cli(*args, "--wait-ready", "30", timeout=90)
+    # More requests than the announcement look-ahead (16): a later driver starts far behind the last stage.
+    first = run_cli(*args, "--requests", "20", "--wait-ready", "30", timeout=90)
     assert first.returncode == 0, first.stdout + first.stderr
+    args = (*args, "--requests", "2")
 
     started = time.monotonic()
     again = run_cli(*args, "--wait-ready", "0", timeout=90)

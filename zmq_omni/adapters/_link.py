@@ -9,8 +9,14 @@ How a downstream stage learns about a new request:
     order and registers each request with ``load_async``. Announcements are
     read with a look-ahead window, so one lost announcement does not block the
     ones behind it, and a restarted upstream (whose ``seq`` starts again at 0)
-    is picked up. A restarted *downstream* stage does not learn about requests
-    announced before it came back: restart a pipeline from its last stage.
+    is picked up. After each announcement the sender also puts its ``seq``
+    under ``_zo_req_{stage_id}_head`` (a re-put replaces it, so one is held at
+    most): a receiver that finds nothing at its next ``seq`` while the head is
+    at or past it jumps there, so a receiver that (re)started after its
+    upstream announced many requests (a second ``zmq-omni drive`` against
+    running stages, a restarted stage) learns of new requests at once. It
+    still does not learn about requests announced before it came back:
+    restart a pipeline from its last stage.
 
 Refusals travel as announcements too:
     a stage that cannot serve an announced request (its id was already used:
@@ -51,6 +57,10 @@ TRACE_KEY = "_zo_trace"
 ANNOUNCE_PREFIX = "_zo_req_"
 #: How far past the next expected announcement a receiver looks for later ones.
 _ANNOUNCE_WINDOW = 16
+#: The key (after ``_zo_req_{stage_id}``) of the sequence number of a stage's latest announcement.
+HEAD_SUFFIX = "_head"
+#: How many announcements before the head a receiver that jumps to it still reads.
+_CATCH_UP = 1024
 #: Failures of chunk keys held for the chunk manager until it drains them.
 _HELD_FAILURES = 65_536
 #: Announcement keys remembered to attribute a failure reported after the put returned.
@@ -227,6 +237,7 @@ class _Endpoint:
         self._announce_attempt: str | None = None
         self._announce_cause: TransferFailure | None = None
         self.connector.on_announce_failure = self._on_announce_failure
+        self._head_key = f"{ANNOUNCE_PREFIX}{self.stage_id}{HEAD_SUFFIX}"
         self._threads = [
             threading.Thread(target=self._guard, args=(self._announce_loop,), daemon=True,
                              name=f"{label}-announce-{self.stage_id}"),
@@ -269,9 +280,16 @@ class _Endpoint:
             if not self._put_announcement(key, request_id, error):
                 self.announce_failures.put((request_id, f"could not announce the request to stage "
                                                         f"{self.downstream} (key {key!r})"))
+                continue
+            # One attempt, failures ignored: the head only helps a receiver that
+            # (re)started behind; a re-put replaces the unconsumed one, so at most
+            # one is ever held per edge.
+            self.connector.outbound.put(self.stage_id, self.downstream, self._head_key, {"seq": self._seq - 1})
 
     def _on_announce_failure(self, failure: TransferFailure) -> None:
         """A failure of an announcement key, routed here by the edge pair (any thread)."""
+        if failure.key == self._head_key:
+            return  # best effort by design (see _announce_loop)
         with self._announce_lock:
             if failure.key == self._announce_attempt:
                 self._announce_cause = failure  # the cause of the put in progress (maybe retried)
@@ -326,6 +344,8 @@ class _Endpoint:
         next_seq = 0
         taken_ahead: set[int] = set()
 
+        head_key = f"{ANNOUNCE_PREFIX}{self.upstream}{HEAD_SUFFIX}"
+
         def key(seq: int) -> str:
             return f"{ANNOUNCE_PREFIX}{self.upstream}_{seq}"
 
@@ -367,6 +387,23 @@ class _Endpoint:
                     next_seq, taken_ahead = seq + 1, set()
                 else:
                     taken_ahead.add(seq)
+            # Still nothing at next_seq while the upstream's head says it announced
+            # it (or later): those announcements went to an earlier incarnation of
+            # this stage (a driver run before this one, a stage since restarted)
+            # or were given up. Read what is still there, then go on after the head.
+            head = inbound.get(self.upstream, self.stage_id, head_key)
+            latest = head[0].get("seq") if head is not None and isinstance(head[0], Mapping) else None
+            if not isinstance(latest, int) or latest < next_seq:
+                continue
+            for seq in range(max(next_seq, latest - _CATCH_UP + 1), latest + 1):
+                if seq not in taken_ahead and (found := inbound.get(self.upstream, self.stage_id, key(seq))):
+                    admit(found[0])
+            logger.info("%s %s: announcements %d..%d of stage %s were not for this incarnation; going on at %d",
+                        self.label, self.stage_id, next_seq, latest, self.upstream, latest + 1)
+            next_seq, taken_ahead = latest + 1, {seq for seq in taken_ahead if seq > latest}
+            while next_seq in taken_ahead:
+                taken_ahead.discard(next_seq)
+                next_seq += 1
 
     def close(self) -> None:
         """Stop the helpers, shut the chunk manager down and close both connectors."""
