@@ -210,6 +210,41 @@ def test_a_full_save_queue_pushes_back_then_fails_the_request_it_cannot_take(
         sender.shutdown()
 
 
+def test_a_save_waiting_for_room_ends_when_its_request_is_cancelled_or_the_manager_stops(
+    namespace_pair: tuple[FlakyConnector, InProcConnector],
+) -> None:
+    conn0, _ = namespace_pair
+    sender = _manager(conn0, "0", max_queued_chunks=2, queue_full_timeout_s=60.0)
+    try:
+        conn0.gate.clear()
+        cancelled, stopped = rid(), rid()
+        assert sender.save_async(cancelled, {"n": [0]}) == 0
+        while sender.pending_state()["queued"]:
+            time.sleep(0.01)
+        assert sender.save_async(cancelled, {"n": [1]}) == 1
+        assert sender.save_async(stopped, {"n": [0]}) == 0
+        results: dict[str, Any] = {}
+
+        def wait_for_room(request: str) -> None:
+            try:
+                results[request] = sender.save_async(request, {"n": [9]})
+            except ClosedResourceError as exc:
+                results[request] = exc
+
+        waiters = {r: threading.Thread(target=wait_for_room, args=(r,), daemon=True) for r in (cancelled, stopped)}
+        for waiter in waiters.values():
+            waiter.start()
+        time.sleep(0.1)
+        assert not results  # both wait: the queue is full
+        sender.cancel(cancelled)
+        assert _join(waiters[cancelled], 5.0) and results[cancelled] is None
+        sender.shutdown()
+        assert _join(waiters[stopped], 5.0) and isinstance(results[stopped], ClosedResourceError)
+    finally:
+        conn0.gate.set()
+        sender.shutdown()
+
+
 def test_a_stream_the_scheduler_abandoned_ages_out_and_is_reported(
     namespace_pair: tuple[FlakyConnector, InProcConnector],
 ) -> None:

@@ -411,7 +411,10 @@ class OmniChunkManager(OmniTransferAdapterBase):
             if isinstance(self._save_in_flight, _SaveItem):
                 busy.add(self._save_in_flight.request_id)
             for request_id, state in list(self._send.items()):
-                if request_id in busy or now - state.last_activity < ttl:
+                receiving = self._recv.get(request_id)
+                if request_id in busy or now - state.last_activity < ttl \
+                        or (receiving is not None and not receiving.final):
+                    # A middle stage still receiving the request is bounded by stall_timeout_s.
                     continue
                 if state.failed or state.cancelled or state.terminal_queued:
                     del self._send[request_id]
@@ -470,6 +473,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
             if state is not None:
                 state.failed = True
                 self._drop_queued(request_id)
+                self._room_cond.notify_all()  # a save of this request waiting for room gives up now
         self._progress.set()
 
     def _drop_queued(self, request_id: str) -> list[_SaveItem]:
@@ -747,6 +751,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 if dropped:
                     state.next_chunk_id = min(item.chunk_id for item in dropped)
                 state.cancelled = True
+                self._room_cond.notify_all()  # a save of this request waiting for room gives up now
                 if notify_downstream is not False:
                     item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id, {},
                                      True, cancelled=True)
