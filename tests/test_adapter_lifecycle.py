@@ -210,6 +210,33 @@ def test_a_full_save_queue_pushes_back_then_fails_the_request_it_cannot_take(
         sender.shutdown()
 
 
+def test_health_is_degraded_while_the_save_queue_is_nearly_full(
+    namespace_pair: tuple[FlakyConnector, InProcConnector],
+) -> None:
+    conn0, _ = namespace_pair
+    sender = _manager(conn0, "0", max_queued_chunks=4)
+    try:
+        assert sender.health()["status"] == "ok"
+        conn0.gate.clear()
+        request = rid()
+        assert sender.save_async(request, {"n": [0]}) == 0
+        while sender.pending_state()["queued"]:
+            time.sleep(0.01)
+        for n in range(1, 4):
+            sender.save_async(request, {"n": [n]}, is_final=n == 3)
+        health = sender.health()
+        assert health["status"] == "degraded" and health["reasons"] == ["save queue 3/4 full"]
+        conn0.gate.set()
+        deadline = time.monotonic() + 5.0
+        while sender.pending_state()["sending"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sender.health()["status"] == "ok"
+    finally:
+        conn0.gate.set()
+        sender.shutdown()
+
+
 def test_a_save_waiting_for_room_ends_when_its_request_is_cancelled_or_the_manager_stops(
     namespace_pair: tuple[FlakyConnector, InProcConnector],
 ) -> None:

@@ -802,8 +802,26 @@ class OmniChunkManager(OmniTransferAdapterBase):
                     "parked": sum(len(p[1]) for p in self._parked.values())}
 
     def health(self) -> dict[str, Any]:
-        """Base health plus :meth:`pending_state`."""
-        return {**super().health(), **self.pending_state()}
+        """Base health plus :meth:`pending_state`.
+
+        ``status`` is ``degraded``, with ``reasons``, while the save queue is
+        at least three quarters full (saves are about to wait, then fail) or
+        the connector itself does not report ``ok``; ``ok`` again once that
+        clears.
+        """
+        health = {**super().health(), **self.pending_state()}
+        reasons: list[str] = []
+        limit = self.config.max_queued_chunks
+        if health["queued"] * 4 >= limit * 3:
+            reasons.append(f"save queue {health['queued']}/{limit} full")
+        connector = health.get("connector")
+        connector_status = connector.get("status") if isinstance(connector, Mapping) else None
+        if connector_status not in (None, "ok"):
+            reasons.append(f"connector {connector_status}")
+        if reasons and health["status"] == "ok":
+            health["status"] = "degraded"
+            health["reasons"] = reasons
+        return health
 
     # -- scheduler hooks ----------------------------------------------------------------------------
     def process_pending_chunks(
