@@ -79,6 +79,37 @@ def test_the_save_in_flight_at_shutdown_is_released_too() -> None:
             conn0.gate.set()
 
 
+class ExplodingGets(FlakyConnector):
+    """A connector whose get raises a programming error: the receive worker dies on it."""
+
+    def get(self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None) -> Any:
+        raise RuntimeError("a connector bug")
+
+
+def test_a_crashed_worker_releases_every_waiting_save_at_once() -> None:
+    conn = ExplodingGets({"namespace": f"crash-{uuid.uuid4().hex}", "stage_id": "1"})
+    manager = OmniChunkManager(ChunkManagerConfig(stage_id="1", retry=FAST_RETRY), conn)
+    try:
+        conn.gate.clear()
+        request = rid()
+        assert manager.save_async(request, {"n": [0]}) == 0
+        result: list[bool] = []
+        waiter = threading.Thread(target=lambda: result.append(manager.save(request, {"n": [1]})), daemon=True)
+        waiter.start()
+        while manager.pending_state()["queued"] < 1:
+            time.sleep(0.01)
+        manager.load_async(rid())  # the receive worker calls get and dies
+        assert _join(waiter, 3.0), "save() still waiting after the adapter's worker crashed"
+        assert result == [False]
+        assert "crashed" in manager.collect_failed_send_request_ids()[request]
+        with pytest.raises(ClosedResourceError):
+            manager.save_async(rid(), {"n": [0]})
+    finally:
+        conn.gate.set()
+        manager.shutdown()
+        conn.close()
+
+
 def test_nothing_is_accepted_after_shutdown() -> None:
     with chunk_pair() as ((sender, receiver), _):
         sender.shutdown()

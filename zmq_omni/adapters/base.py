@@ -163,6 +163,12 @@ class OmniTransferAdapterBase(ABC):
             # A worker that dies silently would turn every later request into a hang.
             logger.exception("adapter worker %s crashed; stopping the adapter", threading.current_thread().name)
             self.stop_event.set()
+            with self._lock:
+                self._save_cond.notify_all()
+                self._recv_cond.notify_all()
+                self._on_stopping()
+            # Nothing will send what is queued: fail it now rather than at shutdown().
+            self._fail_unsent(f"adapter worker {threading.current_thread().name} crashed")
 
     # -- the public surface ---------------------------------------------------------
     def load(self, *args: Any, **kwargs: Any) -> Any:
