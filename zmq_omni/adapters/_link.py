@@ -9,8 +9,22 @@ How a downstream stage learns about a new request:
     order and registers each request with ``load_async``. Announcements are
     read with a look-ahead window, so one lost announcement does not block the
     ones behind it, and a restarted upstream (whose ``seq`` starts again at 0)
-    is picked up. A restarted *downstream* stage does not learn about requests
-    announced before it came back: restart a pipeline from its last stage.
+    is picked up. After each announcement the sender also puts its ``seq``
+    under ``_zo_req_{stage_id}_head`` (a re-put replaces it, so one is held at
+    most): a receiver that finds nothing at its next ``seq`` while the head is
+    at or past it jumps there, so a receiver that (re)started after its
+    upstream announced many requests (a second ``zmq-omni drive`` against
+    running stages, a restarted stage) learns of new requests at once. It
+    still does not learn about requests announced before it came back:
+    restart a pipeline from its last stage.
+
+Refusals travel as announcements too:
+    a stage that cannot serve an announced request (its id was already used:
+    the stream under it ended, or it is in flight) announces
+    ``{"request_id": ..., "error": reason}`` instead of streaming it; every
+    stage after it forwards such an announcement at once, so the driver fails
+    the request with the real reason within a few hops' latency. Announcement
+    keys are fresh per announcement, so a reused request id cannot block them.
 
 Reserved payload keys (removed before the user function sees the payload):
     ``_zo_error``: a request failed upstream; the worker forwards the error to
@@ -26,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +57,14 @@ TRACE_KEY = "_zo_trace"
 ANNOUNCE_PREFIX = "_zo_req_"
 #: How far past the next expected announcement a receiver looks for later ones.
 _ANNOUNCE_WINDOW = 16
+#: The key (after ``_zo_req_{stage_id}``) of the sequence number of a stage's latest announcement.
+HEAD_SUFFIX = "_head"
+#: How many announcements before the head a receiver that jumps to it still reads.
+_CATCH_UP = 1024
+#: Failures of chunk keys held for the chunk manager until it drains them.
+_HELD_FAILURES = 65_536
+#: Announcement keys remembered to attribute a failure reported after the put returned.
+_ANNOUNCED_KEYS = 65_536
 
 
 # -- one connector for two edges ------------------------------------------------------------------
@@ -57,6 +79,12 @@ class _EdgePair(OmniConnectorBase):
         super().__init__()
         self.inbound = inbound
         self.outbound = outbound
+        # Two consumers read the connectors' failures (the chunk manager and the
+        # announcer); whichever drains first routes each failure to the owner of
+        # its key, so neither can swallow the other's. Guarded by _route_lock.
+        self._route_lock = threading.Lock()
+        self._chunk_failures: deque[TransferFailure] = deque(maxlen=_HELD_FAILURES)
+        self.on_announce_failure: Callable[[TransferFailure], None] | None = None
         # The adapter waits on these when the backend offers them (fewer wakeups).
         for name in ("get_wakeup_generation", "wait_for_change"):
             method = getattr(inbound, name, None)
@@ -97,9 +125,35 @@ class _EdgePair(OmniConnectorBase):
         """Clean up on both edges."""
         return self.inbound.cleanup_prefix(prefix) + self.outbound.cleanup_prefix(prefix)
 
+    def route_failures(self) -> None:
+        """Take both edges' failures: announcements' go to ``on_announce_failure``, the rest are held.
+
+        Held failures (chunk keys) wait for :meth:`drain_failures`; at most
+        ``_HELD_FAILURES`` are held, the oldest dropped first (with a warning).
+        """
+        with self._route_lock:
+            pulled = self.inbound.drain_failures() + self.outbound.drain_failures()
+            announcements: list[TransferFailure] = []
+            for failure in pulled:
+                if failure.key.startswith(ANNOUNCE_PREFIX) and self.on_announce_failure is not None:
+                    announcements.append(failure)
+                else:
+                    if len(self._chunk_failures) == self._chunk_failures.maxlen:
+                        logger.warning("dropping an uncollected transfer failure: %s [key=%r]",
+                                       self._chunk_failures[0].reason, self._chunk_failures[0].key)
+                    self._chunk_failures.append(failure)
+            sink = self.on_announce_failure
+        if sink is not None:
+            for failure in announcements:
+                sink(failure)
+
     def drain_failures(self) -> list[TransferFailure]:
-        """Failures of both edges."""
-        return self.inbound.drain_failures() + self.outbound.drain_failures()
+        """Failures of both edges, announcement keys excepted (those go to the announcer)."""
+        self.route_failures()
+        with self._route_lock:
+            out = list(self._chunk_failures)
+            self._chunk_failures.clear()
+        return out
 
     def health(self) -> dict[str, Any]:
         """Status plus each edge's health."""
@@ -168,11 +222,22 @@ class _Endpoint:
             self.connector.close()
             raise
         self.stop_event = threading.Event()
-        self.admitted: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # (request id, None) for a request to serve (its load is registered), or
+        # (request id, reason) for one an upstream stage refused or failed before streaming.
+        self.admitted: queue.SimpleQueue[tuple[str, str | None]] = queue.SimpleQueue()
         self.announce_failures: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
-        self._announce_queue: deque[str] = deque()
+        self._announce_queue: deque[tuple[str, str | None]] = deque()
         self._announce_cond = threading.Condition()
         self._seq = 0
+        # Announcement key -> request id, and the key being put now with the cause
+        # found for it (guarded by _announce_lock; written by the announcer, read by
+        # whichever thread routes the connectors' failures).
+        self._announce_lock = threading.Lock()
+        self._announced_keys: OrderedDict[str, str] = OrderedDict()
+        self._announce_attempt: str | None = None
+        self._announce_cause: TransferFailure | None = None
+        self.connector.on_announce_failure = self._on_announce_failure
+        self._head_key = f"{ANNOUNCE_PREFIX}{self.stage_id}{HEAD_SUFFIX}"
         self._threads = [
             threading.Thread(target=self._guard, args=(self._announce_loop,), daemon=True,
                              name=f"{label}-announce-{self.stage_id}"),
@@ -191,10 +256,15 @@ class _Endpoint:
                 self.stop_event.set()
 
     # announcements out ----------------------------------------------------------------------------
-    def announce(self, request_id: str) -> None:
-        """Queue the announcement of a new request to the downstream stage (returns at once)."""
+    def announce(self, request_id: str, *, error: str | None = None) -> None:
+        """Queue the announcement of a new request to the downstream stage (returns at once).
+
+        With ``error``, announce instead that the request failed before any of
+        its chunks went downstream (it was refused): the downstream stages
+        forward that to the driver, which fails the request with ``error``.
+        """
         with self._announce_cond:
-            self._announce_queue.append(request_id)
+            self._announce_queue.append((request_id, error))
             self._announce_cond.notify()
 
     def _announce_loop(self) -> None:
@@ -204,27 +274,65 @@ class _Endpoint:
                     self._announce_cond.wait()
                 if self.stop_event.is_set():
                     return
-                request_id = self._announce_queue.popleft()
+                request_id, error = self._announce_queue.popleft()
             key = f"{ANNOUNCE_PREFIX}{self.stage_id}_{self._seq}"
             self._seq += 1
-            if not self._put_announcement(key, request_id):
+            if not self._put_announcement(key, request_id, error):
                 self.announce_failures.put((request_id, f"could not announce the request to stage "
                                                         f"{self.downstream} (key {key!r})"))
+                continue
+            # One attempt, failures ignored: the head only helps a receiver that
+            # (re)started behind; a re-put replaces the unconsumed one, so at most
+            # one is ever held per edge.
+            self.connector.outbound.put(self.stage_id, self.downstream, self._head_key, {"seq": self._seq - 1})
 
-    def _put_announcement(self, key: str, request_id: str) -> bool:
+    def _on_announce_failure(self, failure: TransferFailure) -> None:
+        """A failure of an announcement key, routed here by the edge pair (any thread)."""
+        if failure.key == self._head_key:
+            return  # best effort by design (see _announce_loop)
+        with self._announce_lock:
+            if failure.key == self._announce_attempt:
+                self._announce_cause = failure  # the cause of the put in progress (maybe retried)
+                return
+            request_id = self._announced_keys.pop(failure.key, None)
+        if request_id is None:
+            logger.warning("%s %s: failure of an unknown announcement: %s [key=%r]", self.label, self.stage_id,
+                           failure.reason, failure.key)
+            return
+        # Delivery of an announcement that put accepted failed later: the request
+        # can never be started downstream.
+        self.announce_failures.put((request_id, f"announcing the request to stage {self.downstream} failed: "
+                                                f"{failure.reason} [key={failure.key!r}]"))
+
+    def _put_announcement(self, key: str, request_id: str, error: str | None = None) -> bool:
+        body: dict[str, str] = {"request_id": request_id} if error is None else \
+            {"request_id": request_id, "error": error}
+
         def attempt() -> None:
             if self.stop_event.is_set():
                 raise InterruptedError("stopping")
-            ok, _, _ = self.connector.outbound.put(self.stage_id, self.downstream, key, {"request_id": request_id})
-            if not ok:
-                failures = [f for f in self.connector.outbound.drain_failures() if f.key == key]
-                if failures and failures[-1].error is not None:
-                    raise failures[-1].error
-                raise _AnnounceFailed(f"put of {key!r} failed")
+            with self._announce_lock:
+                self._announce_attempt, self._announce_cause = key, None
+            ok, _, _ = self.connector.outbound.put(self.stage_id, self.downstream, key, body)
+            if ok:
+                with self._announce_lock:
+                    self._announce_attempt = None
+                    self._announced_keys[key] = request_id
+                    while len(self._announced_keys) > _ANNOUNCED_KEYS:
+                        self._announced_keys.popitem(last=False)
+                return
+            self.connector.route_failures()
+            with self._announce_lock:
+                cause, self._announce_attempt, self._announce_cause = self._announce_cause, None, None
+            if cause is not None and cause.error is not None:
+                raise cause.error
+            raise _AnnounceFailed(f"put of {key!r} failed" + (f": {cause.reason}" if cause is not None else ""))
 
         try:
             self.retry.retrying(stop_event=self.stop_event)(attempt)
         except Exception as exc:
+            with self._announce_lock:
+                self._announce_attempt = None
             if not self.stop_event.is_set():
                 logger.warning("%s %s: announcing %s failed: %s", self.label, self.stage_id, request_id, exc)
             return False
@@ -236,16 +344,20 @@ class _Endpoint:
         next_seq = 0
         taken_ahead: set[int] = set()
 
+        head_key = f"{ANNOUNCE_PREFIX}{self.upstream}{HEAD_SUFFIX}"
+
         def key(seq: int) -> str:
             return f"{ANNOUNCE_PREFIX}{self.upstream}_{seq}"
 
         def admit(obj: Any) -> None:
             request_id = obj.get("request_id") if isinstance(obj, Mapping) else None
-            if not isinstance(request_id, str):
+            error = obj.get("error") if isinstance(obj, Mapping) else None
+            if not isinstance(request_id, str) or not isinstance(error, (str, type(None))):
                 logger.warning("%s %s: ignoring a malformed announcement %r", self.label, self.stage_id, obj)
                 return
-            self.chunks.load_async(request_id)
-            self.admitted.put(request_id)
+            if error is None:
+                self.chunks.load_async(request_id)
+            self.admitted.put((request_id, error))
 
         while not self.stop_event.is_set():
             deadline = time.monotonic() + 0.2
@@ -275,6 +387,23 @@ class _Endpoint:
                     next_seq, taken_ahead = seq + 1, set()
                 else:
                     taken_ahead.add(seq)
+            # Still nothing at next_seq while the upstream's head says it announced
+            # it (or later): those announcements went to an earlier incarnation of
+            # this stage (a driver run before this one, a stage since restarted)
+            # or were given up. Read what is still there, then go on after the head.
+            head = inbound.get(self.upstream, self.stage_id, head_key)
+            latest = head[0].get("seq") if head is not None and isinstance(head[0], Mapping) else None
+            if not isinstance(latest, int) or latest < next_seq:
+                continue
+            for seq in range(max(next_seq, latest - _CATCH_UP + 1), latest + 1):
+                if seq not in taken_ahead and (found := inbound.get(self.upstream, self.stage_id, key(seq))):
+                    admit(found[0])
+            logger.info("%s %s: announcements %d..%d of stage %s were not for this incarnation; going on at %d",
+                        self.label, self.stage_id, next_seq, latest, self.upstream, latest + 1)
+            next_seq, taken_ahead = latest + 1, {seq for seq in taken_ahead if seq > latest}
+            while next_seq in taken_ahead:
+                taken_ahead.discard(next_seq)
+                next_seq += 1
 
     def close(self) -> None:
         """Stop the helpers, shut the chunk manager down and close both connectors."""

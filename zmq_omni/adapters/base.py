@@ -170,6 +170,9 @@ class OmniTransferAdapterBase(ABC):
         self._attempt_cause: TransferFailure | None = None
         self._peer_down: set[str] = set()
         self._recv_kick = False
+        # The item the save thread is handling (guarded by ``self._lock``): shutdown()
+        # releases its waiter even when the put inside outlives the grace period.
+        self._save_in_flight: Any | None = None
         self._closed = False
         self._owns_connector = connector is None
         self.connector: OmniConnectorBase = connector if connector is not None else self.create_connector(config)
@@ -206,6 +209,12 @@ class OmniTransferAdapterBase(ABC):
             # A worker that dies silently would turn every later request into a hang.
             logger.exception("adapter worker %s crashed; stopping the adapter", threading.current_thread().name)
             self.stop_event.set()
+            with self._lock:
+                self._save_cond.notify_all()
+                self._recv_cond.notify_all()
+                self._on_stopping()
+            # Nothing will send what is queued: fail it now rather than at shutdown().
+            self._fail_unsent(f"adapter worker {threading.current_thread().name} crashed")
 
     # -- the public surface ---------------------------------------------------------
     def load(self, *args: Any, **kwargs: Any) -> Any:
@@ -312,8 +321,11 @@ class OmniTransferAdapterBase(ABC):
         ``flush`` (puts still in flight get there); the connector is then
         closed regardless (its ``close`` never hangs and reports a put still
         unconfirmed, which is booked as a send failure of its request, so
-        ``get_finished_requests`` still tells the scheduler). Both workers are
-        daemon threads, so neither can keep the process alive.
+        ``get_finished_requests`` still tells the scheduler). Items still
+        queued are then failed (a send failure of their request, reason "shut
+        down") and every waiter on a save is released, so no call waits past
+        ``shutdown``. Both workers are daemon threads, so neither can keep the
+        process alive.
         """
         if self._closed:
             return
@@ -322,6 +334,7 @@ class OmniTransferAdapterBase(ABC):
         with self._lock:
             self._save_cond.notify_all()
             self._recv_cond.notify_all()
+            self._on_stopping()
         deadline = time.monotonic() + self.shutdown_grace_s
         for thread in (self.recv_thread, self.save_thread):
             if thread.is_alive() and thread is not threading.current_thread():
@@ -339,7 +352,28 @@ class OmniTransferAdapterBase(ABC):
                 thread.join(0.2)
                 if thread.is_alive():
                     logger.warning("stage %s: worker %s still busy after shutdown", self.stage_id, thread.name)
+        self._fail_unsent("the adapter shut down before it was sent")
         self._flush_warnings()
+
+    def _fail_unsent(self, reason: str) -> None:
+        """Fail every item still queued and release every waiter (shutdown's last step).
+
+        A queued item's request is booked as a send failure (once per request);
+        the item in flight, if its put outlived the grace period, has its waiter
+        released now, unsent as far as that waiter knows.
+        """
+        with self._lock:
+            unsent = self._drain_save_queue()
+            in_flight, self._save_in_flight = self._save_in_flight, None
+        failed: set[str] = set()
+        for item in unsent:
+            request_id = self._request_id_of_item(item)
+            if request_id is not None and request_id not in failed:
+                failed.add(request_id)
+                self.record_send_failure(request_id, reason)
+            self._save_item_done(item)
+        if in_flight is not None:
+            self._save_item_done(in_flight)
 
     close = shutdown
 
@@ -354,12 +388,17 @@ class OmniTransferAdapterBase(ABC):
         """Send queued items until :meth:`shutdown`; sleeps on a condition when idle."""
         while True:
             with self._save_cond:
-                item = self._next_save_item()
-                while item is None and not self.stop_event.is_set():
-                    self._save_cond.wait()
+                # Once stopping, nothing more is popped: what is still queued stays
+                # there for shutdown() to fail, so no item is lost between the two.
+                item = None
+                while not self.stop_event.is_set():
                     item = self._next_save_item()
-                if self.stop_event.is_set():
+                    if item is not None:
+                        break
+                    self._save_cond.wait()
+                if item is None:
                     return
+                self._save_in_flight = item
             try:
                 self._send_item(item)
             except Exception as exc:
@@ -368,6 +407,8 @@ class OmniTransferAdapterBase(ABC):
                 logger.exception("stage %s: sending an item failed", self.stage_id)
                 self.record_send_failure(self._request_id_of_item(item), f"send raised {type(exc).__name__}: {exc}")
             finally:
+                with self._lock:
+                    self._save_in_flight = None
                 self._save_item_done(item)
 
     def recv_loop(self) -> None:
@@ -478,6 +519,9 @@ class OmniTransferAdapterBase(ABC):
                     self.record_receive_failure(request_id, f"{failure.reason} [key={failure.key!r}]")
 
     # -- hooks for subclasses --------------------------------------------------------------
+    def _on_stopping(self) -> None:
+        """Wake the subclass's own waiters at shutdown (called with ``self._lock`` held)."""
+
     def _on_send_failure(self, request_id: str) -> None:
         """Called after a send failure of ``request_id`` was booked (drop its queued items)."""
 
@@ -486,7 +530,11 @@ class OmniTransferAdapterBase(ABC):
         """Pop the next item to send, or None (called with ``self._lock`` held)."""
 
     def _save_item_done(self, item: Any) -> None:
-        """Called after ``item`` was handled, sent or not."""
+        """Called after ``item`` was handled, sent or not (may be called twice for one item)."""
+
+    def _drain_save_queue(self) -> list[Any]:
+        """Remove and return every queued item (called with ``self._lock`` held, at shutdown)."""
+        return []
 
     @abstractmethod
     def _send_item(self, item: Any) -> None:

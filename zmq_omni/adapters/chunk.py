@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from ..config import ConnectorSpec
 from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
 from ..connectors import OmniConnectorBase
-from ..errors import ConfigError, format_seconds
+from ..errors import ClosedResourceError, ConfigError, format_seconds
 from ._assemble import assemble_chunks
 from .base import OmniTransferAdapterBase, RecvTarget
 from .retry import RetryPolicy
@@ -74,6 +74,20 @@ class ChunkManagerConfig:
             the latency of other keys and of stall detection).
         concat_axis: axis along which received arrays are concatenated.
         shutdown_grace_s: how long ``shutdown`` waits for a put in progress.
+        max_queued_chunks: most chunks queued for the save thread at once.
+            A ``save_async`` / ``save`` that finds the queue full waits for
+            room up to ``queue_full_timeout_s``; then the chunk is refused and
+            its request fails to send (reason "save queue full"), since a
+            stream cannot go on with a hole. A cancellation's end-of-stream
+            marker is always queued (one per request at most).
+        queue_full_timeout_s: how long a save waits for room in a full queue.
+        idle_state_timeout_s: a request whose state here saw no activity this
+            long is forgotten without ``release``: a stream still open (no
+            chunk queued since) is cancelled (the next stage gets a cancelled
+            end of stream) and reported as a send failure; a failed or ended
+            send state and a finished receiving stream whose inputs were never
+            taken are dropped (counted as ``expired_states``). Its id stays a
+            used id.
     """
 
     stage_id: str
@@ -85,6 +99,9 @@ class ChunkManagerConfig:
     recv_wait_s: float = 0.01
     concat_axis: int = 0
     shutdown_grace_s: float = 0.5
+    max_queued_chunks: int = 4096
+    queue_full_timeout_s: float = 10.0
+    idle_state_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_id", str(self.stage_id))
@@ -94,12 +111,17 @@ class ChunkManagerConfig:
             object.__setattr__(self, "downstream_stage_id", _neighbour(self.stage_id, +1))
         if self.stall_timeout_s <= 0 or self.recv_wait_s <= 0:
             raise ConfigError("'stall_timeout_s' and 'recv_wait_s' must be > 0")
+        if self.max_queued_chunks < 1:
+            raise ConfigError(f"'max_queued_chunks' must be >= 1, got {self.max_queued_chunks}")
+        if self.queue_full_timeout_s < 0 or self.idle_state_timeout_s <= 0:
+            raise ConfigError("'queue_full_timeout_s' must be >= 0 and 'idle_state_timeout_s' > 0")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
         known = ("stage_id", "upstream_stage_id", "downstream_stage_id", "connector", "retry",
-                 "stall_timeout_s", "recv_wait_s", "concat_axis", "shutdown_grace_s")
+                 "stall_timeout_s", "recv_wait_s", "concat_axis", "shutdown_grace_s", "max_queued_chunks",
+                 "queue_full_timeout_s", "idle_state_timeout_s")
         check_known_keys(data, known, path)
         spec = data.get("connector")
         d = cls.__dataclass_fields__
@@ -115,6 +137,10 @@ class ChunkManagerConfig:
             recv_wait_s=read_float(data, "recv_wait_s", d["recv_wait_s"].default, path),
             concat_axis=read_int(data, "concat_axis", d["concat_axis"].default, path),
             shutdown_grace_s=read_float(data, "shutdown_grace_s", d["shutdown_grace_s"].default, path, minimum=0),
+            max_queued_chunks=read_int(data, "max_queued_chunks", d["max_queued_chunks"].default, path),
+            queue_full_timeout_s=read_float(data, "queue_full_timeout_s", d["queue_full_timeout_s"].default, path,
+                                            minimum=0),
+            idle_state_timeout_s=read_float(data, "idle_state_timeout_s", d["idle_state_timeout_s"].default, path),
         )
 
 
@@ -159,6 +185,7 @@ class _SendState:
     terminal_queued: bool = False
     cancelled: bool = False
     failed: bool = False
+    last_activity: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -209,6 +236,10 @@ class OmniChunkManager(OmniTransferAdapterBase):
         self._loaded_cond = threading.Condition(self._lock)
         self._sent_cond = threading.Condition(self._lock)
         self._parked: dict[str, tuple[list[str], list[Any]]] = {}
+        # Signalled (under self._lock) whenever the save queue shrinks or the manager stops.
+        self._room_cond = threading.Condition(self._lock)
+        self._last_sweep = time.monotonic()
+        self.counters.add("expired_states", 0)
         self._start_workers()
 
     # -- keys --------------------------------------------------------------------------
@@ -226,6 +257,11 @@ class OmniChunkManager(OmniTransferAdapterBase):
         book.move_to_end(key)
         while len(book) > _REMEMBERED:
             book.popitem(last=False)
+
+    def _check_open(self) -> None:
+        """Refuse new work once stopping (call with ``self._lock`` held): it could never be served."""
+        if self.stop_event.is_set():
+            raise ClosedResourceError(f"the chunk manager of stage {self.stage_id} is shut down")
 
     # -- sender side -----------------------------------------------------------------------
     def save_async(
@@ -254,6 +290,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         Raises:
             ValueError: a chunk after the final one.
             ConfigError: this stage has no downstream stage.
+            ClosedResourceError: the manager is shut down (or its workers stopped).
         """
         _save_item = self._queue_chunk(request_id, payload, is_final, external_req_id, None)
         return None if _save_item is None else _save_item.chunk_id
@@ -270,7 +307,12 @@ class OmniChunkManager(OmniTransferAdapterBase):
         """Send one chunk (by default the whole, final payload) and wait until it is put.
 
         Returns True when the put succeeded; False when it failed (reported as a
-        send failure) or ``timeout_s`` passed first (the chunk stays queued).
+        send failure), ``timeout_s`` passed first (the chunk stays queued) or
+        the manager shut down first (reported as a send failure). With
+        ``timeout_s=None`` it still returns by the end of :meth:`shutdown`.
+
+        Raises:
+            ClosedResourceError: the manager is shut down (or its workers stopped).
         """
         done = threading.Event()
         item = self._queue_chunk(request_id, payload, is_final, external_req_id, done)
@@ -292,6 +334,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         if payload is not None and not isinstance(payload, Mapping):
             raise TypeError(f"chunk payload must be a mapping, got {type(payload).__name__}")
         with self._lock:
+            self._check_open()
             state = self._send.get(request_id)
             if state is None:
                 if request_id in self._ended_streams:
@@ -303,16 +346,99 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 return None
             if state.terminal_queued:
                 raise ValueError(f"request {request_id!r}: chunk after the final one")
+            if len(self._save_queue) >= self.config.max_queued_chunks and not self._wait_for_room(state):
+                if not (state.cancelled or state.failed):
+                    self.record_send_failure(
+                        request_id, f"save queue full: {len(self._save_queue)} chunks queued (max_queued_chunks) "
+                                    f"and no room within {self.config.queue_full_timeout_s:g}s")
+                return None
+            state.last_activity = time.monotonic()
             item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id,
                              payload or {}, is_final, done=done)
             state.next_chunk_id += 1
             state.terminal_queued = is_final
             self._save_queue.append(item)
             self._save_cond.notify()
+        self._sweep_idle()
         return item
 
+    def _wait_for_room(self, state: _SendState) -> bool:
+        """Wait (lock held) up to ``queue_full_timeout_s`` for room in the save queue; True when there is.
+
+        Ends early, False, when the request stopped meanwhile; raises once the manager stops.
+        """
+        deadline = time.monotonic() + self.config.queue_full_timeout_s
+        while len(self._save_queue) >= self.config.max_queued_chunks:
+            self._check_open()
+            if state.cancelled or state.failed or self._send.get(state.request_id) is not state:
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._room_cond.wait(remaining)
+        return True
+
     def _next_save_item(self) -> _SaveItem | None:
-        return self._save_queue.popleft() if self._save_queue else None
+        if not self._save_queue:
+            return None
+        self._room_cond.notify_all()
+        return self._save_queue.popleft()
+
+    def _drain_save_queue(self) -> list[Any]:
+        unsent, self._save_queue = list(self._save_queue), deque()
+        self._room_cond.notify_all()
+        return unsent
+
+    def _on_stopping(self) -> None:
+        self._room_cond.notify_all()
+
+    def _sweep_idle(self, *, force: bool = False) -> None:
+        """Forget the state of requests idle for ``idle_state_timeout_s`` (see :class:`ChunkManagerConfig`).
+
+        Runs at most a few times per timeout, from the calls that add state
+        (``save_async``, ``load_async``) and those the scheduler makes every
+        step (``collect_failed_*``, ``pending_state``), so state cannot grow
+        without a sweep; each sweep is one pass over the requests.
+        """
+        ttl = self.config.idle_state_timeout_s
+        now = time.monotonic()
+        if not force and now - self._last_sweep < min(1.0, ttl / 4):
+            return
+        self._last_sweep = now
+        abandoned: list[str] = []
+        with self._lock:
+            busy = {item.request_id for item in self._save_queue}
+            if isinstance(self._save_in_flight, _SaveItem):
+                busy.add(self._save_in_flight.request_id)
+            for request_id, state in list(self._send.items()):
+                receiving = self._recv.get(request_id)
+                if request_id in busy or now - state.last_activity < ttl \
+                        or (receiving is not None and not receiving.final):
+                    # A middle stage still receiving the request is bounded by stall_timeout_s.
+                    continue
+                if state.failed or state.cancelled or state.terminal_queued:
+                    del self._send[request_id]
+                    self._remember(self._ended_streams, request_id, None)
+                    self.counters.add("expired_states")
+                else:
+                    abandoned.append(request_id)
+            for request_id, recv in list(self._recv.items()):
+                # Unfinished streams are bounded by stall_timeout_s already; a finished
+                # one whose inputs nobody takes would stay forever.
+                if recv.final and recv.all_chunks is None and now - recv.last_progress >= ttl:
+                    del self._recv[request_id]
+                    self.counters.add("expired_states")
+                    logger.warning("stage %s: dropping the received stream of %s: not taken for %.0fs",
+                                   self.stage_id, request_id, ttl)
+        for request_id in abandoned:
+            # A stream left open: end it for the next stage (cancelled) and tell the scheduler.
+            self.cancel(request_id, notify_downstream=True)
+            self.counters.add("send_failures")
+            logger.warning("stage %s: request %s abandoned: no chunk queued for %.0fs", self.stage_id, request_id, ttl)
+            with self._failures_lock:
+                self._failed_send.setdefault(
+                    request_id, f"abandoned: no chunk queued for {ttl:g}s (idle_state_timeout_s); stream cancelled")
+            self._progress.set()
 
     def _request_id_of_item(self, item: Any) -> str | None:
         return item.request_id if isinstance(item, _SaveItem) else None
@@ -328,6 +454,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         downstream = self.config.downstream_stage_id
         assert downstream is not None
         item.ok = self._put_with_retry(item.request_id, downstream, item.key, wire)
+        state.last_activity = time.monotonic()
         if item.ok and item.final:
             with self._lock:
                 if self._send.get(item.request_id) is state:
@@ -346,6 +473,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
             if state is not None:
                 state.failed = True
                 self._drop_queued(request_id)
+                self._room_cond.notify_all()  # a save of this request waiting for room gives up now
         self._progress.set()
 
     def _drop_queued(self, request_id: str) -> list[_SaveItem]:
@@ -353,16 +481,36 @@ class OmniChunkManager(OmniTransferAdapterBase):
         dropped = [item for item in self._save_queue if item.request_id == request_id]
         if dropped:
             self._save_queue = deque(item for item in self._save_queue if item.request_id != request_id)
+            self._room_cond.notify_all()
             for item in dropped:
                 if item.done is not None:
                     item.done.set()
         return dropped
+
+    def stream_refusal(self, request_id: str) -> str | None:
+        """Why this stage could not stream ``request_id`` downstream, or None when it can.
+
+        A request id names one stream per stage: once its stream ended (its
+        final chunk was put, or the request was released), or while its final
+        chunk is queued, :meth:`save_async` refuses it. A stage worker asks
+        this when a request is announced, to refuse a reused id at once.
+        """
+        with self._lock:
+            if request_id in self._ended_streams:
+                return f"request {request_id!r} already ended its stream"
+            state = self._send.get(request_id)
+            if state is not None and state.terminal_queued:
+                return f"request {request_id!r} is ending its stream"
+            return None
 
     # -- receiver side --------------------------------------------------------------------
     def load_async(self, request_id: str, *, external_req_id: str | None = None) -> None:
         """Start receiving the chunk stream of ``request_id``; returns at once, idempotent.
 
         A no-op on a stage without an upstream stage (stage 0).
+
+        Raises:
+            ClosedResourceError: the manager is shut down (or its workers stopped).
         """
         self._register(request_id, external_req_id, keep_all=False)
 
@@ -370,6 +518,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         if self.config.upstream_stage_id is None:
             return None
         with self._lock:
+            self._check_open()
             state = self._recv.get(request_id)
             if state is None:
                 prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"
@@ -378,7 +527,8 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 self._kick_recv()
             if keep_all and state.all_chunks is None:
                 state.all_chunks = list(state.ready)
-            return state
+        self._sweep_idle()
+        return state
 
     def load(
         self, request_id: str, *, external_req_id: str | None = None, timeout_s: float | None = None
@@ -503,7 +653,17 @@ class OmniChunkManager(OmniTransferAdapterBase):
         self._loaded_cond.notify_all()
         self.record_receive_failure(state.request_id, reason)
         self._progress.set()
-        self.connector.cleanup_prefix(state.prefix)
+        self._give_up_stream(state.prefix, state.next_chunk_id)
+
+    def _give_up_stream(self, prefix: str, next_chunk_id: int) -> None:
+        """Tell the connector nobody will read this stream any more, so it can release what comes for it.
+
+        ``abandon_get`` names the key a get was (or would next be) waiting on;
+        ``cleanup_prefix`` drops what is held under the stream's keys now. A
+        connector that keeps a tombstone for either drops late chunks at once.
+        """
+        self.connector.abandon_get(f"{prefix}{next_chunk_id}")
+        self.connector.cleanup_prefix(prefix)
 
     def _request_id_for_key(self, key: str, op: str) -> str | None:
         prefix = key.rstrip("0123456789")
@@ -592,6 +752,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 if dropped:
                     state.next_chunk_id = min(item.chunk_id for item in dropped)
                 state.cancelled = True
+                self._room_cond.notify_all()  # a save of this request waiting for room gives up now
                 if notify_downstream is not False:
                     item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id, {},
                                      True, cancelled=True)
@@ -603,8 +764,8 @@ class OmniChunkManager(OmniTransferAdapterBase):
             if recv is not None:
                 prefix = recv.prefix
                 self._loaded_cond.notify_all()
-        if prefix is not None:
-            self.connector.cleanup_prefix(prefix)
+        if recv is not None and prefix is not None:
+            self._give_up_stream(prefix, recv.next_chunk_id)
 
     def release(self, request_id: str) -> None:
         """Forget every state of a finished request (idempotent).
@@ -624,15 +785,44 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 del self._send[request_id]
                 self._remember(self._ended_streams, request_id, None)
 
+    def collect_failed_send_request_ids(self) -> dict[str, str]:
+        """Drain ``{request_id: reason}`` of requests whose send gave up (also ages out idle state)."""
+        self._sweep_idle()
+        return super().collect_failed_send_request_ids()
+
+    def collect_failed_receive_request_ids(self) -> dict[str, str]:
+        """Drain ``{request_id: reason}`` of requests whose data will never arrive (also ages out idle state)."""
+        self._sweep_idle()
+        return super().collect_failed_receive_request_ids()
+
     def pending_state(self) -> dict[str, int]:
         """Sizes of the internal state (for tests, health and leak checks)."""
+        self._sweep_idle()
         with self._lock:
             return {"sending": len(self._send), "receiving": len(self._recv), "queued": len(self._save_queue),
                     "parked": sum(len(p[1]) for p in self._parked.values())}
 
     def health(self) -> dict[str, Any]:
-        """Base health plus :meth:`pending_state`."""
-        return {**super().health(), **self.pending_state()}
+        """Base health plus :meth:`pending_state`.
+
+        ``status`` is ``degraded``, with ``reasons``, while the save queue is
+        at least three quarters full (saves are about to wait, then fail) or
+        the connector itself does not report ``ok``; ``ok`` again once that
+        clears.
+        """
+        health = {**super().health(), **self.pending_state()}
+        reasons: list[str] = []
+        limit = self.config.max_queued_chunks
+        if health["queued"] * 4 >= limit * 3:
+            reasons.append(f"save queue {health['queued']}/{limit} full")
+        connector = health.get("connector")
+        connector_status = connector.get("status") if isinstance(connector, Mapping) else None
+        if connector_status not in (None, "ok"):
+            reasons.append(f"connector {connector_status}")
+        if reasons and health["status"] == "ok":
+            health["status"] = "degraded"
+            health["reasons"] = reasons
+        return health
 
     # -- scheduler hooks ----------------------------------------------------------------------------
     def process_pending_chunks(

@@ -125,14 +125,16 @@ class PipelineDriver:
         """Send a request (one chunk, the whole input) to the first stage; returns at once.
 
         Raises:
-            ValueError: ``request_id`` is already in flight.
+            ValueError: ``request_id`` is already in flight (or this driver already ended it).
+            ClosedResourceError: the driver is closed.
         """
         if request_id in self._submitted:
             raise ValueError(f"request {request_id!r} is already in flight")
         now = time.time()
+        # The chunk first: a driver that is shut down refuses it before anything is announced.
+        self._link.chunks.save_async(request_id, {**payload, TRACE_KEY: {self.stage_id: [now, now]}}, is_final=True)
         self._submitted[request_id] = now
         self._link.announce(request_id)
-        self._link.chunks.save_async(request_id, {**payload, TRACE_KEY: {self.stage_id: [now, now]}}, is_final=True)
 
     def poll(self, timeout: float = 0.1) -> list[DriverEvent]:
         """Wait up to ``timeout`` for progress and return what happened since the last call."""
@@ -140,10 +142,17 @@ class PipelineDriver:
         events: list[DriverEvent] = []
         while True:
             try:
-                request_id = self._link.admitted.get_nowait()
+                request_id, error = self._link.admitted.get_nowait()
             except queue.Empty:
                 break
-            if request_id in self._submitted:
+            if error is not None:
+                # A stage refused it (a reused id) or failed it before it streamed.
+                if request_id in self._submitted:
+                    events.append(self._failed(request_id, error, time.time()))
+                else:
+                    logger.warning("driver: stage %s failed unknown request %s: %s", self._link.upstream,
+                                   request_id, error)
+            elif request_id in self._submitted:
                 self._streaming.add(request_id)
             else:
                 logger.warning("driver: stage %s announced unknown request %s", self._link.upstream, request_id)

@@ -102,12 +102,15 @@ class StageWorker:
         self._announced: set[str] = set()
         # Generators returned by fn, advanced one chunk per pass (run thread only).
         self._running: dict[str, _Running] = {}
+        # Refused requests whose inbound stream is read and dropped (run thread only;
+        # each leaves at its final chunk or when its stall timeout fails it).
+        self._refused: set[str] = set()
         self._stop = threading.Event()
         self._closed = False
         # Run thread only (then close): a stopped downstream fails every request at once, one line per interval.
         self._downstream_warnings = _WarningBurst()
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "completed": 0, "failed": 0, "chunks_in": 0, "chunks_out": 0}
+        self.stats = {"requests": 0, "completed": 0, "failed": 0, "refused": 0, "chunks_in": 0, "chunks_out": 0}
 
     @classmethod
     def from_pipeline(
@@ -163,6 +166,7 @@ class StageWorker:
                     self._handle(inputs)
             for request_id in list(self._running):
                 self._step(request_id)
+            self._drain_refused()
             self._handle_failures()
             chunks.get_finished_requests()  # drained so the set does not grow; state is released per request
             if self._running or not self._link.admitted.empty():
@@ -209,12 +213,42 @@ class StageWorker:
     def _admit(self) -> None:
         while True:
             try:
-                request_id = self._link.admitted.get_nowait()
+                request_id, error = self._link.admitted.get_nowait()
             except queue.Empty:
                 return
-            if request_id not in self._active:
-                self._active[request_id] = time.time()
-                self.stats["requests"] += 1
+            if error is not None:
+                # Refused (or failed) before it streamed, upstream: pass the reason on to the driver.
+                self._link.announce(request_id, error=error)
+                continue
+            refusal = (f"request {request_id!r} is already in flight" if request_id in self._active
+                       else self._link.chunks.stream_refusal(request_id))
+            if refusal is not None:
+                self._refuse(request_id, refusal)
+                continue
+            self._active[request_id] = time.time()
+            self.stats["requests"] += 1
+
+    def _refuse(self, request_id: str, reason: str) -> None:
+        """Tell the driver at once (an error announcement) that this stage will not serve ``request_id``.
+
+        A reused id cannot stream: the keys of its stream were used (and the
+        downstream stage may still hold late chunks under them). The request
+        is not started; what its upstream sends for it is read and dropped
+        (so it does not sit in the inbound connector), and the stage goes on
+        serving the others.
+        """
+        logger.warning("stage %s: refusing request %s: %s", self.name, request_id, reason)
+        self.stats["refused"] += 1
+        self._link.announce(request_id, error=f"stage {self.name}: {reason}")
+        if request_id not in self._active:
+            self._refused.add(request_id)
+
+    def _drain_refused(self) -> None:
+        chunks = self._link.chunks
+        for request_id in list(self._refused):
+            inputs = chunks.take_inputs(request_id)
+            if not chunks.is_receiving(request_id) or (inputs is not None and inputs.is_final):
+                self._refused.discard(request_id)
 
     def _handle(self, inputs: ChunkInputs) -> None:
         request_id = inputs.request_id
