@@ -554,3 +554,19 @@ def test_async_stage_example_runs(short_tmp: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stage 2 received 3 requests, every chunk in order" in result.stdout
+
+
+@pytest.mark.anyio
+async def test_a_role_less_connector_binding_at_its_first_get_wakes_its_waiters(short_tmp: Path) -> None:
+    # vllm-omni's older model: both ends from one extra, no role; the receiving end binds at its first
+    # get, after the AsyncConnector took its watch. The bound receiver must signal that watch.
+    extra = {"endpoints": {"1": f"ipc://{short_tmp}/lazy.sock"}}
+    async with AsyncConnector(ZmqConnector(dict(extra))) as get_side:
+        waiter = asyncio.create_task(get_side.get("0", "1", "late", timeout=30))
+        while get_side.health()["aio_gets_waiting"] < 1:
+            await asyncio.sleep(0.01)
+        with ZmqConnector(dict(extra)) as put_side:
+            ok, _, _ = put_side.put("0", "1", "late", {"v": 7})
+            assert ok
+            got = await asyncio.wait_for(waiter, 20)
+        assert got is not None and got[0] == {"v": 7}
