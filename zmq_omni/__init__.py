@@ -17,7 +17,15 @@ from .config import (
     get_stage_connector_config,
     load_omni_transfer_config,
 )
-from .connectors import OmniConnectorBase, OmniConnectorFactory, TransferFailure, create_connector
+from .connectors import (
+    FailureSource,
+    Flushable,
+    OmniConnectorBase,
+    OmniConnectorFactory,
+    TransferFailure,
+    WakeupSource,
+    create_connector,
+)
 from .errors import (
     ClosedResourceError,
     CodecError,
@@ -69,6 +77,8 @@ __all__ = [
     "DeliveryError",
     "DriverEvent",
     "EncodeError",
+    "FailureSource",
+    "Flushable",
     "InProcConnector",
     "KVTransferManager",
     "MessageTooLargeError",
@@ -90,6 +100,7 @@ __all__ = [
     "TransferFailure",
     "TransportError",
     "TransportTimeoutError",
+    "WakeupSource",
     "ZmqConnector",
     "ZmqOmniError",
     "__version__",
