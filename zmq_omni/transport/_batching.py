@@ -14,13 +14,18 @@ from collections.abc import Sequence
 from ._push_protocol import _BATCH_OVERHEAD
 from ._send_window import Out
 
-__all__ = ["RETRY_MAX_S", "RETRY_MIN_S", "STREAM_FLUSH_S", "Outbox", "batch_end"]
+__all__ = ["LONE_GAP_S", "RETRY_MAX_S", "RETRY_MIN_S", "STREAM_FLUSH_S", "Outbox", "batch_end"]
 
 RETRY_MIN_S = 0.001  # a batch refused at the high-water mark is retried after this, doubling...
 RETRY_MAX_S = 0.05  # ...up to this
 # A flush that found puts queued keeps the peer busy this much longer (a stream is on): puts ride in batches
 # without waking the I/O thread, and a put flushes the outbox itself once its oldest entry waited this long.
 STREAM_FLUSH_S = 0.0002
+# A lone put sent by its own thread keeps the peer busy only this long: a put loop (one put every
+# 10-20 us) still forms a stream that rides in batches, while one message in flight at a time (a
+# round trip apart, >= 50 us even for raw ZeroMQ) always goes at once from the put thread, never
+# through the I/O thread.
+LONE_GAP_S = 0.00003
 
 
 def entry_cost(out: Out) -> int:
@@ -57,6 +62,10 @@ class Outbox:
         self.flush_armed = False  # a flush is scheduled on the I/O thread: new small puts ride with it
         self.blocked = False  # the last flush met the high-water mark; the I/O thread retries
         self.retry_s = RETRY_MIN_S  # the next retry's delay while blocked (data_lock holder only)
+
+    def idle(self, now: float) -> bool:
+        """True when a small put may leave at once on its own: nothing queued, no stream on, not blocked."""
+        return not self.items and now >= self.busy_until and not self.blocked
 
     def add(self, out: Out, now: float, max_messages: int, batch_bytes: int) -> bool:
         """Queue ``out``; True when the outbox should leave now (by the put's own thread, if the socket is free).

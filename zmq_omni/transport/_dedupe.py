@@ -88,14 +88,16 @@ class SourceState:
         Forgets dedupe state below ``low`` first: the sender retains nothing there.
         """
         low = self.low
+        reported = self.reported
+        reported.update(self.consumed)
+        self.consumed = []
         if low > self.pruned_low:
             self.pruned_low = low
             self.seen = {s for s in self.seen if s >= low}
-            self.reported = {s for s in self.reported if s >= low}
-        self.reported.update(self.consumed)
-        self.consumed = []
+        if reported and min(reported) < low:  # the sender forgot these: repeating them only grows the pong
+            self.reported = reported = {s for s in reported if s >= low}
         arrived, self.arrived = self.arrived, []
-        return arrived, list(self.reported)
+        return arrived, list(reported)
 
     def last_word(self) -> tuple[list[int], list[int]] | None:
         """What to tell the sender as the receiver closes: arrivals and every unconfirmed consumption."""

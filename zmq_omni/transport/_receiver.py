@@ -10,11 +10,11 @@ Threads and locks:
 * **application threads** run :meth:`PushReceiver.take`, ``take_by``, ``forget``,
   ``stats``, ``generation``, ``wait_for_change`` and ``close``;
 * the connector's **I/O thread** runs the handlers and owns the ROUTER, every
-  ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_arrivals``,
-  ``_now`` and ``_flush_armed``: no lock, no other thread touches them;
+  ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_arrivals``
+  and ``_now``: no lock, no other thread touches them;
 * ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``,
   ``_taken`` (consumed seqs handed to the I/O thread), ``_generation``,
-  ``_batches_received``, ``_gets``, ``_bytes_received`` and ``_closed``.
+  ``_batches_received``, ``_gets``, ``_bytes_received``, ``_flush_armed`` and ``_closed``.
 """
 
 from __future__ import annotations
@@ -184,8 +184,11 @@ class PushReceiver:
         self._taken.append((item.sid, item.seq))
         self._gets += 1
         self._bytes_received += item.nbytes
-        if len(self._taken) == 1:
-            self._loop.call_soon(self._arm_flush)
+        # The flush armed when the item arrived usually carries this consumption too: a get wakes the
+        # I/O thread only when none is armed (not on a lone message's critical path).
+        if not self._flush_armed:
+            self._flush_armed = True
+            self._loop.call_soon(self._schedule_flush)
 
     def stats(self) -> dict[str, Any]:
         """Gets, bytes taken, items waiting for ``get``, and BATCH messages taken in."""
@@ -400,19 +403,25 @@ class PushReceiver:
         self._send_reply(source, ping, arrived, consumed)
 
     def _arm_flush(self) -> None:
-        if not self._flush_armed:
+        with self._lock:
+            if self._flush_armed:
+                return
             self._flush_armed = True
-            self._loop.call_later(_ACK_DELAY_S, self._flush_all)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        self._loop.call_later(_ACK_DELAY_S, self._flush_all)
 
     def _flush_all(self) -> None:
-        self._flush_armed = False
         self._pending_acks = 0
-        self._flush_taken()
+        self._flush_taken(disarm=True)
         self._flush_acks()
 
-    def _flush_taken(self) -> None:
+    def _flush_taken(self, *, disarm: bool = False) -> None:
         with self._lock:
             taken, self._taken = self._taken, []
+            if disarm:
+                self._flush_armed = False
         for sid, seq in taken:
             source = self._sources.get(sid)
             if source is not None:

@@ -41,7 +41,7 @@ from ..errors import (
     from_zmq_error,
 )
 from ..metrics import Counters
-from ._batching import RETRY_MAX_S, RETRY_MIN_S, STREAM_FLUSH_S, Outbox, batch_end
+from ._batching import LONE_GAP_S, RETRY_MAX_S, RETRY_MIN_S, STREAM_FLUSH_S, Outbox, batch_end
 from ._endpoints import EndpointMap
 from ._envelope import Kind, check_ranges, check_types, pack, unpack
 from ._loop import IoLoop
@@ -178,22 +178,48 @@ class PushSender:
             self._bytes_sent += nbytes
             low = win.low
             outs: list[Out] | None = None
-            wake = False
+            wake = lone = False
             batched = loc is None and len(frames) == 1 and nbytes < self._batch_item_bytes and bool(win.batch_bytes)
             if batched:
                 box = peer.box
-                if box.add(out, now, self._batch_max_messages, win.batch_bytes) and peer.data_lock.acquire(False):
+                if box.idle(now) and peer.data_lock.acquire(False):
+                    # One message in flight at a time: it leaves from this thread at once, as one DATA.
+                    lone = True
+                    box.busy_until = now + LONE_GAP_S
+                elif box.add(out, now, self._batch_max_messages, win.batch_bytes) and peer.data_lock.acquire(False):
                     outs = self._take(peer)
-                    box.busy_until = now + STREAM_FLUSH_S
+                    box.busy_until = now + (STREAM_FLUSH_S if len(outs) > 1 else LONE_GAP_S)
                 elif not box.flush_armed:
                     # It stays queued: make sure the I/O thread flushes it (one wake-up per busy period).
                     box.flush_armed = wake = True
-        if outs is not None:
+        if lone:
+            self._send_lone(peer, out, low)  # releases data_lock
+        elif outs is not None:
             self._flush(peer, outs, low)  # releases data_lock
         if wake:
             self._loop.call_soon(peer.flush_soon)
         if not batched:
             self._send_direct(peer, out, low, deadline)
+
+    def _send_lone(self, peer: _Peer, out: Out, low: int) -> None:
+        """Send a small put that found its peer idle (caller holds ``data_lock``, released here).
+
+        On a send error it joins the outbox for the I/O thread's retry, as a batch that met the
+        high-water mark does (the put already returned; its deadline still runs).
+        """
+        try:
+            if self._closed:
+                return
+            self._transmit(peer.data_sock or self._open_data(peer), peer, out, low)
+        except zmq.ZMQError as exc:
+            with self._lock:
+                if peer.win.retained.get(out.seq) is out:
+                    peer.box.requeue([out])
+                peer.box.blocked = True
+            if not isinstance(exc, zmq.Again):
+                log.warning("sending to %s failed: %s", peer.endpoint, exc)
+        finally:
+            self._release(peer)
 
     def _wait_for_room(self, peer: _Peer, nbytes: int, deadline: float) -> float:
         """Wait (caller holds ``_cv``) until the window admits ``nbytes``; the time then."""
