@@ -259,12 +259,13 @@ class PushReceiver:
                     log.debug("rejected a message on %s: %s", self.endpoint, exc)
         if rejected:
             self._counters.add("rejected_frames", rejected)
+        # The wake-up before the acknowledgements: arming the ack timer is a flag, sending acks is I/O.
+        if self._pending_acks < _ACK_BATCH:
+            self._arm_flush()
         if self._arrivals:
             self._store_arrivals()
         if self._pending_acks >= _ACK_BATCH:
             self._flush_all()
-        else:
-            self._arm_flush()
 
     def _store_arrivals(self) -> None:
         """Put this drain's items in the mailbox: one lock, one notify, for every message and batch."""
