@@ -201,7 +201,10 @@ class PushReceiver:
             }
 
     def generation(self) -> int:
-        """A counter bumped whenever items arrive in the mailbox (for :meth:`wait_for_change`)."""
+        """A counter bumped whenever items arrive in the mailbox (for :meth:`wait_for_change`).
+
+        Read without ``_lock``: callers only compare it, and ``wait_for_change`` re-reads it under the lock.
+        """
         return self._generation
 
     def wait_for_change(self, generation: int, timeout: float) -> int:

@@ -284,8 +284,10 @@ class PushSender:
             sock = peer.data_sock or self._open_data(peer)
             while True:
                 try:
-                    while peer.box.items:
+                    while True:  # the small puts queued before this one go first (put order)
                         with self._lock:
+                            if not peer.box.items:
+                                break
                             queued = self._take(peer)
                             low = peer.win.low
                         self._send_or_requeue(sock, peer, queued, low)
@@ -375,8 +377,10 @@ class PushSender:
             if taken is not None:
                 self._send_or_requeue(sock, peer, taken, low)
             else:
-                while peer.box.items:
+                while True:
                     with self._lock:
+                        if not peer.box.items:
+                            break
                         outs = self._take(peer)
                         low = peer.win.low
                     self._send_or_requeue(sock, peer, outs, low)
