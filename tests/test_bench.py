@@ -27,6 +27,7 @@ def test_bench_quick_prints_one_table_with_a_row_per_grid(tmp_path: Path) -> Non
     out = result.stdout
     assert "benchmark" in out and "baseline name" in out and "ratio" in out
     for row in ("wire codec encode+decode", "ZmqConnector ipc shm=off", "ZmqConnector ipc rate",
+                "ZmqConnector ipc RTT p50", "ZmqConnector ipc RTT p99",
                 "shm fast path", "save_async scheduler hold", "chunk save_async->assembled"):
         assert row in out, row
     assert "total time" in out
@@ -72,6 +73,9 @@ def test_benchmark_scripts_stay_runnable_as_thin_wrappers() -> None:
     adapters = _run(sys.executable, "benchmarks/adapters.py", "--n", "50")
     assert adapters.returncode == 0, adapters.stderr
     assert "chunk save_async->assembled" in adapters.stdout and "recv worker CPU" in adapters.stdout
+    latency = _run(sys.executable, "benchmarks/latency.py", "--count", "50", "--transport", "ipc")
+    assert latency.returncode == 0, latency.stderr
+    assert "1 MiB" in latency.stdout and "p99 ratio" in latency.stdout
 
 
 def test_the_plot_shows_what_a_user_compares_and_leaves_zero_copy_against_copy_to_the_table() -> None:
@@ -96,6 +100,9 @@ def test_the_plot_shows_what_a_user_compares_and_leaves_zero_copy_against_copy_t
     assert "vllm-omni" in plotted["vllm-omni style: pickle+CRC framing+new segment"]
     assert "floor" in plotted["one memcpy of the payload"]
     assert len(panels) == 4
+    latency = Comparison("latency", "ZmqConnector ipc RTT p50", "1 KiB", 2e-4, 6e-5, "raw pyzmq PAIR")
+    titles = [title for title, rows in _bench._plot_panels([*cells, latency]) if latency in rows]
+    assert len(titles) == 1 and "round trip" in titles[0]
 
 
 def test_a_bad_plot_path_fails_before_the_benchmark_runs(tmp_path: Path) -> None:

@@ -324,10 +324,10 @@ def test_pull_server_bounds_the_long_polls_it_parks(
 ) -> None:
     # A fetcher flooding long polls for keys that never come (a bug, or an attack) gets "not found" at once
     # beyond the bound, instead of making the server hold every one of them for up to an hour.
-    from zmq_omni.transport import _pull
+    from zmq_omni.transport import _pull_server
     from zmq_omni.transport._envelope import Kind, pack, unpack
 
-    monkeypatch.setattr(_pull, "_MAX_PARKED", 100)
+    monkeypatch.setattr(_pull_server, "_MAX_PARKED", 100)
     endpoints = {"0": f"ipc://{short_tmp}/park.sock"}
     sender = make(connectors, stage_id="0", role="sender", mode="pull", endpoints=endpoints)
     flooder = zmq_ctx.socket(zmq.DEALER)

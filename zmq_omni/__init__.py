@@ -17,7 +17,15 @@ from .config import (
     get_stage_connector_config,
     load_omni_transfer_config,
 )
-from .connectors import OmniConnectorBase, OmniConnectorFactory, TransferFailure, create_connector
+from .connectors import (
+    FailureSource,
+    Flushable,
+    OmniConnectorBase,
+    OmniConnectorFactory,
+    TransferFailure,
+    WakeupSource,
+    create_connector,
+)
 from .errors import (
     AuthenticationError,
     ClosedResourceError,
@@ -79,6 +87,8 @@ __all__ = [
     "DeliveryError",
     "DriverEvent",
     "EncodeError",
+    "FailureSource",
+    "Flushable",
     "InProcConnector",
     "KVTransferManager",
     "MessageTooLargeError",
@@ -100,6 +110,7 @@ __all__ = [
     "TransferFailure",
     "TransportError",
     "TransportTimeoutError",
+    "WakeupSource",
     "ZmqConnector",
     "ZmqOmniError",
     "__version__",

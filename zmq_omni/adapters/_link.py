@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import ConnectorSpec
-from ..connectors import OmniConnectorBase, TransferFailure, create_connector
+from ..connectors import OmniConnectorBase, TransferFailure, WakeupSource, bounded_timeout, create_connector
 from ..errors import TransportError
 from .chunk import ChunkManagerConfig, OmniChunkManager
 from .retry import RetryPolicy
@@ -85,11 +85,6 @@ class _EdgePair(OmniConnectorBase):
         self._route_lock = threading.Lock()
         self._chunk_failures: deque[TransferFailure] = deque(maxlen=_HELD_FAILURES)
         self.on_announce_failure: Callable[[TransferFailure], None] | None = None
-        # The adapter waits on these when the backend offers them (fewer wakeups).
-        for name in ("get_wakeup_generation", "wait_for_change"):
-            method = getattr(inbound, name, None)
-            if callable(method):
-                setattr(self, name, method)
 
     def put(
         self, from_stage: str, to_stage: str, put_key: str, data: Any
@@ -108,6 +103,19 @@ class _EdgePair(OmniConnectorBase):
     ) -> tuple[Any, int] | None:
         """Wait on the inbound connector."""
         return self.inbound.get_with_deadline(from_stage, to_stage, get_key, metadata, deadline=deadline)
+
+    def get_wakeup_generation(self) -> int | None:
+        """The inbound connector's arrival counter; None when it announces no arrivals."""
+        inbound = self.inbound
+        return inbound.get_wakeup_generation() if isinstance(inbound, WakeupSource) else None
+
+    def wait_for_change(self, gen: int, *, timeout: float) -> int:
+        """Wait on the inbound connector (callers first check the generation is not None)."""
+        inbound = self.inbound
+        if isinstance(inbound, WakeupSource):
+            return inbound.wait_for_change(gen, timeout=timeout)
+        time.sleep(bounded_timeout(timeout))  # never reached by the adapters: they saw a None generation
+        return gen
 
     def abandon_get(self, get_key: str) -> None:
         """Tell the inbound connector."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..config import ConnectorSpec
-from ..connectors import OmniConnectorBase, TransferFailure, create_connector
+from ..connectors import FailureSource, Flushable, OmniConnectorBase, TransferFailure, WakeupSource, create_connector
 from ..errors import ClosedResourceError, ConfigError, TransportError, format_seconds
 from ..metrics import Counters
 from .retry import RetryPolicy
@@ -340,8 +340,8 @@ class OmniTransferAdapterBase(ABC):
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
         try:
-            flush = getattr(self.connector, "flush", None)  # vllm-omni connectors may lack it
-            if callable(flush) and not flush(max(0.0, deadline - time.monotonic())):
+            connector = self.connector  # a vllm-omni connector may lack flush
+            if isinstance(connector, Flushable) and not connector.flush(max(0.0, deadline - time.monotonic())):
                 logger.warning("stage %s: puts still unconfirmed after shutdown_grace_s", self.stage_id)
             self.connector.close()
             self._absorb_connector_failures()
@@ -413,10 +413,9 @@ class OmniTransferAdapterBase(ABC):
 
     def recv_loop(self) -> None:
         """Receive for every pending load until :meth:`shutdown` (see the module docstring)."""
-        wakeup = getattr(self.connector, "get_wakeup_generation", None)
-        wait_for_change = getattr(self.connector, "wait_for_change", None)
+        wakeups = self.connector if isinstance(self.connector, WakeupSource) else None
         while not self.stop_event.is_set():
-            generation = wakeup() if callable(wakeup) and callable(wait_for_change) else None
+            generation = None if wakeups is None else wakeups.get_wakeup_generation()
             if self._recv_pass():
                 continue
             with self._recv_cond:
@@ -424,8 +423,8 @@ class OmniTransferAdapterBase(ABC):
                     self._recv_cond.wait()
                     continue
                 self._recv_kick = False
-            if generation is not None and callable(wait_for_change):
-                wait_for_change(generation, timeout=self.recv_wait_s)
+            if generation is not None and wakeups is not None:
+                wakeups.wait_for_change(generation, timeout=self.recv_wait_s)
                 continue
             target = self._recv_target()
             if target is None:
@@ -498,10 +497,9 @@ class OmniTransferAdapterBase(ABC):
 
     def _absorb_connector_failures(self) -> None:
         """Turn failures the connector kept into send / receive failures of their requests."""
-        drain = getattr(self.connector, "drain_failures", None)
-        if not callable(drain):
+        if not isinstance(self.connector, FailureSource):
             return
-        failures: list[TransferFailure] = drain()
+        failures: list[TransferFailure] = self.connector.drain_failures()
         for failure in failures:
             if failure.op == "put":
                 with self._failures_lock:

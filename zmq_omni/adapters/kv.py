@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import ConnectorSpec
 from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
-from ..connectors import OmniConnectorBase, create_connector
+from ..connectors import FailureSource, OmniConnectorBase, create_connector
 from ..errors import ConfigError, TransportError, format_seconds
 from .retry import RetryPolicy
 
@@ -300,8 +300,7 @@ class KVTransferManager:
 
     # -- failures and lifecycle -----------------------------------------------------------------
     def _drain(self) -> list[Any]:
-        drain = getattr(self.connector, "drain_failures", None)
-        return list(drain()) if callable(drain) else []
+        return list(self.connector.drain_failures()) if isinstance(self.connector, FailureSource) else []
 
     def _record(self, book: dict[str, str], request_id: str, reason: str) -> None:
         logger.warning("KV transfer of request %s failed: %s", request_id, reason)

@@ -7,6 +7,7 @@ baseline, ratio) for the one ratio table of ``zmq-omni bench``:
 
 * :mod:`zmq_omni.bench.codec`: the wire codec against pickle-5, msgpack and memcpy;
 * :mod:`zmq_omni.bench.transport`: ZmqConnector throughput and message rate against raw pyzmq;
+* :mod:`zmq_omni.bench.latency`: the round trip of one message in flight against raw pyzmq;
 * :mod:`zmq_omni.bench.shm`: the shared-memory fast path against memcpy, a vllm-style path and raw pyzmq;
 * :mod:`zmq_omni.bench.adapters`: scheduler-thread hold times and chunk latency.
 

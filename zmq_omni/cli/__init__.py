@@ -124,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=_positive_float, default=2.0, metavar="S", help="probe timeout (default 2)")
 
     bench = sub.add_parser("bench", help="benchmark grids; prints one table of ratios",
-                           description="A compact run of the four benchmark grids of benchmarks/*.py (wire "
-                                       "codec, ZmqConnector against raw pyzmq, the shared-memory fast path, "
-                                       "the adapters), printed as one table of ratios measured in the same "
-                                       "run; well under two minutes. Writes a PNG when matplotlib is installed.")
+                           description="A compact run of the five benchmark grids of benchmarks/*.py (wire "
+                                       "codec, ZmqConnector against raw pyzmq, one message in flight, the "
+                                       "shared-memory fast path, the adapters), printed as one table of "
+                                       "ratios measured in the same run; well under two minutes. Writes a "
+                                       "PNG when matplotlib is installed.")
     bench.add_argument("--quick", action="store_true", help="fewest sizes and repetitions (a smoke run)")
     plot = bench.add_mutually_exclusive_group()
     plot.add_argument("--plot", metavar="FILE.png", default="zmq-omni-bench.png",

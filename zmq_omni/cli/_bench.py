@@ -1,4 +1,4 @@
-"""``zmq-omni bench``: a compact run of the four benchmark grids, one table of ratios.
+"""``zmq-omni bench``: a compact run of the five benchmark grids, one table of ratios.
 
 The grids are :mod:`zmq_omni.bench` (the same code as ``benchmarks/*.py``),
 with fewer sizes and repetitions so the whole run stays well under two
@@ -41,6 +41,9 @@ class _Plan:
     transport_budget: int
     transport_max_count: int
     small_count: int
+    latency_transports: tuple[str, ...]
+    latency_sizes: tuple[int, ...]
+    latency_count: int
     shm_sizes: tuple[int, ...]
     shm_budget: int
     adapters_n: int
@@ -50,6 +53,7 @@ _FULL = _Plan(
     codec_sizes=(1 * KIB, 1 * MIB, 64 * MIB), codec_budget_s=0.3, codec_repeats=9,
     transports=("ipc", "tcp"), transport_sizes=(1 * KIB, 1 * MIB, 64 * MIB), transport_budget=512 * MIB,
     transport_max_count=8000, small_count=20_000,
+    latency_transports=("ipc", "tcp"), latency_sizes=(1 * KIB, 64 * KIB, 1 * MIB), latency_count=1000,
     shm_sizes=(1 * MIB, 64 * MIB), shm_budget=512 * MIB,
     adapters_n=1000,
 )
@@ -57,6 +61,7 @@ _QUICK = _Plan(
     codec_sizes=(1 * KIB, 1 * MIB), codec_budget_s=0.05, codec_repeats=5,
     transports=("ipc",), transport_sizes=(1 * MIB,), transport_budget=64 * MIB,
     transport_max_count=500, small_count=2000,
+    latency_transports=("ipc",), latency_sizes=(1 * KIB,), latency_count=200,
     shm_sizes=(1 * MIB,), shm_budget=32 * MIB,
     adapters_n=100,
 )
@@ -84,6 +89,7 @@ def _line(c: Comparison) -> str:
 def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
     from ..bench.adapters import run_adapters
     from ..bench.codec import run_codec, run_small_dict
+    from ..bench.latency import run_latency
     from ..bench.shm import run_shm
     from ..bench.transport import run_transport
 
@@ -94,6 +100,8 @@ def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
     run_transport(plan.transport_sizes, transports=plan.transports, budget_bytes=plan.transport_budget,
                   max_count=plan.transport_max_count, small_count=plan.small_count,
                   on_row=lambda row: emit(row.comparisons()))
+    run_latency(plan.latency_sizes, transports=plan.latency_transports, count=plan.latency_count,
+                warmup=min(200, plan.latency_count), on_row=lambda row: emit(row.comparisons()))
     run_shm(plan.shm_sizes, budget_bytes=plan.shm_budget, paths=_SHM_PATHS, on_row=lambda row: emit(row.comparisons()))
     emit(run_adapters(plan.adapters_n, cpu_window_s=0).comparisons())
 
@@ -145,6 +153,8 @@ def _check_plot_path(path: str) -> None:
 _PANELS: tuple[tuple[str, Callable[[Comparison], bool]], ...] = (
     ("ZmqConnector against raw pyzmq PUSH/PULL: same bytes, same socket type (throughput)",
      lambda c: c.grid == "transport"),
+    ("One message in flight: round trip against raw pyzmq PAIR (msgpack header + zero-copy frame)",
+     lambda c: c.grid == "latency"),
     ("Same-host shm fast path, put -> get, against the vllm-omni-style path and raw pyzmq tcp",
      lambda c: c.grid == "shm" and "memcpy" not in c.baseline_name),
     ("The same against one memcpy of the payload: a floor, 1x is as fast as copying it once",
@@ -169,6 +179,8 @@ def _plot_label(c: Comparison) -> str:
         return f"{c.size}: vs {c.baseline_name}"
     if c.grid == "transport":
         return f"{what}, {c.size}" + ("" if c.unit == "B/s" else f" vs {c.baseline_name}")
+    if c.grid == "latency":
+        return f"{what}, {c.size}"
     return f"{what}, {c.size}: vs {c.baseline_name}"
 
 

@@ -6,7 +6,25 @@ import pyzmq sockets or shared-memory code.
 
 from __future__ import annotations
 
-from .base import OmniConnectorBase, TransferFailure, key_matches_prefix
+from .base import (
+    FailureSource,
+    Flushable,
+    OmniConnectorBase,
+    TransferFailure,
+    WakeupSource,
+    bounded_timeout,
+    key_matches_prefix,
+)
 from .factory import OmniConnectorFactory, create_connector
 
-__all__ = ["OmniConnectorBase", "OmniConnectorFactory", "TransferFailure", "create_connector", "key_matches_prefix"]
+__all__ = [
+    "FailureSource",
+    "Flushable",
+    "OmniConnectorBase",
+    "OmniConnectorFactory",
+    "TransferFailure",
+    "WakeupSource",
+    "bounded_timeout",
+    "create_connector",
+    "key_matches_prefix",
+]

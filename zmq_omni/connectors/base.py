@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..errors import ZmqOmniError
 from ..metrics import Counters
@@ -27,9 +27,12 @@ __all__ = [
     "HEALTH_COUNTERS",
     "MAX_WAIT_S",
     "ArrivalWatch",
+    "FailureSource",
+    "Flushable",
     "OmniConnectorBase",
     "Slot",
     "TransferFailure",
+    "WakeupSource",
     "bounded_deadline",
     "bounded_timeout",
     "key_matches_prefix",
@@ -114,6 +117,48 @@ class TransferFailure:
     reason: str
     error: ZmqOmniError | None = None
     at: float = 0.0
+
+
+@runtime_checkable
+class Flushable(Protocol):
+    """A connector that can wait until no put depends on it staying open (optional feature).
+
+    Every zmq_omni connector has it (:meth:`OmniConnectorBase.flush`); a
+    vllm-omni connector may not, so callers test ``isinstance(c, Flushable)``.
+    """
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every put so far is safe without this connector; True then."""
+        ...
+
+
+@runtime_checkable
+class FailureSource(Protocol):
+    """A connector that keeps the failures it could not report from a call (optional feature).
+
+    The adapters turn them into failed requests; a connector without it reports nothing later.
+    """
+
+    def drain_failures(self) -> list[TransferFailure]:
+        """Return and forget every failure recorded since the last call."""
+        ...
+
+
+@runtime_checkable
+class WakeupSource(Protocol):
+    """A connector that says when something arrived, so a receive loop can sleep until then (optional feature).
+
+    ``get_wakeup_generation`` returns None when nothing arrives by itself on this
+    connector (pull mode, a sender): the caller then waits in ``get_with_deadline``.
+    """
+
+    def get_wakeup_generation(self) -> int | None:
+        """A counter that changes whenever items arrive; None when arrivals are not announced."""
+        ...
+
+    def wait_for_change(self, gen: int, *, timeout: float) -> int:
+        """Wait until the generation differs from ``gen``, at most ``timeout``; return it then."""
+        ...
 
 
 def _drop_tracebacks(error: BaseException | None) -> None:

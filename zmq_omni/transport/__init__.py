@@ -9,7 +9,8 @@ from __future__ import annotations
 from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoint, env_name
 from ._loop import IoLoop
 from ._probe import probe
-from ._pull import FetchChannel, PullClient, PullServer
+from ._pull_client import FetchChannel, PullClient
+from ._pull_server import PullServer
 from ._push_protocol import FailureCallback
 from ._receiver import PushReceiver
 from ._security import ENV_INSECURE, Curve, insecure_from_env, is_loopback, require_curve

@@ -50,3 +50,4 @@ __all__ = ["FailureCallback"]
 FailureCallback = Callable[[str, str, str, str, str, ZmqOmniError], None]
 
 _MAX_DRAIN = 512  # messages handled per wake-up
+_BATCH_OVERHEAD = 512  # bytes of a BATCH frame beyond its entries' costs (preamble, sid, low, to_stage)

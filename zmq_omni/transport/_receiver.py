@@ -1,6 +1,20 @@
-"""Push mode, receiving half: a bound ROUTER feeding a keyed mailbox, with dedup and batched acks.
+"""Push mode, receiving half: the I/O shell of a bound ROUTER feeding a keyed mailbox, with batched acks.
 
-The socket layout and the delivery protocol are described in :mod:`zmq_omni.transport._push_protocol`.
+The socket layout and the delivery protocol are described in
+:mod:`zmq_omni.transport._push_protocol`; what is new, what is a resend and
+what each REPLY says is decided per sender by
+:class:`~zmq_omni.transport._dedupe.SourceState`.
+
+Threads and locks:
+
+* **application threads** run :meth:`PushReceiver.take`, ``take_by``, ``forget``,
+  ``stats``, ``generation``, ``wait_for_change`` and ``close``;
+* the connector's **I/O thread** runs the handlers and owns the ROUTER, every
+  ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_arrivals``
+  and ``_now``: no lock, no other thread touches them;
+* ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``,
+  ``_taken`` (consumed seqs handed to the I/O thread), ``_generation``,
+  ``_batches_received``, ``_gets``, ``_bytes_received``, ``_flush_armed`` and ``_closed``.
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ import zmq
 
 from ..errors import DecodeError, MessageTooLargeError, ShmError
 from ..metrics import Counters
+from ._dedupe import SourceState
 from ._envelope import Kind, check_types, pack, to_ranges, unpack
 from ._loop import IoLoop
 from ._push_protocol import _MAX_DRAIN
@@ -36,24 +51,6 @@ _PING_TYPES = (str, int, int)
 _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
-
-
-class _Source:
-    """Receiver-side state of one sender: dedup window and acks not yet sent."""
-
-    __slots__ = ("arrived", "consumed", "ctl", "last_heard", "low", "probe", "pruned_low", "reported", "seen", "shm")
-
-    def __init__(self, sid: str, now: float) -> None:
-        self.ctl = b"c" + sid.encode()
-        self.low = 0
-        self.pruned_low = 0
-        self.seen: set[int] = set()
-        self.arrived: list[int] = []
-        self.consumed: list[int] = []
-        self.reported: set[int] = set()  # consumed seqs >= low: repeated in every pong until the sender forgets them
-        self.last_heard = now
-        self.probe: list[Any] | None = None  # the last probe answered
-        self.shm: bool | None = None  # its verdict: may this sender send slot handles?
 
 
 class _Item(NamedTuple):
@@ -110,7 +107,7 @@ class PushReceiver:
         self.on_arrivals: Callable[[list[tuple[str, str, str]]], None] | None = None
         self._batches_received = 0
         self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
-        self._sources: dict[str, _Source] = {}
+        self._sources: dict[str, SourceState] = {}
         self._dirty: set[str] = set()
         self._pending_acks = 0
         self._now = time.monotonic()
@@ -190,8 +187,11 @@ class PushReceiver:
         self._taken.append((item.sid, item.seq))
         self._gets += 1
         self._bytes_received += item.nbytes
-        if len(self._taken) == 1:
-            self._loop.call_soon(self._arm_flush)
+        # The flush armed when the item arrived usually carries this consumption too: a get wakes the
+        # I/O thread only when none is armed (not on a lone message's critical path).
+        if not self._flush_armed:
+            self._flush_armed = True
+            self._loop.call_soon(self._schedule_flush)
 
     def stats(self) -> dict[str, Any]:
         """Gets, bytes taken, items waiting for ``get``, and BATCH messages taken in."""
@@ -204,7 +204,10 @@ class PushReceiver:
             }
 
     def generation(self) -> int:
-        """A counter bumped whenever items arrive in the mailbox (for :meth:`wait_for_change`)."""
+        """A counter bumped whenever items arrive in the mailbox (for :meth:`wait_for_change`).
+
+        Read without ``_lock``: callers only compare it, and ``wait_for_change`` re-reads it under the lock.
+        """
         return self._generation
 
     def wait_for_change(self, generation: int, timeout: float) -> int:
@@ -262,12 +265,13 @@ class PushReceiver:
                     log.debug("rejected a message on %s: %s", self.endpoint, exc)
         if rejected:
             self._counters.add("rejected_frames", rejected)
+        # The wake-up before the acknowledgements: arming the ack timer is a flag, sending acks is I/O.
+        if self._pending_acks < _ACK_BATCH:
+            self._arm_flush()
         if self._arrivals:
             self._store_arrivals()
         if self._pending_acks >= _ACK_BATCH:
             self._flush_all()
-        else:
-            self._arm_flush()
 
     def _store_arrivals(self) -> None:
         """Put this drain's items in the mailbox: one lock, one notify, for every message and batch."""
@@ -304,46 +308,50 @@ class PushReceiver:
         if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
             raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
         source = self._sources.get(sid) or self._source(sid)
-        source.last_heard = self._now
-        source.low = max(source.low, low)
+        source.note(low, self._now)
         self._dirty.add(sid)
         self._pending_acks += count // 4 - 1
-        self._batches_received += 1
-        seen, arrived, arrivals = source.seen, source.arrived, self._arrivals
-        floor = source.low
-        duplicates = rejected = 0
+        with self._lock:
+            self._batches_received += 1
+        arrivals = self._arrivals
+        accepted: list[int] = []
+        duplicates: list[int] = []
+        rejected = 0
         seqs, from_stages, keys, wires = entries[::4], entries[1::4], entries[2::4], entries[3::4]
         # One decode call per batch. A batch of resends (puts we already have) decodes only what is new.
-        if min(seqs) >= floor and seen.isdisjoint(seqs):
+        all_new = source.all_new(seqs)
+        if all_new:
             objs: list[Any] = self._decode_each(wires)
         else:
-            fresh = [i for i, seq in enumerate(seqs) if seq >= floor and seq not in seen]
+            fresh = [i for i, seq in enumerate(seqs) if source.is_new(seq)]
             objs = [None] * len(seqs)
             for i, obj in zip(fresh, self._decode_each([wires[i] for i in fresh]), strict=True):
                 objs[i] = obj
+            taken: set[int] = set()  # a seq repeated inside the batch is taken once
         for seq, from_stage, key, wire, obj in zip(seqs, from_stages, keys, wires, objs, strict=True):
-            if seq < floor or seq in seen:
-                duplicates += 1  # already have (or had) it: acknowledge again, keep one copy
-                arrived.append(seq)
+            if not all_new and (seq in taken or not source.is_new(seq)):
+                duplicates.append(seq)  # already have (or had) it: acknowledge again, keep one copy
                 continue
             if isinstance(obj, DecodeError):
                 rejected += 1  # not acknowledged: the sender's deadline reports it
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rejected put %s of a batch on %s: %s", seq, self.endpoint, obj)
                 continue
-            seen.add(seq)
-            arrived.append(seq)
+            if not all_new:
+                taken.add(seq)
+            accepted.append(seq)
             arrivals.append(((from_stage, to_stage, key), _new_item(_Item, (obj, len(wire), sid, seq, None))))
+        source.accept_batch(accepted, duplicates)
         if duplicates:
-            self._counters.add("duplicates_dropped", duplicates)
+            self._counters.add("duplicates_dropped", len(duplicates))
         return rejected
 
-    def _source(self, sid: str) -> _Source:
+    def _source(self, sid: str) -> SourceState:
         source = self._sources.get(sid)
         if source is None:
             if not sid or len(sid) > _MAX_SID:
                 raise DecodeError(f"sender id of {len(sid)} characters")
-            source = self._sources[sid] = _Source(sid, self._now)
+            source = self._sources[sid] = SourceState(sid, self._now)
         return source
 
     def _on_data(self, header: list[Any], payload: memoryview, frames: list[Any]) -> None:
@@ -379,77 +387,71 @@ class PushReceiver:
         if self._admit(source, sid, low, seq):
             self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc))
 
-    def _admit(self, source: _Source, sid: str, low: int, seq: int) -> bool:
+    def _admit(self, source: SourceState, sid: str, low: int, seq: int) -> bool:
         """Note a message from ``source``; False for a duplicate, which is acknowledged again and dropped."""
-        source.last_heard = self._now
-        source.low = max(source.low, low)
+        source.note(low, self._now)
         self._dirty.add(sid)
-        if seq < source.low or seq in source.seen:
-            # A resend of something we already have (or consumed): acknowledge again, keep one copy.
-            self._counters.add("duplicates_dropped")
-            source.arrived.append(seq)
-            return False
-        return True
+        if source.is_new(seq):
+            return True
+        self._counters.add("duplicates_dropped")
+        source.duplicate(seq)
+        return False
 
-    def _store(self, source: _Source, slot: tuple[str, str, str], item: _Item) -> None:
-        source.seen.add(item.seq)
-        source.arrived.append(item.seq)
+    def _store(self, source: SourceState, slot: tuple[str, str, str], item: _Item) -> None:
+        source.accept(item.seq)
         self._arrivals.append((slot, item))
 
     def _on_ping(self, sid: str, ping: int, low: int, probe: Any) -> None:
         source = self._source(sid)
-        source.last_heard = self._now
-        source.low = max(source.low, low)
+        source.note(low, self._now)
         if probe is not None and probe != source.probe:
             source.shm = False if self._shm is None else self._shm.probe(probe)
             source.probe = probe
-        if source.low > source.pruned_low:
-            source.pruned_low = source.low
-            source.seen = {s for s in source.seen if s >= source.low}
-            source.reported = {s for s in source.reported if s >= source.low}
         self._flush_taken()
-        source.reported.update(source.consumed)
-        source.consumed.clear()
-        self._send_reply(source, ping, source.reported)
-        source.arrived.clear()
+        arrived, consumed = source.pong()
+        self._send_reply(source, ping, arrived, consumed)
 
     def _arm_flush(self) -> None:
-        if not self._flush_armed:
+        with self._lock:
+            if self._flush_armed:
+                return
             self._flush_armed = True
-            self._loop.call_later(_ACK_DELAY_S, self._flush_all)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        self._loop.call_later(_ACK_DELAY_S, self._flush_all)
 
     def _flush_all(self) -> None:
-        self._flush_armed = False
         self._pending_acks = 0
-        self._flush_taken()
+        self._flush_taken(disarm=True)
         self._flush_acks()
 
-    def _flush_taken(self) -> None:
+    def _flush_taken(self, *, disarm: bool = False) -> None:
         with self._lock:
             taken, self._taken = self._taken, []
+            if disarm:
+                self._flush_armed = False
         for sid, seq in taken:
             source = self._sources.get(sid)
             if source is not None:
-                source.consumed.append(seq)
+                source.consume(seq)
                 self._dirty.add(sid)
 
     def _flush_acks(self) -> None:
         for sid in self._dirty:
             source = self._sources.get(sid)
-            if source is None or not (source.arrived or source.consumed):
-                continue
-            self._send_reply(source, -1, source.consumed)
-            source.arrived.clear()
-            source.reported.update(source.consumed)
-            source.consumed.clear()
+            acks = None if source is None else source.ack()
+            if acks is not None:
+                assert source is not None
+                self._send_reply(source, -1, *acks)
         self._dirty.clear()
 
-    def _send_reply(self, source: _Source, ping: int, consumed: Iterable[int]) -> None:
-        """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), its arrivals and ``consumed``."""
+    def _send_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> None:
+        """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), ``arrived`` and ``consumed``."""
         header = (
             self.incarnation,
             ping,
-            to_ranges(source.arrived),
+            to_ranges(arrived),
             to_ranges(consumed),
             source.shm,
             self._max_message,
@@ -474,9 +476,8 @@ class PushReceiver:
         # repeat every consumption not yet confirmed, since early acks may have found no route.
         self._flush_taken()
         for source in self._sources.values():
-            source.reported.update(source.consumed)
-            source.consumed.clear()
-            if source.reported or source.arrived:
-                self._send_reply(source, -1, source.reported)
+            last = source.last_word()
+            if last is not None:
+                self._send_reply(source, -1, *last)
         self._loop.remove_reader(self._sock)
         close_socket(self._sock, linger_ms=200)

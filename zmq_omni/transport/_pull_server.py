@@ -1,33 +1,17 @@
-"""Pull mode: the sender keeps each payload and serves it once, on request, from a bound ROUTER.
+"""Pull mode, sending half: a bounded store of payloads served once each from a bound ROUTER.
 
-A receiver sends FETCH ``[req_id, from_stage, to_stage, key, wait_ms, shm]``
-from a DEALER; the server answers FETCH_REPLY ``[req_id, found, probe]``
-followed by the payload frames when found, or ``[req_id, found, probe, loc]``
-with no frames when the payload lies in the server's shared memory. With
-``wait_ms > 0`` the server parks the request until the key is put or the wait
-ends (a long poll), so a receiver waiting for data costs one round trip, not a
-polling loop. A payload leaves the store when it is sent: each put is fetched
-at most once. Unfetched payloads expire after ``pull_ttl_s`` and are reported
-as failed puts.
+The FETCH/FETCH_REPLY exchange is described in :mod:`zmq_omni.transport._pull_protocol`.
 
-Same-host fast path: a server with a slot pool names its probe segment
-(``[segment, nonce]``, as push mode's PING does) in every reply; the client
-attaches it in its own shm directory and, when it holds the nonce, sets ``shm``
-in its later FETCHes. For those, a payload of at least the threshold is copied
-once into a slot at fetch time and only the packed handle (``loc``) crosses
-ZeroMQ; the client leases the slot and decodes views of it. A client's first
-fetch from a server (verdict unknown) and every fetch by a client on another
-host get frames. A server names its probe only to a client that sent the flag,
-so clients of the previous version (five-field FETCH, two-field replies) keep
-working; a client with the fast path on needs a server of this version (one
-with ``shm: off`` sends the older FETCH).
+Threads: put threads call :meth:`PullServer.store`, :meth:`~PullServer.forget`,
+:meth:`~PullServer.wait_fetched` and :meth:`~PullServer.close`; the connector's
+I/O thread runs the rest (it owns the ROUTER). Every field below ``_cv`` is
+guarded by it; the socket is touched by the I/O thread only.
 """
+
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,34 +22,29 @@ from ..errors import (
     ClosedResourceError,
     DecodeError,
     DeliveryError,
-    MessageTooLargeError,
-    ShmError,
     TransportTimeoutError,
-    from_zmq_error,
 )
 from ..metrics import Counters
 from ._envelope import Kind, check_types, pack, unpack
 from ._loop import IoLoop
+from ._pull_protocol import Slot
 from ._push_protocol import FailureCallback
 from ._router import recv_routed
 from ._security import Curve, watch_refusals
-from ._shm import ShmReceive, ShmSend
+from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import bind, close_socket, make_socket
 
-__all__ = ["FetchChannel", "PullClient", "PullServer"]
+__all__ = ["PullServer"]
 
 log = logging.getLogger("zmq_omni.transport")
 
-_POLL_SLICE_S = 0.1  # a waiting fetch re-checks close() this often
-_SEND_CHECK_S = 0.01  # wait_fetched re-checks replies still leaving this often (ZeroMQ does not notify)
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
+_SEND_CHECK_S = 0.01  # wait_fetched re-checks replies still leaving this often (ZeroMQ does not notify)
 _CLOSE_GRACE_S = 0.5  # close() lets replies still leaving finish this long, then reports them
 # Long polls parked at once; beyond it a FETCH is answered "not found" at once. A bound on what fetchers
 # (buggy or hostile) can make the server hold, and on the expiry scan's cost, far above real fan-in.
 _MAX_PARKED = 65536
-
-Slot = tuple[str, str, str]
 
 
 class _Stored:
@@ -426,248 +405,3 @@ class PullServer:
             "delivery_failures",
             lambda to_stage: f"connector closed while its reply to stage {to_stage!r}'s fetch was still leaving",
         )
-
-
-class PullClient:
-    """The receiving half of pull mode: FETCH over pooled DEALERs, every wait bounded."""
-
-    def __init__(
-        self,
-        ctx: zmq.Context[Any],
-        *,
-        hwm: int,
-        max_message_bytes: int,
-        decode: Callable[[list[Any]], Any],
-        counters: Counters,
-        curve: Curve | None = None,
-        shm: ShmReceive | None = None,
-    ) -> None:
-        self._ctx = ctx
-        self._curve = curve
-        self._shm = shm
-        # Per server endpoint: the last probe it named and whether we read it (our fast-path verdict).
-        self._verdicts: dict[str, tuple[Any, bool]] = {}
-        self._hwm = hwm
-        self._max_message = max_message_bytes
-        self._decode = decode
-        self._counters = counters
-        self._lock = threading.Condition()
-        self._idle: dict[str, list[Any]] = {}
-        self._busy: set[Any] = set()
-        self._ids = itertools.count(1)
-        self._closed = False
-
-    def fetch(
-        self,
-        endpoint: str,
-        from_stage: str,
-        to_stage: str,
-        key: str,
-        *,
-        wait_s: float,
-        deadline: float,
-        server_key: bytes | None = None,
-    ) -> tuple[Any, int] | None:
-        """Ask ``endpoint`` for the payload; ``(obj, nbytes)``, or None when the server has none.
-
-        The server parks the request up to ``wait_s``; the reply is awaited until
-        ``deadline`` (``time.monotonic()``).
-
-        Raises:
-            TransportTimeoutError: no reply by ``deadline`` (the server is gone or slow).
-            ClosedResourceError: the client was closed.
-            DecodeError, MessageTooLargeError: the reply is malformed or too big.
-        """
-        sock = self._checkout(endpoint, server_key)
-        reusable = False
-        try:
-            req_id = next(self._ids)
-            # The shm flag also tells the server we take its probe in the reply (older clients do not).
-            try:
-                sock.send(self.fetch_request(req_id, from_stage, to_stage, key, wait_s, endpoint), zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                raise from_zmq_error(exc, endpoint=endpoint, op="fetch") from exc
-            while True:
-                remaining = deadline - time.monotonic()
-                if self._closed:
-                    raise ClosedResourceError("connector closed", endpoint=endpoint)
-                if remaining <= 0:
-                    raise TransportTimeoutError(f"no reply to fetch of {key!r}", endpoint=endpoint)
-                if not sock.poll(int(min(remaining, _POLL_SLICE_S) * 1000) + 1, zmq.POLLIN):
-                    continue
-                answered, got = self._answer(endpoint, sock.recv_multipart(copy=False))
-                if answered != req_id:
-                    continue  # a late answer to an earlier request on this socket
-                reusable = True
-                if isinstance(got, BaseException):
-                    raise got
-                result: tuple[Any, int] | None = got
-                return result
-        finally:
-            self._checkin(endpoint, sock, reusable)
-
-    def _answer(self, endpoint: str, frames: list[Any]) -> tuple[int, Any]:
-        """``(req_id, result)`` of a FETCH_REPLY; the result is ``(obj, nbytes)``, None, or the error it makes.
-
-        Raises:
-            DecodeError: the reply is not a FETCH_REPLY (no request id can be trusted).
-        """
-        kind, header, payload = unpack(frames[0].buffer)
-        if kind is not Kind.FETCH_REPLY:
-            raise DecodeError(f"unexpected {kind.name} reply")
-        check_types(header[:2], (int, bool), "FETCH_REPLY")
-        try:
-            if len(header) > 2:
-                self._learn_probe(endpoint, header[2])
-            if not header[1]:
-                return header[0], None
-            if len(header) > 3:
-                if len(frames) != 1 or payload.nbytes:
-                    raise DecodeError("a shared-memory FETCH_REPLY carries frames")
-                return header[0], self._open_shm(header[3])
-            size = payload.nbytes + sum(f.buffer.nbytes for f in frames[1:])
-            if size > self._max_message:
-                raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
-            return header[0], (self._decode([payload, *frames[1:]]), size)
-        except (DecodeError, MessageTooLargeError, ShmError) as exc:
-            return header[0], exc
-
-    def open_channel(self, ctx: zmq.Context[Any], endpoint: str, server_key: bytes | None = None) -> FetchChannel:
-        """A DEALER to ``endpoint`` in ``ctx`` for FETCHes answered on an event loop (see :class:`FetchChannel`).
-
-        ``ctx`` belongs to the caller, so closing the connector never closes a
-        socket under the caller's loop; the caller closes the channel.
-        """
-        sock = make_socket(ctx, zmq.DEALER, hwm=self._hwm, max_message_bytes=self._max_message)
-        if self._curve is not None and server_key is not None:
-            self._curve.make_client(sock, server_key)
-        sock.connect(endpoint)
-        return FetchChannel(self, endpoint, sock)
-
-    def fetch_request(
-        self, req_id: int, from_stage: str, to_stage: str, key: str, wait_s: float, endpoint: str
-    ) -> bytes:
-        """The FETCH message for ``req_id`` (with the shared-memory flag this client would send)."""
-        request: tuple[Any, ...] = (req_id, from_stage, to_stage, key, int(wait_s * 1000))
-        if self._shm is not None:
-            verdict = self._verdicts.get(endpoint)
-            request += (verdict is not None and verdict[1],)
-        return pack(Kind.FETCH, request)
-
-    def shm_verdicts(self) -> dict[str, bool]:
-        """Per server endpoint heard from: whether we read its shared memory (its large replies come as handles)."""
-        return {endpoint: verdict for endpoint, (_, verdict) in dict(self._verdicts).items()}
-
-    def _learn_probe(self, endpoint: str, probe: Any) -> None:
-        """Check (once per probe) whether we read the server's shared memory; later FETCHes say so."""
-        if self._shm is None or probe is None:
-            return
-        known = self._verdicts.get(endpoint)
-        if known is not None and known[0] == probe:
-            return
-        verdict = self._shm.probe(probe)  # DecodeError when malformed
-        self._verdicts[endpoint] = (probe, verdict)
-        log.info("pull server %s: we %s its shared memory", endpoint, "read" if verdict else "cannot read")
-
-    def _open_shm(self, loc: Any) -> tuple[Any, int]:
-        """Lease the slot a FETCH_REPLY names and decode views of it."""
-        if self._shm is None or type(loc) is not bytes:
-            raise DecodeError(f"unexpected shared-memory handle {loc!r:.40} in a FETCH_REPLY")
-        size = ShmReceive.size(loc)
-        if size > self._max_message:
-            raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
-        views = self._shm.open(loc)
-        if views is None:
-            raise ShmError("the payload's shared-memory slot was reclaimed before it could be opened")
-        return self._decode(views), size
-
-    def _checkout(self, endpoint: str, server_key: bytes | None) -> Any:
-        with self._lock:
-            if self._closed:
-                raise ClosedResourceError("connector closed", endpoint=endpoint)
-            idle = self._idle.get(endpoint)
-            sock = idle.pop() if idle else None
-            if sock is None:
-                sock = make_socket(self._ctx, zmq.DEALER, hwm=self._hwm, max_message_bytes=self._max_message)
-                if self._curve is not None and server_key is not None:
-                    self._curve.make_client(sock, server_key)
-                sock.connect(endpoint)
-            self._busy.add(sock)
-            return sock
-
-    def _checkin(self, endpoint: str, sock: Any, reusable: bool) -> None:
-        with self._lock:
-            self._busy.discard(sock)
-            self._lock.notify_all()
-            # After a timeout the socket may still receive the old answer: replace it (Lazy Pirate).
-            if reusable and not self._closed:
-                self._idle.setdefault(endpoint, []).append(sock)
-                return
-        close_socket(sock)
-
-    def close(self) -> None:
-        """Close idle sockets; wait (one poll slice or so) for busy fetches to give theirs back."""
-        with self._lock:
-            self._closed = True
-            idle = [sock for socks in self._idle.values() for sock in socks]
-            self._idle.clear()
-            self._lock.wait_for(lambda: not self._busy, timeout=4 * _POLL_SLICE_S)
-        for sock in idle:
-            close_socket(sock)
-
-
-class FetchChannel:
-    """FETCHes in flight on one DEALER, answered in any order: pull-mode gets waited for on an event loop.
-
-    One thread uses a channel (the event loop's). It registers :meth:`fileno`
-    with its loop and calls :meth:`replies` when that is readable, and once
-    after each :meth:`send`: ZeroMQ's descriptor only signals changes
-    (edge-triggered), so a reply that came in before the loop looked would
-    otherwise go unnoticed.
-    """
-
-    def __init__(self, client: PullClient, endpoint: str, sock: Any) -> None:
-        self._client = client
-        self.endpoint = endpoint
-        self._sock = sock
-
-    def fileno(self) -> int:
-        """ZeroMQ's descriptor of the socket."""
-        return int(self._sock.getsockopt(zmq.FD))
-
-    def send(self, from_stage: str, to_stage: str, key: str, wait_s: float) -> int:
-        """Send a FETCH the server parks up to ``wait_s``; its request id.
-
-        Raises:
-            TransportError: ZeroMQ refused it (its queue is full, or the socket is closed).
-        """
-        req_id = next(self._client._ids)
-        message = self._client.fetch_request(req_id, from_stage, to_stage, key, wait_s, self.endpoint)
-        try:
-            self._sock.send(message, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            raise from_zmq_error(exc, endpoint=self.endpoint, op="fetch") from exc
-        return req_id
-
-    def replies(self) -> list[tuple[int, Any]]:
-        """Every reply waiting, never blocking: ``(req_id, result)`` with the result as in ``PullClient._answer``.
-
-        A malformed reply is counted (``rejected_frames``) and skipped.
-        """
-        out: list[tuple[int, Any]] = []
-        sock = self._sock
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            try:
-                out.append(self._client._answer(self.endpoint, frames))
-            except DecodeError as exc:
-                self._client._counters.add("rejected_frames")
-                log.debug("rejected a reply from %s: %s", self.endpoint, exc)
-        return out
-
-    def close(self) -> None:
-        """Close the socket (linger 0: parked FETCHes are simply never answered here)."""
-        close_socket(self._sock)

@@ -1,0 +1,395 @@
+"""The push sender's window and the receiver's dedupe state, driven directly: no sockets, no threads, no clock.
+
+As httpcore tests its connection pool against a mock backend, these tests play
+the network themselves: a FIFO of DATA and PING messages that may be delivered
+or lost, REPLYs that may be delivered or lost, a receiver that may restart, and
+a clock moved by hand. The receiver is the real
+:class:`~zmq_omni.transport._dedupe.SourceState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from zmq_omni.transport._batching import STREAM_FLUSH_S, Outbox, batch_end
+from zmq_omni.transport._dedupe import SourceState
+from zmq_omni.transport._envelope import check_ranges, to_ranges
+from zmq_omni.transport._send_window import Out, SendWindow
+
+MAX_COUNT = 6
+MAX_BYTES = 1000
+TIMEOUT = 1.0
+
+
+def _ranges(seqs: list[int]) -> list[range]:
+    return check_ranges(to_ranges(seqs), 1 << 20)
+
+
+def _window(**kw: int | float) -> SendWindow:
+    args: dict[str, int | float] = {"max_count": MAX_COUNT, "max_bytes": MAX_BYTES, "delivery_timeout_s": TIMEOUT}
+    args.update(kw)
+    return SendWindow(**args)  # type: ignore[arg-type]
+
+
+# -- examples ------------------------------------------------------------------------------------------------
+def test_window_admits_up_to_its_bounds_and_one_oversized_put_alone() -> None:
+    window = _window()
+    win = window.peer("1")
+    assert not window.full(5 * MAX_BYTES)  # an empty window admits anything
+    window.admit(win, "0", "big", [b""], 5 * MAX_BYTES, None, 0.0)
+    assert window.full(1)
+    window.apply_reply(win, "r1", -1, _ranges([0]), _ranges([0]), None, 0, 0.1)
+    assert window.count == 0 and window.nbytes == 0 and win.low == 1
+    for i in range(MAX_COUNT):
+        assert not window.full(1)
+        window.admit(win, "0", f"k{i}", [b"x"], 1, None, 0.0)
+    assert window.full(1) and window.count == MAX_COUNT
+
+
+def test_pong_resends_only_what_went_out_before_its_ping_and_is_unarrived() -> None:
+    window = _window()
+    win = window.peer("1")
+    a, b, c = (window.admit(win, "0", k, [b"x"], 1, None, 0.0) for k in "abc")
+    window.mark_sent([a, b], 0)  # before ping 1
+    window.mark_sent([c], 1)  # after ping 1
+    result = window.apply_reply(win, "r1", 1, _ranges([a.seq]), [], None, 0, 0.1)
+    assert [o.key for o in result.resend] == ["b"]  # a arrived; c went out after the ping answered
+
+
+def test_restart_resends_everything_unconsumed_and_a_stale_reply_only_frees() -> None:
+    window = _window()
+    win = window.peer("1")
+    outs = [window.admit(win, "0", f"k{i}", [b"x"], 1, None, 0.0) for i in range(3)]
+    window.mark_sent(outs, 0)
+    window.apply_reply(win, "old", -1, _ranges([0, 1, 2]), _ranges([0]), None, 0, 0.1)
+    assert not win.unarrived and set(win.retained) == {1, 2}
+    result = window.apply_reply(win, "new", -1, [], [], None, 0, 0.2)
+    assert result.restarted and sorted(o.seq for o in result.resend) == [1, 2]
+    assert set(win.unarrived) == {1, 2}
+    # The old incarnation's last words: consumption counts, its arrivals do not.
+    stale = window.apply_reply(win, "old", 5, _ranges([1, 2]), _ranges([1]), None, 0, 0.3)
+    assert stale.freed == 1 and not stale.resend and set(win.unarrived) == {2}
+
+
+def test_expiry_fails_unarrived_puts_in_deadline_order_and_skips_those_still_being_handed_over() -> None:
+    window = _window()
+    win = window.peer("1")
+    sent = window.admit(win, "0", "sent", [b"x"], 1, None, 0.0)
+    window.mark_sent([sent], 0)
+    handing = window.admit(win, "0", "handing", [b"x"], 1, None, 0.0)
+    later = window.admit(win, "0", "later", [b"x"], 1, None, 0.5)
+    window.mark_sent([later], 0)
+    assert window.expire(TIMEOUT - 0.01) == []
+    failed = window.expire(TIMEOUT + 0.01)
+    assert [out.key for _, out in failed] == ["sent"]
+    assert handing.seq in win.retained  # its own thread reports it
+    assert window.withdraw(win, handing) and not window.withdraw(win, handing)
+    assert [out.key for _, out in window.expire(TIMEOUT + 0.6)] == ["later"]
+    assert window.count == 0 and win.low == win.next_seq
+
+
+def test_silence_makes_delivered_puts_undelivered_again_once() -> None:
+    window = _window()
+    win = window.peer("1")
+    out = window.admit(win, "0", "k", [b"x"], 1, None, 0.0)
+    window.mark_sent([out], 0)
+    window.apply_reply(win, "r1", -1, _ranges([0]), [], None, 0, 1.0)
+    assert window.note_silence(win, 1.5, 2.0) == 0
+    assert window.note_silence(win, 3.5, 2.0) == 1 and out.deadline == 3.5 + TIMEOUT
+    assert window.note_silence(win, 4.0, 2.0) == 0  # once per silence
+    window.apply_reply(win, "r1", -1, _ranges([0]), [], None, 0, 4.1)
+    assert not win.suspect and not win.unarrived
+
+
+def test_batch_size_follows_the_receiver_and_our_cap() -> None:
+    window = _window(batch_max_bytes=4096)
+    win = window.peer("1")
+    window.apply_reply(win, "r", -1, [], [], None, 1 << 20, 0.0)
+    assert win.batch_bytes == 4096
+    window.apply_reply(win, "r", -1, [], [], None, 600, 0.0)  # too small for two puts
+    assert win.batch_bytes == 0
+
+
+# -- the protocol, played at random -------------------------------------------------------------------------
+@dataclass
+class _Receiver:
+    incarnation: str
+    source: SourceState = field(default_factory=lambda: SourceState("s", 0.0))
+    held: set[int] = field(default_factory=set)  # arrived, not consumed
+    accepted: list[int] = field(default_factory=list)
+
+
+class WindowProtocol(RuleBasedStateMachine):
+    """A sender window and a receiver over a lossy FIFO; checks the window's promises after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window = _window()
+        self.win = self.window.peer("1")
+        self.now = 0.0
+        self.ping_no = 0
+        self.net: list[tuple[str, int, int]] = []  # ("data" | "ping", seq or ping number, low)
+        self.replies: list[tuple[str, int, list[int], list[int]]] = []
+        self.incarnations = 0
+        self.receiver = self._new_receiver()
+        self.consumed_everywhere: set[int] = set()  # taken by a get, in any incarnation
+        self.freed: set[int] = set()  # the sender learned it was consumed
+        self.failed: list[int] = []
+        self.withdrawn: set[int] = set()
+        self.forgotten: set[int] = set()
+        self.admitted: set[int] = set()
+
+    def _new_receiver(self) -> _Receiver:
+        self.incarnations += 1
+        return _Receiver(f"r{self.incarnations}")
+
+    def _send(self, seqs: list[int]) -> None:
+        outs = [self.win.retained[s] for s in seqs]
+        self.window.mark_sent(outs, self.ping_no)
+        self.net.extend(("data", s, self.win.low) for s in seqs)
+
+    # -- sender side --
+    @rule(nbytes=st.integers(1, 400), ok=st.booleans())
+    def put(self, nbytes: int, ok: bool) -> None:
+        if self.window.full(nbytes):
+            assert self.window.count >= MAX_COUNT or self.window.nbytes + nbytes > MAX_BYTES
+            return
+        out = self.window.admit(self.win, "0", f"k{self.win.next_seq % 3}", [b""], nbytes, None, self.now)
+        self.admitted.add(out.seq)
+        if ok:
+            self._send([out.seq])
+        else:  # the put's own send failed: it raises to its caller
+            assert self.window.withdraw(self.win, out)
+            self.withdrawn.add(out.seq)
+
+    @rule()
+    def ping(self) -> None:
+        self.ping_no += 1
+        self.net.append(("ping", self.ping_no, self.win.low))
+
+    @rule(dt=st.floats(0.0, 0.6))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        failed = self.window.expire(self.now)
+        if failed:
+            self.net = [m for m in self.net if m[0] != "data"]  # the data socket is reset: its queue dropped
+        for _, out in failed:
+            assert out.seq not in self.freed
+            self.failed.append(out.seq)
+
+    @rule(which=st.integers(0, 2))
+    def forget(self, which: int) -> None:
+        self.forgotten.update(o.seq for o in self.window.forget(lambda key: key == f"k{which}"))
+
+    @rule()
+    def silence(self) -> None:
+        self.window.note_silence(self.win, self.now, 0.3)
+
+    # -- the wire --
+    @precondition(lambda self: self.net)
+    @rule(lose=st.booleans())
+    def deliver(self, lose: bool) -> None:
+        kind, number, low = self.net.pop(0)
+        if lose:
+            return
+        rx = self.receiver
+        rx.source.note(low, self.now)
+        if kind == "data":
+            if rx.source.is_new(number):
+                rx.source.accept(number)
+                rx.held.add(number)
+                rx.accepted.append(number)
+            else:
+                rx.source.duplicate(number)
+        else:
+            arrived, consumed = rx.source.pong()
+            self.replies.append((rx.incarnation, number, arrived, consumed))
+
+    @precondition(lambda self: self.receiver.held)
+    @rule(data=st.data())
+    def consume(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.receiver.held)))
+        self.receiver.held.discard(seq)
+        self.receiver.source.consume(seq)
+        self.consumed_everywhere.add(seq)
+
+    @rule()
+    def ack(self) -> None:
+        acks = self.receiver.source.ack()
+        if acks is not None:
+            self.replies.append((self.receiver.incarnation, -1, *acks))
+
+    @precondition(lambda self: self.replies)
+    @rule(lose=st.booleans())
+    def reply(self, lose: bool) -> None:
+        incarnation, ping, arrived, consumed = self.replies.pop(0)
+        if lose:
+            return
+        before = set(self.win.retained)
+        result = self.window.apply_reply(
+            self.win, incarnation, ping, _ranges(arrived), _ranges(consumed), None, 0, self.now
+        )
+        self.freed |= before - set(self.win.retained)
+        for out in result.resend:
+            assert out.seq not in self.freed, "a put the receiver reported consumed was resent"
+            assert out.seq in self.win.unarrived
+        self._send([o.seq for o in result.resend])
+
+    @rule()
+    def restart(self) -> None:
+        self.receiver = self._new_receiver()  # what it held unconsumed is gone with it
+        self.net = []
+
+    # -- what must always hold --
+    @invariant()
+    def window_is_bounded_and_consistent(self) -> None:
+        window, win = self.window, self.win
+        assert window.count <= MAX_COUNT
+        assert window.nbytes <= MAX_BYTES or window.count == 1
+        assert window.count == len(win.retained)
+        assert window.nbytes == sum(o.nbytes for o in win.retained.values())
+        assert set(win.unarrived) <= set(win.retained)
+        deadlines = [o.deadline for o in win.unarrived.values()]
+        assert deadlines == sorted(deadlines)
+        assert all(seq >= win.low for seq in win.retained)
+
+    @invariant()
+    def each_put_is_accepted_once_per_receiver(self) -> None:
+        accepted = self.receiver.accepted
+        assert len(accepted) == len(set(accepted))
+
+    def teardown(self) -> None:
+        # Let the network settle (pings reveal a restart; resends fill the new receiver), then close.
+        for _ in range(6):
+            self.ping()
+            while self.net:
+                self.deliver(lose=False)
+            while self.replies:
+                self.reply(lose=False)
+        lost = {out.seq for _, out in self.window.close()}
+        assert not lost & self.freed
+        reported = set(self.failed) | lost
+        assert len(self.failed) == len(set(self.failed)), "a put was reported failed twice"
+        # Nothing lost is unreported: a put not reported failed, withdrawn or forgotten was consumed or is held.
+        for seq in self.admitted - reported - self.withdrawn - self.forgotten:
+            assert seq in self.consumed_everywhere or seq in self.receiver.held, f"put {seq} lost silently"
+        assert self.window.count == len(self.win.retained)
+
+
+TestWindowProtocol = WindowProtocol.TestCase
+TestWindowProtocol.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+# -- the receiver's dedupe state on its own ------------------------------------------------------------------
+def test_source_state_reports_consumption_in_every_pong_until_the_sender_forgets_it() -> None:
+    source = SourceState("s", 0.0)
+    for seq in range(4):
+        assert source.is_new(seq)
+        source.accept(seq)
+    source.duplicate(1)
+    source.consume(0)
+    source.consume(1)
+    assert source.ack() == ([0, 1, 2, 3, 1], [0, 1])
+    assert source.ack() is None
+    assert sorted(source.pong()[1]) == [0, 1]  # repeated: the ack may have been lost
+    source.note(1, 1.0)  # the sender dropped seq 0
+    arrived, consumed = source.pong()
+    assert arrived == [] and sorted(consumed) == [1] and source.seen == {1, 2, 3}
+    assert not source.is_new(0) and not source.is_new(2) and source.is_new(4)
+
+
+_SOURCE_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("data"), st.integers(0, 30), st.integers(0, 30)),
+        st.tuples(st.just("consume"), st.integers(0, 30), st.just(0)),
+        st.tuples(st.just("ack"), st.just(0), st.just(0)),
+        st.tuples(st.just("pong"), st.just(0), st.just(0)),
+        st.tuples(st.just("batch"), st.integers(0, 30), st.integers(1, 6)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=_SOURCE_OPS)
+def test_source_state_accepts_once_and_reports_what_it_must(ops: list[tuple[str, int, int]]) -> None:
+    source = SourceState("s", 0.0)
+    accepted: list[int] = []
+    held: set[int] = set()
+    consumed: set[int] = set()  # consumed, the sender not told past its low yet
+    unreported_arrivals: set[int] = set()
+    low = 0
+    for op, a, b in ops:
+        if op == "data":
+            low = max(low, min(a, b))  # the sender's low only grows
+            source.note(low, 0.0)
+            if source.is_new(a):
+                source.accept(a)
+                accepted.append(a)
+                held.add(a)
+            else:
+                source.duplicate(a)
+            unreported_arrivals.add(a)
+        elif op == "batch":
+            seqs = [a + i for i in range(b)] + [a]  # a repeat inside the batch
+            fresh = [s for s in dict.fromkeys(seqs) if source.is_new(s)]
+            assert not source.all_new(seqs)
+            source.accept_batch(fresh, [s for s in seqs if s not in fresh] + [a] * (a in fresh))
+            accepted.extend(fresh)
+            held.update(fresh)
+            unreported_arrivals.update(seqs)
+        elif op == "consume" and a in held:
+            held.discard(a)
+            source.consume(a)
+            consumed.add(a)
+        elif op == "ack":
+            got = source.ack()
+            if got is not None:
+                assert set(got[0]) == unreported_arrivals
+                unreported_arrivals = set()
+        elif op == "pong":
+            arrived, reported = source.pong()
+            assert set(arrived) == unreported_arrivals
+            unreported_arrivals = set()
+            assert set(reported) == {s for s in consumed if s >= low}, "consumption not repeated, or past low"
+            assert min(source.seen, default=low) >= low
+        assert len(accepted) == len(set(accepted)), "a put was accepted twice"
+
+
+# -- the batching policy ---------------------------------------------------------------------------------------
+def _outs(n: int, nbytes: int = 10) -> list[Out]:
+    return [Out(i, "0", f"k{i}", [b"x"], nbytes, 1.0, None) for i in range(n)]
+
+
+def test_a_lone_put_leaves_at_once_and_a_stream_waits_for_its_batch() -> None:
+    box = Outbox()
+    a, b, c = _outs(3)
+    assert box.add(a, 0.0, 256, 1 << 16)  # idle: no added latency
+    assert box.take(1 << 16, "1", 256) == [a] and not a.queued
+    box.busy_until = 0.0 + STREAM_FLUSH_S
+    assert not box.add(b, 0.0001, 256, 1 << 16)  # busy: rides in the next batch
+    assert box.add(c, 0.0001 + STREAM_FLUSH_S, 256, 1 << 16)  # its oldest waited long enough
+    box.blocked = True
+    assert not box.add(Out(9, "0", "k", [b""], 1, 1.0, None), 1.0, 1, 1)  # never while blocked
+
+
+def test_take_respects_the_batch_budget_skips_dropped_puts_and_requeue_keeps_order() -> None:
+    box = Outbox()
+    outs = _outs(6, nbytes=300)
+    for out in outs:
+        box.add(out, 0.0, 256, 1 << 16)
+    outs[1].queued = False  # consumed or expired meanwhile
+    budget = 1300
+    end = batch_end(outs, 0, budget, "1", 256)
+    assert 1 <= end < len(outs)
+    first = box.take(budget, "1", 256)
+    assert first == [o for o in outs[:end] if o is not outs[1]]
+    box.requeue(first)
+    assert box.items[: len(first)] == first and all(o.queued for o in first)
+    rest = box.take(1 << 20, "1", 256)
+    assert rest == [o for o in outs if o is not outs[1]] and box.nbytes == 0 and not box.items
+    assert batch_end(outs, 0, 10, "1", 256) == 1  # one put always fits

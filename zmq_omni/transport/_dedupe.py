@@ -1,0 +1,109 @@
+"""Push mode, receiving half: one sender's de-duplication and acknowledgement state (no sockets, no threads).
+
+:class:`SourceState` decides whether a put is new or a resend, and what the
+next REPLY to its sender says; :class:`~zmq_omni.transport._receiver.PushReceiver`
+sends it. Every method runs on the receiver's I/O thread, which alone owns
+these objects (no lock: application threads hand consumed seqs over through
+the receiver's ``_taken`` list, under its ``_lock``). Nothing here reads a
+clock (``now`` is passed in).
+
+The invariants the tests check after any sequence of calls:
+
+* a put is accepted at most once per ``seq`` (resends and repeats are duplicates);
+* every seq accepted or found duplicate is reported arrived in the next REPLY;
+* every seq consumed is reported consumed in every pong until the sender's
+  ``low`` passes it (acks can be lost; pongs repeat them), and no later;
+* the dedupe set holds no seq below ``low`` after a pong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["SourceState"]
+
+
+class SourceState:
+    """What the receiver knows of one sender: dedupe window and acknowledgements not yet sent."""
+
+    __slots__ = ("arrived", "consumed", "ctl", "last_heard", "low", "probe", "pruned_low", "reported", "seen", "shm")
+
+    def __init__(self, sid: str, now: float) -> None:
+        self.ctl = b"c" + sid.encode()  # the routing identity of the sender's control socket
+        self.low = 0  # the sender retains nothing below this: seqs under it are duplicates
+        self.pruned_low = 0
+        self.seen: set[int] = set()  # accepted seqs >= low (pruned at pongs)
+        self.arrived: list[int] = []  # to report arrived in the next REPLY
+        self.consumed: list[int] = []  # to report consumed in the next REPLY
+        self.reported: set[int] = set()  # consumed seqs >= low: repeated in every pong until the sender forgets them
+        self.last_heard = now
+        self.probe: list[Any] | None = None  # the last probe answered
+        self.shm: bool | None = None  # its verdict: may this sender send slot handles?
+
+    def note(self, low: int, now: float) -> None:
+        """A message from this sender, naming its ``low`` mark."""
+        self.last_heard = now
+        self.low = max(self.low, low)
+
+    def is_new(self, seq: int) -> bool:
+        """True when ``seq`` was never accepted (and the sender still retains it)."""
+        return seq >= self.low and seq not in self.seen
+
+    def accept(self, seq: int) -> None:
+        """``seq`` is taken into the mailbox: remember it, and acknowledge its arrival."""
+        self.seen.add(seq)
+        self.arrived.append(seq)
+
+    def duplicate(self, seq: int) -> None:
+        """A resend of something we have (or had): acknowledge it again, keep one copy."""
+        self.arrived.append(seq)
+
+    def all_new(self, seqs: Sequence[int]) -> bool:
+        """True when every seq of a batch is new and none repeats (the common case, one C pass each)."""
+        return min(seqs) >= self.low and self.seen.isdisjoint(seqs) and len(set(seqs)) == len(seqs)
+
+    def accept_batch(self, accepted: Sequence[int], duplicates: Sequence[int]) -> None:
+        """A batch's outcome: ``accepted`` taken into the mailbox, ``duplicates`` acknowledged again."""
+        self.seen.update(accepted)
+        self.arrived.extend(accepted)
+        self.arrived.extend(duplicates)
+
+    def consume(self, seq: int) -> None:
+        """``get`` took ``seq`` (or a re-put or cleanup dropped it): to be reported consumed."""
+        self.consumed.append(seq)
+
+    def ack(self) -> tuple[list[int], list[int]] | None:
+        """A plain acknowledgement, ``(arrived, consumed)``; None when there is nothing to say."""
+        if not (self.arrived or self.consumed):
+            return None
+        arrived, consumed = self.arrived, self.consumed
+        self.arrived, self.consumed = [], []
+        self.reported.update(consumed)
+        return arrived, consumed
+
+    def pong(self) -> tuple[list[int], list[int]]:
+        """The answer to a PING: ``(arrived, every consumption the sender may not know yet)``.
+
+        Forgets dedupe state below ``low`` first: the sender retains nothing there.
+        """
+        low = self.low
+        reported = self.reported
+        reported.update(self.consumed)
+        self.consumed = []
+        if low > self.pruned_low:
+            self.pruned_low = low
+            self.seen = {s for s in self.seen if s >= low}
+        if reported and min(reported) < low:  # the sender forgot these: repeating them only grows the pong
+            self.reported = reported = {s for s in reported if s >= low}
+        arrived, self.arrived = self.arrived, []
+        return arrived, list(reported)
+
+    def last_word(self) -> tuple[list[int], list[int]] | None:
+        """What to tell the sender as the receiver closes: arrivals and every unconfirmed consumption."""
+        self.reported.update(self.consumed)
+        self.consumed = []
+        if not (self.reported or self.arrived):
+            return None
+        arrived, self.arrived = self.arrived, []
+        return arrived, list(self.reported)
