@@ -6,7 +6,20 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "zmq_omni"
-ORDER = ["metrics", "errors", "config", "wire", "shm", "transport", "connectors", "adapters", "aio", "bench", "cli"]
+ORDER = [
+    "metrics",
+    "errors",
+    "config",
+    "wire",
+    "shm",
+    "transport",
+    "connectors",
+    "adapters",
+    "aio",
+    "stages",
+    "bench",
+    "cli",
+]
 
 
 def _room(module: str) -> str | None:

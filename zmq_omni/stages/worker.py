@@ -11,8 +11,8 @@ received chunk::
     with StageWorker.from_pipeline("pipeline.yaml", "talker", fn=talker) as worker:
         worker.run()            # until worker.stop() (from a signal handler or another thread)
 
-The pipeline driver is :class:`~zmq_omni.adapters.driver.PipelineDriver`; the
-pipeline YAML model is in :mod:`zmq_omni.adapters.pipeline`.
+The pipeline driver is :class:`~zmq_omni.stages.driver.PipelineDriver`; the
+pipeline YAML model is in :mod:`zmq_omni.stages.pipeline`.
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..adapters import ChunkInputs, RetryPolicy
+from ..adapters.base import _WarningBurst
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
 from ..errors import ConfigError
 from ._link import ERROR_KEY, TRACE_KEY, _Endpoint
-from .base import _WarningBurst
-from .chunk import ChunkInputs
 from .pipeline import ChunkFunction, PipelineConfig, load_pipeline_config, name_stages
-from .retry import RetryPolicy
 
 __all__ = ["StageWorker"]
 
-logger = logging.getLogger("zmq_omni.adapters")
+logger = logging.getLogger("zmq_omni.stages")
 
 
 # -- the stage worker -----------------------------------------------------------------------------------
