@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..adapters import ChunkInputs, RetryPolicy
-from ..adapters.base import _WarningBurst
+from ..adapters import ChunkInputs, RetryPolicy, WarningBurst
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
 from ..errors import ConfigError
@@ -107,7 +106,7 @@ class StageWorker:
         self._stop = threading.Event()
         self._closed = False
         # Run thread only (then close): a stopped downstream fails every request at once, one line per interval.
-        self._downstream_warnings = _WarningBurst()
+        self._downstream_warnings = WarningBurst()
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "refused": 0, "chunks_in": 0, "chunks_out": 0}
 
