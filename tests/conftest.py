@@ -67,8 +67,7 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
 
 def sweep_leftovers_of(pids: list[int]) -> None:
     """After a test killed processes with SIGKILL: the sweep removes whatever they left in /dev/shm."""
-    from zmq_omni.shm import default_shm_dir, sweep
-    from zmq_omni.shm._owner import parse_name
+    from zmq_omni.shm import default_shm_dir, parse_name, sweep
 
     def theirs() -> list[str]:
         return [n for n in os.listdir(default_shm_dir()) if (o := parse_name(n)) is not None and o.pid in pids]

@@ -19,10 +19,10 @@ import pytest
 
 from tests.adapter_helpers import FAST_RETRY, FlakyConnector, chunk_pair, rid
 from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, RetryPolicy
-from zmq_omni.adapters._link import _Endpoint
 from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import ClosedResourceError
+from zmq_omni.stages._link import _Endpoint
 
 
 def _join(thread: threading.Thread, timeout: float) -> bool:

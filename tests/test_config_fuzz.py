@@ -14,10 +14,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zmq_omni.adapters.pipeline import load_pipeline_config
 from zmq_omni.config.pipeline import ConnectorSpec, load_omni_transfer_config
 from zmq_omni.config.zmq import ZmqConnectorConfig
 from zmq_omni.errors import ConfigError
+from zmq_omni.stages import load_pipeline_config
 
 FUZZ = settings(
     max_examples=400, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)

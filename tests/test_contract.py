@@ -1,4 +1,4 @@
-"""The connector contract (DESIGN.md §3), run against every kind in ``connector_kinds``."""
+"""The connector contract (docs/contract.md), run against every kind in ``connector_kinds``."""
 
 from __future__ import annotations
 

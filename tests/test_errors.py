@@ -57,7 +57,7 @@ def test_format_seconds_writes_durations_for_people(seconds: float, text: str) -
 
 
 def test_name_stages_uses_the_pipeline_names_where_it_knows_them() -> None:
-    from zmq_omni.adapters.pipeline import name_stages
+    from zmq_omni.stages import name_stages
 
     names = {"0": "thinker", "2": "vocoder", "driver": "driver"}
     text = "stage 2 never started it; delivery to stage '0' failed; stage 7 and stage driver; stage_id 2; req_2_0"

@@ -1,4 +1,14 @@
-"""DESIGN.md §2: a module never imports from a room to its right (lazy imports included)."""
+"""The package's rooms and the imports allowed between them (docs/architecture.md, "Rooms").
+
+The rooms, each importing only from rooms to its left (lazy imports included)::
+
+    errors <- config <- wire <- shm <- transport <- connectors <- adapters <- aio, stages <- bench <- cli
+
+``metrics`` is a leaf every room may use. ``aio`` and ``stages`` stand side by
+side: both build on the adapters and neither imports the other. A room never
+imports another room's private (underscore) modules or names: what two rooms
+share is public in the room that owns it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +16,22 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "zmq_omni"
-ORDER = ["metrics", "errors", "config", "wire", "shm", "transport", "connectors", "adapters", "aio", "bench", "cli"]
+
+# Left to right; the rooms of one tuple share a rank and may not import each other.
+RANKS: list[tuple[str, ...]] = [
+    ("metrics",),
+    ("errors",),
+    ("config",),
+    ("wire",),
+    ("shm",),
+    ("transport",),
+    ("connectors",),
+    ("adapters",),
+    ("aio", "stages"),
+    ("bench",),
+    ("cli",),
+]
+RANK = {room: rank for rank, rooms in enumerate(RANKS) for room in rooms}
 
 
 def _room(module: str) -> str | None:
@@ -16,24 +41,25 @@ def _room(module: str) -> str | None:
     return parts[1]
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+def _module_name(path: Path, package: Path) -> str:
+    rel = path.relative_to(package.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _imports(path: Path) -> list[str]:
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def _imports(path: Path, package: Path) -> list[str]:
+    """Every module, and every ``module.name``, that ``path`` imports, relative imports resolved."""
+    name = _module_name(path, package)
+    base_package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[str] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")
+                base = base_package.split(".")
                 base = base[: len(base) - (node.level - 1)]
                 target = ".".join([*base, node.module] if node.module else base)
             else:
@@ -43,19 +69,78 @@ def _imports(path: Path) -> list[str]:
     return found
 
 
-def test_no_module_imports_from_a_room_to_its_right() -> None:
+def _is_private(target: str) -> bool:
+    """``zmq_omni.shm._owner`` or ``zmq_omni.adapters.base._Burst``: a part after the room starts with ``_``."""
+    return any(part.startswith("_") and not part.startswith("__") for part in target.split(".")[2:])
+
+
+def _violations(package: Path) -> list[str]:
+    """Each import that breaks a rule of the module docstring, as ``module imports target (why)``."""
     wrong: list[str] = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.parent == PACKAGE and path.name == "__init__.py":
+    for path in sorted(package.rglob("*.py")):
+        if path.parent == package and path.name == "__init__.py":
             continue  # the package surface re-exports every room
-        source = _room(_module_name(path))
-        assert source in ORDER, f"{path} is in no room of DESIGN.md §2"
-        for target in _imports(path):
+        module = _module_name(path, package)
+        source = _room(module)
+        if source not in RANK:
+            wrong.append(f"{module} is in no room")
+            continue
+        for target in _imports(path, package):
             room = _room(target)
-            if room in ORDER and ORDER.index(room) > ORDER.index(source):
-                wrong.append(f"{_module_name(path)} imports {target}")
-    assert wrong == []
+            if room not in RANK or room == source:
+                continue  # outside the package, the package surface (__version__), or its own room
+            if RANK[room] > RANK[source]:
+                wrong.append(f"{module} imports {target} (a room to its right)")
+            elif RANK[room] == RANK[source]:
+                wrong.append(f"{module} imports {target} (a room beside it)")
+            elif _is_private(target):
+                wrong.append(f"{module} imports {target} (another room's private module or name)")
+    return wrong
+
+
+def test_every_import_keeps_to_the_rooms() -> None:
+    assert _violations(PACKAGE) == []
+
+
+def test_every_room_exists_and_every_module_is_in_one() -> None:
+    present = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    present |= {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    assert present == set(RANK)
 
 
 def test_metrics_is_a_leaf() -> None:
-    assert [t for t in _imports(PACKAGE / "metrics.py") if t.startswith("zmq_omni")] == []
+    assert [t for t in _imports(PACKAGE / "metrics.py", PACKAGE) if t.startswith("zmq_omni")] == []
+
+
+def test_the_check_catches_each_kind_of_wrong_import(tmp_path: Path) -> None:
+    package = tmp_path / "zmq_omni"
+    files = {
+        "__init__.py": "from .stages import StageWorker\n",  # the surface may import any room
+        "errors.py": "",
+        "config/__init__.py": "from .fields import read_int\n",
+        "config/_fields.py": "",
+        "config/fields.py": "from ._fields import read_int\n",  # its own room's private module
+        "connectors/__init__.py": "from ..config.fields import read_int\n",
+        "connectors/shm.py": "from ..config._fields import read_int\n",
+        "adapters/__init__.py": "def later():\n    from zmq_omni.stages import worker\n",
+        "adapters/base.py": "from ..connectors.shm import _Helper\n",
+        "aio/__init__.py": "from ..stages.worker import StageWorker\n",
+        "stages/__init__.py": "",
+        "stages/worker.py": "import zmq_omni.config._fields\nfrom .. import errors\n",
+        "cli/__init__.py": "from .. import __version__\nfrom ..stages import worker\n",
+        "lost/__init__.py": "",
+    }
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    assert _violations(package) == [
+        "zmq_omni.adapters imports zmq_omni.stages (a room to its right)",
+        "zmq_omni.adapters imports zmq_omni.stages.worker (a room to its right)",
+        "zmq_omni.adapters.base imports zmq_omni.connectors.shm._Helper (another room's private module or name)",
+        "zmq_omni.aio imports zmq_omni.stages.worker (a room beside it)",
+        "zmq_omni.aio imports zmq_omni.stages.worker.StageWorker (a room beside it)",
+        "zmq_omni.connectors.shm imports zmq_omni.config._fields (another room's private module or name)",
+        "zmq_omni.connectors.shm imports zmq_omni.config._fields.read_int (another room's private module or name)",
+        "zmq_omni.lost is in no room",
+        "zmq_omni.stages.worker imports zmq_omni.config._fields (another room's private module or name)",
+    ]

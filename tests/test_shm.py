@@ -16,8 +16,18 @@ import numpy as np
 import pytest
 
 from zmq_omni.errors import ShmError, ShmSpaceError
-from zmq_omni.shm import Segment, SlotHandle, SlotPool, SlotReader, check_free_space, self_owner, sweep
-from zmq_omni.shm._owner import Owner, make_name, parse_name
+from zmq_omni.shm import (
+    Owner,
+    Segment,
+    SlotHandle,
+    SlotPool,
+    SlotReader,
+    check_free_space,
+    make_name,
+    parse_name,
+    self_owner,
+    sweep,
+)
 from zmq_omni.shm.pool import FREE, LEASED, READY
 
 from . import _shm_workers as workers

@@ -18,8 +18,7 @@ import pytest
 
 from zmq_omni.connectors.shm import SharedMemoryConnector
 from zmq_omni.errors import ConfigError
-from zmq_omni.shm import sweep
-from zmq_omni.shm._owner import parse_name
+from zmq_omni.shm import parse_name, sweep
 
 from . import _shm_workers as workers
 from ._shm_workers import EDGE, digest

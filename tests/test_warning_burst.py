@@ -8,13 +8,12 @@ from typing import Any
 import pytest
 
 from tests.adapter_helpers import FAST_RETRY
-from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager
-from zmq_omni.adapters.base import _WarningBurst
+from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, WarningBurst
 from zmq_omni.connectors.inproc import InProcConnector
 
 
 def test_the_first_of_an_interval_is_logged_and_the_rest_summed_up() -> None:
-    burst = _WarningBurst(interval_s=5.0)
+    burst = WarningBurst(interval_s=5.0)
     assert burst.note("r1", "boom 1", now=100.0) == (True, None)
     for i in range(799):
         assert burst.note(f"r{i % 4}", f"boom {i}", now=101.0 + i / 1000) == (False, None)

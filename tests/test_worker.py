@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from zmq_omni import ConfigError, PipelineDriver, StageWorker, load_pipeline_config
-from zmq_omni.adapters.driver import DriverEvent
-from zmq_omni.adapters.pipeline import PipelineConfig
+from zmq_omni.stages import DriverEvent, PipelineConfig
 
 
 def producer(request_id: str, payload: dict[str, Any], is_final: bool) -> Iterator[dict[str, Any]]:

@@ -10,7 +10,7 @@ layouts.
 from __future__ import annotations
 
 from ._assemble import assemble_chunks, merge_metadata
-from .base import FinishedRequests, OmniTransferAdapterBase, RecvTarget
+from .base import FinishedRequests, OmniTransferAdapterBase, RecvTarget, WarningBurst
 from .chunk import ChunkInputs, ChunkManagerConfig, OmniChunkManager
 from .kv import KVLoadResult, KVTransferConfig, KVTransferManager, kv_key
 from .retry import RetryPolicy, default_retryable
@@ -32,6 +32,7 @@ __all__ = [
     "SchedulerOutputLike",
     "StepOutput",
     "StepRequest",
+    "WarningBurst",
     "assemble_chunks",
     "default_retryable",
     "kv_key",

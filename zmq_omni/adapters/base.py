@@ -45,7 +45,7 @@ from ..errors import ClosedResourceError, ConfigError, TransportError, format_se
 from ..metrics import Counters
 from .retry import RetryPolicy
 
-__all__ = ["FinishedRequests", "OmniTransferAdapterBase", "RecvTarget"]
+__all__ = ["FinishedRequests", "OmniTransferAdapterBase", "RecvTarget", "WarningBurst"]
 
 logger = logging.getLogger("zmq_omni.adapters")
 
@@ -53,7 +53,7 @@ logger = logging.getLogger("zmq_omni.adapters")
 WARNING_INTERVAL_S = 5.0
 
 
-class _WarningBurst:
+class WarningBurst:
     """One WARNING per interval for a stream of like failures, the rest counted and summed up.
 
     A downstream stage that stops fails every chunk in flight to it, each a
@@ -158,8 +158,8 @@ class OmniTransferAdapterBase(ABC):
         self._recv_cond = threading.Condition(self._lock)
         self._failures_lock = threading.Lock()
         # Guarded by _failures_lock: a burst of failures (a stopped downstream) logs one line per interval.
-        self._send_warnings = _WarningBurst()
-        self._recv_warnings = _WarningBurst()
+        self._send_warnings = WarningBurst()
+        self._recv_warnings = WarningBurst()
         self._failed_send: dict[str, str] = {}
         self._failed_recv: dict[str, str] = {}
         self._finished_saved: set[str] = set()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..config import ConnectorSpec
-from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
+from ..config.fields import check_known_keys, read_float, read_int, read_mapping, read_str
 from ..connectors import OmniConnectorBase
 from ..errors import ClosedResourceError, ConfigError, format_seconds
 from ._assemble import assemble_chunks

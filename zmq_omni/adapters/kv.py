@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConnectorSpec
-from ..config._fields import check_known_keys, read_float, read_int, read_mapping, read_str
+from ..config.fields import check_known_keys, read_float, read_int, read_mapping, read_str
 from ..connectors import FailureSource, OmniConnectorBase, create_connector
 from ..errors import ConfigError, TransportError, format_seconds
 from .retry import RetryPolicy

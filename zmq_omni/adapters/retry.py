@@ -19,7 +19,7 @@ from typing import Any
 
 import tenacity
 
-from ..config._fields import check_known_keys, read_float, read_int
+from ..config.fields import check_known_keys, read_float, read_int
 from ..errors import (
     ClosedResourceError,
     ConfigError,

@@ -16,6 +16,6 @@ Grids print nothing: the command line (``zmq-omni bench``, the scripts) does.
 
 from __future__ import annotations
 
-from ._common import Comparison, parse_size, size_label
+from ._common import KIB, MIB, Comparison, parse_size, size_label
 
-__all__ = ["Comparison", "parse_size", "size_label"]
+__all__ = ["KIB", "MIB", "Comparison", "parse_size", "size_label"]

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench import Comparison
-from ..bench._common import KIB, MIB
+from ..bench import KIB, MIB, Comparison
 from ..errors import ConfigError
 
 __all__ = ["run_bench"]

@@ -14,11 +14,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..adapters.driver import PipelineDriver
-from ..adapters.pipeline import PipelineConfig, load_pipeline_config
-from ..adapters.worker import StageWorker
 from ..connectors.inproc import InProcConnector
 from ..errors import AuthenticationError, ConfigError, TransportError
+from ..stages import PipelineConfig, PipelineDriver, StageWorker, load_pipeline_config
 from ._run import Progress, drive_requests, format_table, make_out_dir
 
 __all__ = ["run_drive", "run_health", "run_keygen", "run_shm_sweep", "run_stage", "wait_ready"]
@@ -163,7 +161,7 @@ def run_health(args: argparse.Namespace) -> int:
     the probed stage's own file (a healthcheck beside the stage). The server key is
     ``--server-key``, else the key file's entry for ``--stage``.
     """
-    from ..adapters.keys import HEALTH_PROBER, KeyFile
+    from ..stages.keys import HEALTH_PROBER, KeyFile
     from ..transport import probe
 
     if args.timeout <= 0:
@@ -271,7 +269,7 @@ def _keygen_error(message: str) -> int:
 
 
 def _keygen_pipeline(args: argparse.Namespace, new_pair: Any) -> int:
-    from ..adapters.keys import HEALTH_PROBER, KeyFile, KeyFileExistsError, make_pipeline_keys, write_key_files
+    from ..stages.keys import HEALTH_PROBER, KeyFile, KeyFileExistsError, make_pipeline_keys, write_key_files
 
     pipeline = load_pipeline_config(args.config)
     out_dir = args.out_dir or pipeline.keys_dir

@@ -21,8 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..adapters.driver import PipelineDriver
-from ..adapters.pipeline import load_pipeline_config
+from ..stages import PipelineDriver, load_pipeline_config
 from ._commands import PARENT_PID_ENV, wait_ready
 from ._run import Progress, drive_requests, format_table, make_out_dir
 

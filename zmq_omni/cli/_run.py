@@ -15,9 +15,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ..adapters.driver import DriverEvent, PipelineDriver
-from ..adapters.pipeline import PipelineConfig
 from ..errors import ConfigError
+from ..stages import DriverEvent, PipelineConfig, PipelineDriver
 
 __all__ = ["Progress", "RequestResult", "RunResult", "drive_requests", "format_table", "make_out_dir", "write_wav"]
 

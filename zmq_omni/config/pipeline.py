@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError
-from ._fields import check_known_keys, read_mapping, read_str
+from .fields import check_known_keys, read_mapping, read_str
 
 __all__ = [
     "ConnectorSpec",

@@ -12,7 +12,8 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from ..errors import ConfigError
-from ._fields import (
+from .device import read_device
+from .fields import (
     check_known_keys,
     read_bool,
     read_choice,
@@ -22,7 +23,6 @@ from ._fields import (
     read_stage_id,
     read_str,
 )
-from .device import read_device
 
 __all__ = ["TRANSFER_ENGINE_KEYS", "ZmqConnectorConfig"]
 

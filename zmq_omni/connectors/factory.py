@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from ..config import ConnectorSpec
-from ..config._fields import import_callable
+from ..config.fields import import_callable
 from ..errors import ConfigError
 from .base import OmniConnectorBase
 

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from ..config._fields import check_known_keys, read_stage_id, read_str
+from ..config.fields import check_known_keys, read_stage_id, read_str
 from ..errors import ClosedResourceError
 from ..wire import decode, encode
 from .base import ArrivalWatch, OmniConnectorBase, bounded_deadline, key_matches_prefix

@@ -33,22 +33,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config._fields import check_known_keys, read_float, read_int, read_stage_id, read_str
 from ..config.device import read_device
+from ..config.fields import check_known_keys, read_float, read_int, read_stage_id, read_str
 from ..errors import ClosedResourceError, ConfigError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
 from ..shm import (
     DirEvents,
+    DirWatch,
     Mailbox,
     Record,
     SlotPool,
     SlotReader,
     default_shm_dir,
     entry_address,
+    is_our_name,
+    make_name,
     namespace_dir,
     self_owner,
 )
-from ..shm._owner import is_our_name, make_name
-from ..shm._watch import DirWatch
 from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
 from ..shm.segment import shm_error

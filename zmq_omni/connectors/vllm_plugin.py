@@ -32,7 +32,7 @@ def _constructor(path: str) -> Callable[[dict[str, Any]], Any]:
     """A constructor that imports our class only when vllm-omni first builds that connector."""
 
     def build(config: dict[str, Any]) -> Any:
-        from ..config._fields import import_callable
+        from ..config.fields import import_callable
 
         return import_callable(path, "connector")(config)
 

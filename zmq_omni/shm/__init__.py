@@ -12,13 +12,16 @@ No sockets here. The pieces, from the bottom up:
   once by atomic rename (the :class:`~zmq_omni.connectors.shm.SharedMemoryConnector`
   transport);
 * :func:`sweep` -- removes leftovers of dead processes (``zmq-omni shm-sweep``);
-  :func:`sweep_dead_once` runs it when a process first makes a slot pool.
+  :func:`sweep_dead_once` runs it when a process first makes a slot pool;
+* :class:`Owner`, :func:`make_name`, :func:`parse_name`, :func:`is_our_name` --
+  the owner carried in every name; :class:`DirWatch` / :class:`DirEvents` --
+  sleeping until a directory changes (inotify).
 """
 
 from __future__ import annotations
 
-from ._owner import Owner, self_owner
-from ._watch import DirEvents
+from ._owner import Owner, is_our_name, make_name, parse_name, self_owner
+from ._watch import DirEvents, DirWatch
 from .mailbox import Mailbox, Record, entry_address, namespace_dir
 from .pool import SlotHandle, SlotPool, SlotReader
 from .segment import DEFAULT_SHM_DIR, Segment, check_free_space, default_shm_dir, free_bytes
@@ -27,6 +30,7 @@ from .sweep import SweepReport, sweep, sweep_dead_once
 __all__ = [
     "DEFAULT_SHM_DIR",
     "DirEvents",
+    "DirWatch",
     "Mailbox",
     "Owner",
     "Record",
@@ -39,7 +43,10 @@ __all__ = [
     "default_shm_dir",
     "entry_address",
     "free_bytes",
+    "is_our_name",
+    "make_name",
     "namespace_dir",
+    "parse_name",
     "self_owner",
     "sweep",
     "sweep_dead_once",

@@ -71,7 +71,7 @@ EXT_SCALAR: Final = 3
 EXT_TUPLE: Final = 4
 EXT_BIGINT: Final = 5
 EXT_PICKLE: Final = 6
-# Object markers: like the tuple marker, the first item of a msgpack array (docs/wire-format.md §4.7-4.9).
+# Object markers: like the tuple marker, the first item of a msgpack array (docs/wire-format.md §4.7-4.10).
 EXT_RECORD: Final = 7  # payload: type name; [marker, field map or list]
 EXT_CUSTOM: Final = 8  # payload: type name; [marker, value]
 EXT_SLICE: Final = 9  # empty payload; [marker, start, stop, step]

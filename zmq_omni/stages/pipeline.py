@@ -14,13 +14,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ..adapters import RetryPolicy
 from ..config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
-from ..config._fields import check_known_keys, import_callable, read_bool, read_float, read_mapping, read_str
+from ..config.fields import check_known_keys, import_callable, read_bool, read_float, read_mapping, read_str
 from ..config.pipeline import read_config_document
 from ..errors import ConfigError
-from ..transport._endpoints import check_endpoint, env_name
+from ..transport import check_endpoint, env_name
 from .keys import ENV_KEYS_DIR, KeyFile
-from .retry import RetryPolicy
 
 __all__ = [
     "ChunkFunction",

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..adapters import RetryPolicy
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
 from ..errors import format_seconds
 from ._link import ERROR_KEY, TRACE_KEY, _Endpoint
 from .pipeline import PipelineConfig, load_pipeline_config, name_stages
-from .retry import RetryPolicy
 
 __all__ = ["DriverEvent", "PipelineDriver"]
 
-logger = logging.getLogger("zmq_omni.adapters")
+logger = logging.getLogger("zmq_omni.stages")
 
 
 # -- the driver -----------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 Every reader raises :class:`~zmq_omni.errors.ConfigError` naming the key
 (with its dotted path) so a user can fix their YAML without reading code.
+Every room that builds a config from a dict (connectors, adapters, stages, and
+connectors of your own) reads its fields with these.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ received chunk::
     with StageWorker.from_pipeline("pipeline.yaml", "talker", fn=talker) as worker:
         worker.run()            # until worker.stop() (from a signal handler or another thread)
 
-The pipeline driver is :class:`~zmq_omni.adapters.driver.PipelineDriver`; the
-pipeline YAML model is in :mod:`zmq_omni.adapters.pipeline`.
+The pipeline driver is :class:`~zmq_omni.stages.driver.PipelineDriver`; the
+pipeline YAML model is in :mod:`zmq_omni.stages.pipeline`.
 """
 
 from __future__ import annotations
@@ -27,18 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..adapters import ChunkInputs, RetryPolicy, WarningBurst
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
 from ..errors import ConfigError
 from ._link import ERROR_KEY, TRACE_KEY, _Endpoint
-from .base import _WarningBurst
-from .chunk import ChunkInputs
 from .pipeline import ChunkFunction, PipelineConfig, load_pipeline_config, name_stages
-from .retry import RetryPolicy
 
 __all__ = ["StageWorker"]
 
-logger = logging.getLogger("zmq_omni.adapters")
+logger = logging.getLogger("zmq_omni.stages")
 
 
 # -- the stage worker -----------------------------------------------------------------------------------
@@ -108,7 +106,7 @@ class StageWorker:
         self._stop = threading.Event()
         self._closed = False
         # Run thread only (then close): a stopped downstream fails every request at once, one line per interval.
-        self._downstream_warnings = _WarningBurst()
+        self._downstream_warnings = WarningBurst()
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "refused": 0, "chunks_in": 0, "chunks_out": 0}
 

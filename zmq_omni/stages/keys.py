@@ -41,7 +41,7 @@ __all__ = [
     "write_key_files",
 ]
 
-logger = logging.getLogger("zmq_omni.adapters")
+logger = logging.getLogger("zmq_omni.stages")
 
 #: Overrides ``pipeline.keys_dir``: where the stages of a pipeline find their key files.
 ENV_KEYS_DIR = "ZMQ_OMNI_KEYS_DIR"

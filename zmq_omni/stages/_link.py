@@ -44,13 +44,12 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..adapters import ChunkManagerConfig, OmniChunkManager, RetryPolicy
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, TransferFailure, WakeupSource, bounded_timeout, create_connector
 from ..errors import TransportError
-from .chunk import ChunkManagerConfig, OmniChunkManager
-from .retry import RetryPolicy
 
-logger = logging.getLogger("zmq_omni.adapters")
+logger = logging.getLogger("zmq_omni.stages")
 
 ERROR_KEY = "_zo_error"
 TRACE_KEY = "_zo_trace"
