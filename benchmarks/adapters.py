@@ -42,8 +42,10 @@ def main() -> None:
     lat, raw = r.chunk_latency, r.raw_put_get
     print(f"  ratio chunk/raw latency          p50 {lat.p50 / raw.p50:.2f}x   p99 {lat.p99 / raw.p99:.2f}x")
     assert r.pending_cpu is not None and r.idle_cpu is not None
-    print(f"  recv worker CPU: 64 loads pending, no data {r.pending_cpu * 100:.2f}% of a core;"
-          f" idle {r.idle_cpu * 100:.3f}%")
+    print(
+        f"  recv worker CPU: 64 loads pending, no data {r.pending_cpu * 100:.2f}% of a core;"
+        f" idle {r.idle_cpu * 100:.3f}%"
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,10 @@ def threshold_sweep() -> None:
     print(f"{'array bytes':>12} {'inline':>10} {'own frame':>10} {'inline/own':>11}")
 
     def print_sweep(row: ThresholdRow) -> None:
-        print(f"{row.size:>12} {row.inline * 1e6:10.2f} {row.own_frame * 1e6:10.2f} "
-              f"{row.inline / row.own_frame:10.2f}x", flush=True)
+        print(
+            f"{row.size:>12} {row.inline * 1e6:10.2f} {row.own_frame * 1e6:10.2f} {row.inline / row.own_frame:10.2f}x",
+            flush=True,
+        )
 
     rows = run_threshold_sweep(budget_s=0.4, repeats=9, on_row=print_sweep)
     # The crossover is the smallest size from which the own frame wins at every larger size,

@@ -74,11 +74,17 @@ def step_codec() -> None:
         on_cpu = decode([bytes(f) for f in frames])
         on_gpu = decode(frames, device=resolve_device("cuda"))
         for name, t in tensors.items():
-            check(on_cpu[name].device.type == "cpu" and tensor_bytes(on_cpu[name]) == tensor_bytes(t)
-                  and on_cpu[name].shape == t.shape and on_cpu[name].dtype == t.dtype,
-                  f"codec {name} threshold={threshold} -> cpu")
-            check(on_gpu[name].device.type == "cuda" and tensor_bytes(on_gpu[name]) == tensor_bytes(t),
-                  f"codec {name} threshold={threshold} -> cuda")
+            check(
+                on_cpu[name].device.type == "cpu"
+                and tensor_bytes(on_cpu[name]) == tensor_bytes(t)
+                and on_cpu[name].shape == t.shape
+                and on_cpu[name].dtype == t.dtype,
+                f"codec {name} threshold={threshold} -> cpu",
+            )
+            check(
+                on_gpu[name].device.type == "cuda" and tensor_bytes(on_gpu[name]) == tensor_bytes(t),
+                f"codec {name} threshold={threshold} -> cuda",
+            )
 
 
 def step_pool() -> None:
@@ -101,11 +107,15 @@ def step_pool() -> None:
 
 
 def step_connector() -> None:
-    with tempfile.TemporaryDirectory(prefix="zo-", dir="/tmp") as tmp, \
-            tempfile.TemporaryDirectory(prefix="zc-", dir="/dev/shm") as shm:
+    with (
+        tempfile.TemporaryDirectory(prefix="zo-", dir="/tmp") as tmp,
+        tempfile.TemporaryDirectory(prefix="zc-", dir="/dev/shm") as shm,
+    ):
         base = {"endpoints": {"1": f"ipc://{tmp}/r1"}, "shm_dir": shm, "shm_min_free_bytes": 0}
-        with ZmqConnector({**base, "stage_id": "1", "role": "receiver", "decode_device": "cuda"}) as receiver, \
-                ZmqConnector({**base, "stage_id": "0", "role": "sender", "shm": "on"}) as sender:
+        with (
+            ZmqConnector({**base, "stage_id": "1", "role": "receiver", "decode_device": "cuda"}) as receiver,
+            ZmqConnector({**base, "stage_id": "0", "role": "sender", "shm": "on"}) as sender,
+        ):
             tensors = cases()
             ok, nbytes, _ = sender.put("0", "1", "k", {"tensors": tensors, "meta": ("r1", slice(0, 4))})
             check(ok, f"put of CUDA tensors ({nbytes} bytes)")
@@ -113,8 +123,11 @@ def step_connector() -> None:
             check(got is not None, f"get ({receiver.drain_failures()})")
             assert got is not None
             for name, t in tensors.items():
-                check(got[0]["tensors"][name].device.type == "cuda"
-                      and tensor_bytes(got[0]["tensors"][name]) == tensor_bytes(t), f"connector {name}")
+                check(
+                    got[0]["tensors"][name].device.type == "cuda"
+                    and tensor_bytes(got[0]["tensors"][name]) == tensor_bytes(t),
+                    f"connector {name}",
+                )
             check(got[0]["meta"] == ("r1", slice(0, 4)), "connector metadata")
             check(sender.health()["shm_puts"] >= 1, "the payload took shared memory")
 
@@ -146,8 +159,21 @@ def main() -> None:
     check(torch.cuda.is_available(), "torch sees a GPU")
     print(f"device: {torch.cuda.get_device_name(0)}")
     if not args.no_pytest:
-        rc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_wire_payloads.py", "-k", "cuda", "-v",
-                             "-p", "no:cacheprovider"], cwd=ROOT, check=False).returncode
+        rc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "tests/test_wire_payloads.py",
+                "-k",
+                "cuda",
+                "-v",
+                "-p",
+                "no:cacheprovider",
+            ],
+            cwd=ROOT,
+            check=False,
+        ).returncode
         check(rc == 0, "pytest -k cuda tests/test_wire_payloads.py")
     step_codec()
     step_pool()

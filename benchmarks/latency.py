@@ -36,10 +36,13 @@ def main() -> None:
     print(f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}; RTT in microseconds, one message in flight")
     for run in range(1, args.runs + 1):
         started = time.perf_counter()
-        print(f"\nrun {run}: {'transport':<9} {'size':>8} {'n':>6} {'raw p50':>8} {'raw p99':>8} "
-              f"{'omni p50':>9} {'omni p99':>9} {'p50 ratio':>9} {'p99 ratio':>9}")
-        run_latency(LATENCY_SIZES, transports=args.transport or ("ipc", "tcp"), count=args.count, shm=args.shm,
-                    on_row=_print)
+        print(
+            f"\nrun {run}: {'transport':<9} {'size':>8} {'n':>6} {'raw p50':>8} {'raw p99':>8} "
+            f"{'omni p50':>9} {'omni p99':>9} {'p50 ratio':>9} {'p99 ratio':>9}"
+        )
+        run_latency(
+            LATENCY_SIZES, transports=args.transport or ("ipc", "tcp"), count=args.count, shm=args.shm, on_row=_print
+        )
         print(f"({time.perf_counter() - started:.1f} s)")
 
 

@@ -32,9 +32,7 @@ class AuditedConnector(InProcConnector):
         super().__init__(config)
         self.per_edge: dict[str, int] = {}
 
-    def put(
-        self, from_stage: str, to_stage: str, put_key: str, data: Any
-    ) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         # vllm-omni's parameter names: its callers pass them by keyword.
         result = super().put(from_stage, to_stage, put_key, data)
         if result[0]:

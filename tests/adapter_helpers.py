@@ -32,9 +32,7 @@ class FlakyConnector(InProcConnector):
         self.gate = threading.Event()
         self.gate.set()
 
-    def put(
-        self, from_stage: str, to_stage: str, put_key: str, data: Any
-    ) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         key = put_key
         self.gate.wait(10)
         self.put_calls.append(key)
@@ -43,12 +41,14 @@ class FlakyConnector(InProcConnector):
             return False, 0, None
         if self.fail_puts.get(key, 0) > 0:
             self.fail_puts[key] -= 1
-            self._record_failure("put", from_stage, to_stage, key, "put timed out",
-                                 TransportTimeoutError("put timed out"))
+            self._record_failure(
+                "put", from_stage, to_stage, key, "put timed out", TransportTimeoutError("put timed out")
+            )
             return False, 0, None
         if key in self.lost:
-            self._record_failure("put", from_stage, to_stage, key, "delivery never confirmed",
-                                 TransportTimeoutError("no ack"))
+            self._record_failure(
+                "put", from_stage, to_stage, key, "delivery never confirmed", TransportTimeoutError("no ack")
+            )
             return True, 0, None
         return super().put(from_stage, to_stage, key, data)
 
@@ -66,8 +66,11 @@ def chunk_pair(
             ctor = FlakyConnector if flaky else InProcConnector
             conn = ctor({"namespace": namespace, "stage_id": str(stage)})
             connectors.append(conn)
-            managers.append(OmniChunkManager(
-                ChunkManagerConfig(stage_id=str(stage), retry=retry, stall_timeout_s=stall_timeout_s), conn))
+            managers.append(
+                OmniChunkManager(
+                    ChunkManagerConfig(stage_id=str(stage), retry=retry, stall_timeout_s=stall_timeout_s), conn
+                )
+            )
         yield managers, connectors
     finally:
         for manager in managers:

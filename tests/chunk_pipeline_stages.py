@@ -31,10 +31,19 @@ def _manager(stage: int, endpoints: dict[str, str], role: str, opts: dict[str, A
     from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, RetryPolicy
     from zmq_omni.connectors import create_connector
 
-    conn = create_connector({"name": "ZmqConnector", "extra": {
-        "stage_id": str(stage), "role": role, "endpoints": endpoints, "mode": "push",
-        "put_timeout_s": opts.get("put_timeout_s", 2.0), "delivery_timeout_s": opts.get("delivery_timeout_s", 5.0),
-    }})
+    conn = create_connector(
+        {
+            "name": "ZmqConnector",
+            "extra": {
+                "stage_id": str(stage),
+                "role": role,
+                "endpoints": endpoints,
+                "mode": "push",
+                "put_timeout_s": opts.get("put_timeout_s", 2.0),
+                "delivery_timeout_s": opts.get("delivery_timeout_s", 5.0),
+            },
+        }
+    )
     retry = RetryPolicy(attempts=3, deadline_s=opts.get("retry_deadline_s", 3.0), backoff_initial_s=0.05)
     cfg = ChunkManagerConfig(stage_id=str(stage), retry=retry, stall_timeout_s=opts.get("stall_timeout_s", 20.0))
     return OmniChunkManager(cfg, conn)
@@ -74,8 +83,11 @@ def stage0(endpoints: dict[str, str], n: int, out: str, opts: dict[str, Any]) ->
         for rid, reason in manager.collect_failed_send_request_ids().items():
             failed.setdefault(rid, reason)
             failed_at.setdefault(rid, time.time())
-    _finish(manager, out, {"finished": sorted(finished), "failed": failed, "failed_at": failed_at,
-                           "state": manager.pending_state()})
+    _finish(
+        manager,
+        out,
+        {"finished": sorted(finished), "failed": failed, "failed_at": failed_at, "state": manager.pending_state()},
+    )
 
 
 def stage1(endpoints: dict[str, str], n: int, out: str, opts: dict[str, Any], progress: Any = None) -> None:
@@ -108,8 +120,16 @@ def stage1(endpoints: dict[str, str], n: int, out: str, opts: dict[str, Any], pr
     end = time.monotonic() + 10
     while (manager.pending_state()["queued"] or manager.connector.health()["pending"]) and time.monotonic() < end:
         time.sleep(0.01)
-    _finish(manager, out, {"forwarded": forwarded, "cancelled": cancelled, "state": manager.pending_state(),
-                           "failed": manager.collect_failed_send_request_ids()})
+    _finish(
+        manager,
+        out,
+        {
+            "forwarded": forwarded,
+            "cancelled": cancelled,
+            "state": manager.pending_state(),
+            "failed": manager.collect_failed_send_request_ids(),
+        },
+    )
 
 
 def stage2(endpoints: dict[str, str], n: int, out: str, opts: dict[str, Any]) -> None:
@@ -143,5 +163,16 @@ def stage2(endpoints: dict[str, str], n: int, out: str, opts: dict[str, Any]) ->
             if inputs.is_final:
                 (cancelled if inputs.cancelled else done).append(rid)
                 scheduler.finish_request(rid)
-    _finish(manager, out, {"seqs": seqs, "bad": bad, "done": done, "cancelled": cancelled, "failed": failed,
-                           "failed_at": failed_at, "state": manager.pending_state()})
+    _finish(
+        manager,
+        out,
+        {
+            "seqs": seqs,
+            "bad": bad,
+            "done": done,
+            "cancelled": cancelled,
+            "failed": failed,
+            "failed_at": failed_at,
+            "state": manager.pending_state(),
+        },
+    )

@@ -119,8 +119,13 @@ def _fields_of(obj: Any) -> Any:
     if isinstance(obj, Tagged):
         return ["Tagged", obj.n, obj.label]
     if isinstance(obj, Meta):
-        return {"request_id": obj.request_id, "hidden": obj.hidden, "scale": obj.scale, "window": obj.window,
-                "inner": obj.inner}
+        return {
+            "request_id": obj.request_id,
+            "hidden": obj.hidden,
+            "scale": obj.scale,
+            "window": obj.window,
+            "inner": obj.inner,
+        }
     if isinstance(obj, Frozen):
         return {"a": obj.a, "b": obj.b}
     return obj

@@ -34,9 +34,21 @@ def test_seed_surface_is_present() -> None:
             assert hasattr(sender, name)
         assert isinstance(sender, OmniTransferAdapterBase)
         assert sender.recv_thread.is_alive() and sender.save_thread.is_alive()
-        for name in ("load", "load_async", "save", "save_async", "recv_loop", "save_loop", "get_finished_requests",
-                     "record_send_failure", "record_receive_failure", "collect_failed_send_request_ids",
-                     "collect_failed_receive_request_ids", "shutdown", "create_connector"):
+        for name in (
+            "load",
+            "load_async",
+            "save",
+            "save_async",
+            "recv_loop",
+            "save_loop",
+            "get_finished_requests",
+            "record_send_failure",
+            "record_receive_failure",
+            "collect_failed_send_request_ids",
+            "collect_failed_receive_request_ids",
+            "shutdown",
+            "create_connector",
+        ):
             assert callable(getattr(sender, name))
 
 
@@ -76,8 +88,9 @@ def test_retry_policy_gives_up_by_attempts_and_by_deadline() -> None:
     calls = 0
     started = time.monotonic()
     with pytest.raises(PeerGoneError):
-        RetryPolicy(attempts=1000, deadline_s=0.2, backoff_initial_s=0.05, backoff_max_s=0.05,
-                    jitter_s=0).retrying()(failing)
+        RetryPolicy(attempts=1000, deadline_s=0.2, backoff_initial_s=0.05, backoff_max_s=0.05, jitter_s=0).retrying()(
+            failing
+        )
     assert 2 <= calls < 1000
     assert time.monotonic() - started < 2
     calls = 0

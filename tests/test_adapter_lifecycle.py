@@ -130,8 +130,16 @@ def endpoint() -> Iterator[tuple[_Endpoint, FlakyConnector]]:
     namespace = f"link-{uuid.uuid4().hex}"
     inbound = InProcConnector({"namespace": namespace, "stage_id": "0"})
     outbound = FlakyConnector({"namespace": namespace, "stage_id": "0"})
-    link = _Endpoint(stage_id="0", upstream_stage_id="driver", downstream_stage_id="1", inbound=inbound,
-                     outbound=outbound, stall_timeout_s=5.0, retry=FAST_RETRY, label="test")
+    link = _Endpoint(
+        stage_id="0",
+        upstream_stage_id="driver",
+        downstream_stage_id="1",
+        inbound=inbound,
+        outbound=outbound,
+        stall_timeout_s=5.0,
+        retry=FAST_RETRY,
+        label="test",
+    )
     try:
         yield link, outbound
     finally:
@@ -389,8 +397,12 @@ def test_giving_up_a_receiving_stream_abandons_its_next_key_and_cleans_its_prefi
     conn0 = InProcConnector({"namespace": namespace, "stage_id": "0"})
     conn1 = RecordingConnector({"namespace": namespace, "stage_id": "1"})
     sender = _manager(conn0, "0")
-    receiver = _manager(conn1, "1", stall_timeout_s=0.3 if how == "stall" else 5.0,
-                        idle_state_timeout_s=0.3 if how == "expire" else 600.0)
+    receiver = _manager(
+        conn1,
+        "1",
+        stall_timeout_s=0.3 if how == "stall" else 5.0,
+        idle_state_timeout_s=0.3 if how == "expire" else 600.0,
+    )
     try:
         request = rid()
         receiver.load_async(request)
@@ -423,17 +435,22 @@ def test_giving_up_a_receiving_stream_abandons_its_next_key_and_cleans_its_prefi
         conn1.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "needs transport work (issue 13): the push receiver must keep a bounded tombstone per "
-    "cleanup/cleanup_prefix/abandon_get and drop a late arrival under it at once, acknowledging it as "
-    "disposed so the sender's window slot is freed (plus a TTL for unclaimed mailbox items)"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "needs transport work (issue 13): the push receiver must keep a bounded tombstone per "
+        "cleanup/cleanup_prefix/abandon_get and drop a late arrival under it at once, acknowledging it as "
+        "disposed so the sender's window slot is freed (plus a TTL for unclaimed mailbox items)"
+    ),
+)
 def test_fifty_cancelled_streams_do_not_fill_a_window_of_fifty(short_tmp: Path) -> None:
     endpoint = f"ipc://{short_tmp}/edge.sock"
     common = {"endpoints": {"1": endpoint}, "shm": "off", "heartbeat_s": 0.2}
     once = RetryPolicy(attempts=1, deadline_s=5.0)
-    with ZmqConnector({"stage_id": "1", "role": "receiver", **common}) as rconn, \
-            ZmqConnector({"stage_id": "0", "role": "sender", "max_unacked": 50, "put_timeout_s": 1.0,
-                          **common}) as sconn:
+    with (
+        ZmqConnector({"stage_id": "1", "role": "receiver", **common}) as rconn,
+        ZmqConnector({"stage_id": "0", "role": "sender", "max_unacked": 50, "put_timeout_s": 1.0, **common}) as sconn,
+    ):
         sender = OmniChunkManager(ChunkManagerConfig(stage_id="0", retry=once), sconn)
         receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", retry=once), rconn)
         try:
@@ -448,8 +465,9 @@ def test_fifty_cancelled_streams_do_not_fill_a_window_of_fifty(short_tmp: Path) 
             for i in range(10):
                 request = f"live-{i}"
                 receiver.load_async(request)
-                assert sender.save(request, {"x": np.full(8, i)}, timeout_s=10.0), \
+                assert sender.save(request, {"x": np.full(8, i)}, timeout_s=10.0), (
                     sender.collect_failed_send_request_ids()
+                )
                 inputs = receiver.load(request, timeout_s=5.0)
                 assert inputs is not None and inputs.is_final
         finally:
@@ -463,8 +481,16 @@ def test_a_restarted_downstream_finds_announcements_far_past_the_look_ahead_wind
     conns = [InProcConnector({"namespace": namespace, "stage_id": sid}) for sid in ("0", "0", "1", "1", "1", "1")]
 
     def link(stage: str, up: str, down: str, inbound: InProcConnector, outbound: InProcConnector) -> _Endpoint:
-        return _Endpoint(stage_id=stage, upstream_stage_id=up, downstream_stage_id=down, inbound=inbound,
-                         outbound=outbound, stall_timeout_s=5.0, retry=FAST_RETRY, label="test")
+        return _Endpoint(
+            stage_id=stage,
+            upstream_stage_id=up,
+            downstream_stage_id=down,
+            inbound=inbound,
+            outbound=outbound,
+            stall_timeout_s=5.0,
+            retry=FAST_RETRY,
+            label="test",
+        )
 
     def admitted(endpoint: _Endpoint, count: int) -> list[str]:
         got: list[str] = []

@@ -162,8 +162,11 @@ async def test_5000_concurrent_gets_across_processes_exact_and_threadless(short_
         assert sent["bad"] == [] and sent["failures"] == [], sent
     missing = [i for i, got in enumerate(results) if got is None]
     assert missing == []
-    wrong = [i for i, (got, size) in enumerate(zip(results, sizes(n), strict=True))
-             if got is None or digest(got[0]) != expected_digest(size, i)]
+    wrong = [
+        i
+        for i, (got, size) in enumerate(zip(results, sizes(n), strict=True))
+        if got is None or digest(got[0]) != expected_digest(size, i)
+    ]
     assert wrong == []
     # Every get waited at once, and they cost no thread: the count is what it was with none waiting.
     assert threads_during == threads_before

@@ -29,14 +29,29 @@ def test_the_base_install_runs_stage_and_drive_from_yaml(tmp_path: Path) -> None
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python, cli = venv / "bin" / "python", venv / "bin" / "zmq-omni"
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                              str(ROOT)], capture_output=True, text=True, timeout=600, check=False)
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     # The base install only: PyYAML came with it, no extra did.
-    probe = subprocess.run([str(python), "-c", "import importlib.util as u; import yaml, zmq_omni; "
-                            "print([m for m in ('torch', 'prometheus_client', 'matplotlib', 'pytest') "
-                            "if u.find_spec(m)], zmq_omni.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=60, check=False)
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u; import yaml, zmq_omni; "
+            "print([m for m in ('torch', 'prometheus_client', 'matplotlib', 'pytest') "
+            "if u.find_spec(m)], zmq_omni.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
     assert probe.returncode == 0, probe.stderr
     extras, where = probe.stdout.rsplit("] ", 1)
     assert extras == "[", probe.stdout  # nothing optional installed
@@ -53,12 +68,36 @@ def test_the_base_install_runs_stage_and_drive_from_yaml(tmp_path: Path) -> None
     try:
         for name in STAGES:
             with open(logs[name], "w", encoding="utf-8") as log:
-                procs[name] = subprocess.Popen([str(cli), "stage", "--config", str(config), "--stage", name],
-                                               cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               text=True)
-        drive = subprocess.run([str(cli), "drive", "--config", str(config), "--requests", "2", "--chunks", "2",
-                                "--payload-size", "32768", "--out", str(tmp_path / "wavs")],
-                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+                procs[name] = subprocess.Popen(
+                    [str(cli), "stage", "--config", str(config), "--stage", name],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+        drive = subprocess.run(
+            [
+                str(cli),
+                "drive",
+                "--config",
+                str(config),
+                "--requests",
+                "2",
+                "--chunks",
+                "2",
+                "--payload-size",
+                "32768",
+                "--out",
+                str(tmp_path / "wavs"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     finally:
         for proc in procs.values():
             if proc.poll() is None:

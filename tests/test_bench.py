@@ -26,9 +26,16 @@ def test_bench_quick_prints_one_table_with_a_row_per_grid(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "benchmark" in out and "baseline name" in out and "ratio" in out
-    for row in ("wire codec encode+decode", "ZmqConnector ipc shm=off", "ZmqConnector ipc rate",
-                "ZmqConnector ipc RTT p50", "ZmqConnector ipc RTT p99",
-                "shm fast path", "save_async scheduler hold", "chunk save_async->assembled"):
+    for row in (
+        "wire codec encode+decode",
+        "ZmqConnector ipc shm=off",
+        "ZmqConnector ipc rate",
+        "ZmqConnector ipc RTT p50",
+        "ZmqConnector ipc RTT p99",
+        "shm fast path",
+        "save_async scheduler hold",
+        "chunk save_async->assembled",
+    ):
         assert row in out, row
     assert "total time" in out
     if importlib.util.find_spec("matplotlib") is None:
@@ -84,10 +91,15 @@ def test_the_plot_shows_what_a_user_compares_and_leaves_zero_copy_against_copy_t
         Comparison("codec", "wire codec encode+decode", "64 MiB", 1e-5, 0.29, "msgpack, array copied"),
         Comparison("codec", "wire codec encode+decode", "64 MiB", 1e-5, 0.011, "one memcpy of the array"),
         Comparison("codec", "wire codec encode+decode", "192 B dict", 9e-6, 7e-6, "msgpack packb+unpackb"),
-        Comparison("transport", "ZmqConnector ipc shm=off", "1 MiB", 3e9, 3e9, "raw pyzmq PUSH/PULL copy=False",
-                   "B/s"),
-        Comparison("shm", "shm fast path (ZmqConnector ipc)", "64 MiB", 0.013, 0.24,
-                   "vllm-omni style: pickle+CRC framing+new segment"),
+        Comparison("transport", "ZmqConnector ipc shm=off", "1 MiB", 3e9, 3e9, "raw pyzmq PUSH/PULL copy=False", "B/s"),
+        Comparison(
+            "shm",
+            "shm fast path (ZmqConnector ipc)",
+            "64 MiB",
+            0.013,
+            0.24,
+            "vllm-omni style: pickle+CRC framing+new segment",
+        ),
         Comparison("shm", "shm fast path (ZmqConnector ipc)", "64 MiB", 0.013, 0.098, "raw pyzmq tcp copy=False"),
         Comparison("shm", "shm fast path (ZmqConnector ipc)", "64 MiB", 0.013, 0.014, "one memcpy of the payload"),
         Comparison("adapters", "save_async scheduler hold", "p50", 1e-5, 4e-5, "synchronous ZmqConnector put"),
@@ -106,8 +118,9 @@ def test_the_plot_shows_what_a_user_compares_and_leaves_zero_copy_against_copy_t
 
 
 def test_a_bad_plot_path_fails_before_the_benchmark_runs(tmp_path: Path) -> None:
-    result = _run(sys.executable, "-m", "zmq_omni.cli", "bench", "--plot", str(tmp_path / "missing" / "x.png"),
-                  timeout=30)
+    result = _run(
+        sys.executable, "-m", "zmq_omni.cli", "bench", "--plot", str(tmp_path / "missing" / "x.png"), timeout=30
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"zmq-omni bench: configuration error: --plot {tmp_path / 'missing' / 'x.png'}: no such directory "

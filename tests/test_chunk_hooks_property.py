@@ -15,7 +15,10 @@ from zmq_omni.connectors.inproc import InProcConnector
 # One step of a scheduler: (chunks to deliver, #waiting to admit, #running to preempt,
 # #running to finish, #new arrivals).
 step_strategy = st.tuples(
-    st.lists(st.integers(0, 40), max_size=6), st.integers(0, 4), st.integers(0, 2), st.integers(0, 2),
+    st.lists(st.integers(0, 40), max_size=6),
+    st.integers(0, 4),
+    st.integers(0, 2),
+    st.integers(0, 2),
     st.integers(0, 3),
 )
 
@@ -32,8 +35,9 @@ def test_hooks_keep_queues_intact_and_ordered(initial: int, steps: list[tuple[li
             manager.shutdown()
 
 
-def run_steps(manager: OmniChunkManager, conn: InProcConnector, initial: int,
-              steps: list[tuple[list[int], int, int, int, int]]) -> None:
+def run_steps(
+    manager: OmniChunkManager, conn: InProcConnector, initial: int, steps: list[tuple[list[int], int, int, int, int]]
+) -> None:
     waiting: deque[StepRequest] = deque()
     running: deque[StepRequest] = deque()
     sent: dict[str, int] = {}
@@ -56,8 +60,9 @@ def run_steps(manager: OmniChunkManager, conn: InProcConnector, initial: int,
                 target = everyone[pick % len(everyone)]
                 n = sent.get(target, 0)
                 sent[target] = n + 1
-                conn.put("0", "1", f"{target}_0_{n}", {"meta": {"chunk_id": n, "final": False},
-                                                         "data": {"x": np.array([n])}})
+                conn.put(
+                    "0", "1", f"{target}_0_{n}", {"meta": {"chunk_id": n, "final": False}, "data": {"x": np.array([n])}}
+                )
         before = {"waiting": [r.request_id for r in waiting], "running": [r.request_id for r in running]}
         manager.process_pending_chunks(waiting, running)
         window = [r.request_id for r in (*waiting, *running)]

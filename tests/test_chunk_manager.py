@@ -144,8 +144,13 @@ def test_cancel_mid_stream_cleans_both_sides_and_tells_downstream() -> None:
         assert rest[-1].is_final and rest[-1].cancelled
         assert [int(v) for g in first + rest for v in g.data.get("x", [])] == [0, 1, 2]
         assert f"{request}_0_3" in conn0.put_calls and f"{request}_0_4" not in conn0.put_calls
-        assert wait_until(lambda: sender.pending_state() == receiver.pending_state()
-                          == {"sending": 0, "receiving": 0, "queued": 0, "parked": 0})
+        assert wait_until(
+            lambda: (
+                sender.pending_state()
+                == receiver.pending_state()
+                == {"sending": 0, "receiving": 0, "queued": 0, "parked": 0}
+            )
+        )
         assert conn1.health()["pending"] == 0
         assert sender.collect_failed_send_request_ids() == {}
 

@@ -47,8 +47,11 @@ def test_three_stage_stream_loses_and_duplicates_nothing(short_tmp: Path) -> Non
     eps = endpoints(short_tmp)
     outs = [short_tmp / f"out{i}.json" for i in range(3)]
     opts: dict[str, Any] = {}
-    procs = [start(stage2, eps["2"], N, str(outs[2]), opts), start(stage1, eps["1"], N, str(outs[1]), opts),
-             start(stage0, eps["0"], N, str(outs[0]), opts)]
+    procs = [
+        start(stage2, eps["2"], N, str(outs[2]), opts),
+        start(stage1, eps["1"], N, str(outs[1]), opts),
+        start(stage0, eps["0"], N, str(outs[0]), opts),
+    ]
     try:
         for proc in procs:
             proc.join(100)
@@ -75,12 +78,21 @@ def test_killing_the_middle_stage_fails_requests_on_both_sides(short_tmp: Path) 
     eps = endpoints(short_tmp)
     outs = [short_tmp / f"out{i}.json" for i in range(3)]
     stall = 2.0
-    opts: dict[str, Any] = {"pace_s": 0.05, "put_timeout_s": 0.5, "delivery_timeout_s": 2.0,
-                            "retry_deadline_s": 1.0, "stall_timeout_s": stall, "drain_s": 30, "run_s": 40}
+    opts: dict[str, Any] = {
+        "pace_s": 0.05,
+        "put_timeout_s": 0.5,
+        "delivery_timeout_s": 2.0,
+        "retry_deadline_s": 1.0,
+        "stall_timeout_s": stall,
+        "drain_s": 30,
+        "run_s": 40,
+    }
     progress = mp.get_context("spawn").Event()
-    procs = [start(stage2, eps["2"], N, str(outs[2]), opts),
-             start(stage1, eps["1"], N, str(outs[1]), opts, progress),
-             start(stage0, eps["0"], N, str(outs[0]), opts)]
+    procs = [
+        start(stage2, eps["2"], N, str(outs[2]), opts),
+        start(stage1, eps["1"], N, str(outs[1]), opts, progress),
+        start(stage0, eps["0"], N, str(outs[0]), opts),
+    ]
     try:
         assert progress.wait(60), "stage 1 never got going"
         pid = procs[1].pid

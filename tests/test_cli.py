@@ -37,19 +37,43 @@ def write_pipeline(path: Path, *, stall: float = 5.0, request_timeout: float = 3
             "request_timeout_s": request_timeout,
             "retry": {"attempts": 2, "deadline_s": 1.0},
             "driver": {"stage_id": "driver", "endpoint": endpoints["driver"]},
-            "stages": [{"name": name, "stage_id": sid, "function": f"zmq_omni.cli.demo_stages:{name}",
-                        "endpoint": endpoints[name]} for name, sid in STAGES],
+            "stages": [
+                {
+                    "name": name,
+                    "stage_id": sid,
+                    "function": f"zmq_omni.cli.demo_stages:{name}",
+                    "endpoint": endpoints[name],
+                }
+                for name, sid in STAGES
+            ],
         },
         "stage_args": [
-            {"stage_id": 0, "input_connectors": {"from_stage_driver": "tcp"},
-             "output_connectors": {"to_stage_1": "tcp"}},
+            {
+                "stage_id": 0,
+                "input_connectors": {"from_stage_driver": "tcp"},
+                "output_connectors": {"to_stage_1": "tcp"},
+            },
             {"stage_id": 1, "input_connectors": {"from_stage_0": "tcp"}, "output_connectors": {"to_stage_2": "tcp"}},
-            {"stage_id": 2, "input_connectors": {"from_stage_1": "tcp"},
-             "output_connectors": {"to_stage_driver": "tcp"}},
+            {
+                "stage_id": 2,
+                "input_connectors": {"from_stage_1": "tcp"},
+                "output_connectors": {"to_stage_driver": "tcp"},
+            },
         ],
-        "runtime": {"connectors": {"tcp": {"name": "ZmqConnector",
-                                           "extra": {"shm": "off", "put_timeout_s": 2.0, "delivery_timeout_s": 3.0,
-                                                     "peer_timeout_s": 1.0, "heartbeat_s": 0.2}}}},
+        "runtime": {
+            "connectors": {
+                "tcp": {
+                    "name": "ZmqConnector",
+                    "extra": {
+                        "shm": "off",
+                        "put_timeout_s": 2.0,
+                        "delivery_timeout_s": 3.0,
+                        "peer_timeout_s": 1.0,
+                        "heartbeat_s": 0.2,
+                    },
+                }
+            }
+        },
     }
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
     return endpoints
@@ -65,8 +89,12 @@ class StageProcs:
             self.logs[name] = config.parent / f"{name}.log"
             with open(self.logs[name], "w", encoding="utf-8") as log:
                 self.procs[name] = subprocess.Popen(
-                    [*CLI, "stage", "--config", str(config), "--stage", name], stdout=log,
-                    stderr=subprocess.STDOUT, text=True, env=_env())
+                    [*CLI, "stage", "--config", str(config), "--stage", name],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=_env(),
+                )
 
     def output(self, name: str) -> str:
         try:
@@ -108,17 +136,29 @@ def test_help_on_every_subcommand() -> None:
         assert f"usage: zmq-omni {command}" in result.stdout
 
 
-def test_pipeline_from_yaml_three_stage_processes_over_tcp(
-    short_tmp: Path, stage_procs: list[StageProcs]
-) -> None:
+def test_pipeline_from_yaml_three_stage_processes_over_tcp(short_tmp: Path, stage_procs: list[StageProcs]) -> None:
     config = short_tmp / "pipeline.yaml"
     endpoints = write_pipeline(config)
     procs = StageProcs(config, ["thinker", "talker", "vocoder"])
     stage_procs.append(procs)
 
     out = short_tmp / "out"
-    drive = run_cli("drive", "--config", str(config), "--requests", "3", "--chunks", "4", "--payload-size", "32768",
-                    "--out", str(out), "--wait-ready", "30", timeout=90)
+    drive = run_cli(
+        "drive",
+        "--config",
+        str(config),
+        "--requests",
+        "3",
+        "--chunks",
+        "4",
+        "--payload-size",
+        "32768",
+        "--out",
+        str(out),
+        "--wait-ready",
+        "30",
+        timeout=90,
+    )
     assert drive.returncode == 0, drive.stdout + drive.stderr
     for i in range(3):
         assert f"req-{i:03d} completed: " in drive.stdout
@@ -139,16 +179,26 @@ def test_pipeline_from_yaml_three_stage_processes_over_tcp(
         assert "Traceback" not in err
 
 
-def test_driver_reports_failed_requests_when_a_stage_is_down(
-    short_tmp: Path, stage_procs: list[StageProcs]
-) -> None:
+def test_driver_reports_failed_requests_when_a_stage_is_down(short_tmp: Path, stage_procs: list[StageProcs]) -> None:
     config = short_tmp / "pipeline.yaml"
     # request_timeout far away: only the driver's first-output bound (stall x hops = 4 s) can end this quickly
     write_pipeline(config, stall=1.0, request_timeout=50.0)
     stage_procs.append(StageProcs(config, ["thinker", "vocoder"]))  # the talker never comes
     started = time.monotonic()
-    drive = run_cli("drive", "--config", str(config), "--requests", "2", "--chunks", "2", "--payload-size", "16384",
-                    "--wait-ready", "0", timeout=60)
+    drive = run_cli(
+        "drive",
+        "--config",
+        str(config),
+        "--requests",
+        "2",
+        "--chunks",
+        "2",
+        "--payload-size",
+        "16384",
+        "--wait-ready",
+        "0",
+        timeout=60,
+    )
     assert drive.returncode == 1, drive.stdout + drive.stderr
     assert "req-000 FAILED: " in drive.stdout and "req-001 FAILED: " in drive.stdout
     # Named as the YAML names it, with a duration a person reads (stall 1 s x 4 hops).
@@ -169,11 +219,15 @@ def test_health_against_nothing_exits_1_with_one_line() -> None:
     [
         (None, "cannot read pipeline config"),
         ("pipeline: {stages: [{name: a, stage_id: 0}]}\n", "pipeline.stages[0].function"),
-        ("pipeline: {stages: [{name: a, stage_id: 0, function: 'x:y', colour: red}]}\n",
-         "unknown config key 'pipeline.stages[0].colour'"),
+        (
+            "pipeline: {stages: [{name: a, stage_id: 0, function: 'x:y', colour: red}]}\n",
+            "unknown config key 'pipeline.stages[0].colour'",
+        ),
         ("pipeline: [unclosed\n", "invalid YAML"),
-        ("pipeline: {stages: [{name: a, stage_id: 0, function: 'no.such.module:f', endpoint: 'tcp://127.0.0.1:1'}]}\n",
-         "cannot import 'no.such.module'"),
+        (
+            "pipeline: {stages: [{name: a, stage_id: 0, function: 'no.such.module:f', endpoint: 'tcp://127.0.0.1:1'}]}\n",
+            "cannot import 'no.such.module'",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_line(short_tmp: Path, content: str | None, needle: str) -> None:
@@ -201,8 +255,14 @@ def test_unknown_stage_name_is_one_line(short_tmp: Path) -> None:
 
 
 def test_shm_sweep_dry_run(short_tmp: Path) -> None:
-    result = subprocess.run([*CLI, "shm-sweep", "--dry-run"], capture_output=True, text=True, timeout=30,
-                            env={**_env(), "ZMQ_OMNI_SHM_DIR": str(short_tmp)}, check=False)
+    result = subprocess.run(
+        [*CLI, "shm-sweep", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**_env(), "ZMQ_OMNI_SHM_DIR": str(short_tmp)},
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert "shm-sweep: would remove 0 objects" in result.stdout
 
@@ -227,8 +287,13 @@ def test_stage_serves_prometheus_metrics(short_tmp: Path) -> None:
     config = short_tmp / "pipeline.yaml"
     write_pipeline(config)
     # Port 0: the stage binds a free port itself and prints it, so no other process can take it first.
-    proc = subprocess.Popen([*CLI, "stage", "--config", str(config), "--stage", "talker", "--metrics-port", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        [*CLI, "stage", "--config", str(config), "--stage", "talker", "--metrics-port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     err = ""
     try:
         assert proc.stderr is not None

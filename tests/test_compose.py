@@ -83,11 +83,19 @@ class Compose:
     def command(self, *args: str) -> list[str]:
         return ["docker-compose", "-f", str(COMPOSE_FILE), "-p", self.project, *args]
 
-    def run(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
-            check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(self.command(*args), cwd=REPO, env={**self.env, **(env or {})},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                timeout=timeout, check=False)
+    def run(
+        self, *args: str, timeout: float = 120, env: dict[str, str] | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            self.command(*args),
+            cwd=REPO,
+            env={**self.env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if check and result.returncode != 0:
             pytest.fail(f"docker-compose {' '.join(args)} exited {result.returncode}:\n{_tail(result.stdout)}")
         return result
@@ -95,16 +103,33 @@ class Compose:
     def container(self, service: str) -> str:
         """The id of the service's (non one-off) container, running or not."""
         out = subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}",
-             "--filter", f"label=com.docker.compose.service={service}",
-             "--filter", "label=com.docker.compose.oneoff=False"],
-            capture_output=True, text=True, timeout=30, check=True).stdout.split()
+            [
+                "docker",
+                "ps",
+                "-aq",
+                "--filter",
+                f"label=com.docker.compose.project={self.project}",
+                "--filter",
+                f"label=com.docker.compose.service={service}",
+                "--filter",
+                "label=com.docker.compose.oneoff=False",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split()
         assert len(out) == 1, f"expected one {service} container, found {out}"
         return out[0]
 
     def state(self, service: str, field: str) -> str:
-        return subprocess.run(["docker", "inspect", "-f", f"{{{{{field}}}}}", self.container(service)],
-                              capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        return subprocess.run(
+            ["docker", "inspect", "-f", f"{{{{{field}}}}}", self.container(service)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
 
     def logs(self, *services: str) -> str:
         return self.run("logs", "--no-color", "--tail", "25", *services, check=False, timeout=60).stdout
@@ -158,8 +183,15 @@ def compose() -> Iterator[Compose]:
             pytest.fail(f"CI=true: {message}", pytrace=False)
         pytest.skip(message)
     try:
-        build = subprocess.run([str(BUILD_SCRIPT)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        build = subprocess.run(
+            [str(BUILD_SCRIPT)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"docker/build-images.sh took over {BUILD_TIMEOUT_S}s")
     if build.returncode != 0:
@@ -175,9 +207,15 @@ def compose() -> Iterator[Compose]:
 
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 300)
 def test_compose_up_completes_every_request(compose: Compose, tmp_path: Path) -> None:
-    result = compose.run("up", "--abort-on-container-exit", "--exit-code-from", "driver", timeout=300,
-                         env={"ZMQ_OMNI_REQUESTS": "4", "ZMQ_OMNI_CHUNKS": "64", "ZMQ_OMNI_PAYLOAD_SIZE": "65536"},
-                         check=False)
+    result = compose.run(
+        "up",
+        "--abort-on-container-exit",
+        "--exit-code-from",
+        "driver",
+        timeout=300,
+        env={"ZMQ_OMNI_REQUESTS": "4", "ZMQ_OMNI_CHUNKS": "64", "ZMQ_OMNI_PAYLOAD_SIZE": "65536"},
+        check=False,
+    )
     out = result.stdout
     assert result.returncode == 0, f"driver exited {result.returncode}:\n{_tail(out, 60)}\n{compose.logs(*STAGES)}"
     completed = sorted(set(re.findall(r"\b(req-\d{3}) completed: ", out)))
@@ -189,8 +227,13 @@ def test_compose_up_completes_every_request(compose: Compose, tmp_path: Path) ->
     for service in STAGES:
         compose.assert_stopped_cleanly(service)
 
-    copied = subprocess.run(["docker", "cp", f"{compose.container('driver')}:/data/out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=60, check=False)
+    copied = subprocess.run(
+        ["docker", "cp", f"{compose.container('driver')}:/data/out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert copied.returncode == 0, copied.stderr
     wavs = sorted((tmp_path / "out").glob("*.wav"))
     assert [p.name for p in wavs] == [f"req-{i:03d}.wav" for i in range(4)]
@@ -214,14 +257,34 @@ def test_stopped_stage_fails_requests_at_driver(compose: Compose) -> None:
     compose.run("up", "-d", *STAGES, timeout=180)
     compose.wait_healthy(STAGES, timeout_s=90)
     drive = compose.command(
-        "run", "--rm", "-T", "--use-aliases", "--no-deps", "driver",
-        "zmq-omni", "drive", "--config", "/cfg/pipeline.yaml", "--requests", "4", "--chunks", str(CUT_CHUNKS),
-        "--payload-size", "65536", "--wait-ready", "60", "--timeout", str(CUT_TIMEOUT_S), "--prefix", "cut",
+        "run",
+        "--rm",
+        "-T",
+        "--use-aliases",
+        "--no-deps",
+        "driver",
+        "zmq-omni",
+        "drive",
+        "--config",
+        "/cfg/pipeline.yaml",
+        "--requests",
+        "4",
+        "--chunks",
+        str(CUT_CHUNKS),
+        "--payload-size",
+        "65536",
+        "--wait-ready",
+        "60",
+        "--timeout",
+        str(CUT_TIMEOUT_S),
+        "--prefix",
+        "cut",
     )
     lines: list[str] = []
     progress: queue.Queue[str] = queue.Queue()
-    with subprocess.Popen(drive, cwd=REPO, env=compose.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as proc:
+    with subprocess.Popen(
+        drive, cwd=REPO, env=compose.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
         assert proc.stdout is not None
         reader = threading.Thread(target=_pump, args=(proc.stdout, lines, progress), daemon=True)
         reader.start()
@@ -310,16 +373,49 @@ def test_intruder_on_the_network_gets_nothing_in_or_out(compose: Compose) -> Non
     compose.run("up", "-d", "--force-recreate", *STAGES, timeout=180)
     compose.wait_healthy(STAGES, timeout_s=90)  # the healthchecks authenticate with health.keys
     drive = compose.command(
-        "run", "--rm", "-T", "--use-aliases", "--no-deps", "driver",
-        "zmq-omni", "drive", "--config", "/cfg/pipeline.yaml", "--requests", "4", "--chunks", "3000",
-        "--payload-size", "65536", "--wait-ready", "60", "--timeout", "150", "--prefix", "sec",
+        "run",
+        "--rm",
+        "-T",
+        "--use-aliases",
+        "--no-deps",
+        "driver",
+        "zmq-omni",
+        "drive",
+        "--config",
+        "/cfg/pipeline.yaml",
+        "--requests",
+        "4",
+        "--chunks",
+        "3000",
+        "--payload-size",
+        "65536",
+        "--wait-ready",
+        "60",
+        "--timeout",
+        "150",
+        "--prefix",
+        "sec",
     )
     # The intruder and the driver run side by side: the attack must not disturb the real stream.
-    intruder_cmd = ["docker", "run", "--rm", "--network", f"{compose.project}_default", compose.image,
-                    "python", "-c", _INTRUDER, "tcp://thinker:5561", thinker_pub]
-    with subprocess.Popen(intruder_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as attack, \
-            subprocess.Popen(drive, cwd=REPO, env=compose.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True) as proc:
+    intruder_cmd = [
+        "docker",
+        "run",
+        "--rm",
+        "--network",
+        f"{compose.project}_default",
+        compose.image,
+        "python",
+        "-c",
+        _INTRUDER,
+        "tcp://thinker:5561",
+        thinker_pub,
+    ]
+    with (
+        subprocess.Popen(intruder_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as attack,
+        subprocess.Popen(
+            drive, cwd=REPO, env=compose.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc,
+    ):
         try:
             attack_out, attack_err = attack.communicate(timeout=180)
             out, _ = proc.communicate(timeout=240)
@@ -342,10 +438,21 @@ def test_intruder_on_the_network_gets_nothing_in_or_out(compose: Compose) -> Non
     assert completed == [f"sec-{i:03d}" for i in range(4)], _tail(out, 60)
     assert "FAILED" not in out, _tail(out, 60)
 
-    health = compose.run("exec", "-T", "thinker", "zmq-omni", "health", "--config", "/cfg/pipeline.yaml",
-                         "--stage", "thinker", timeout=60)
+    health = compose.run(
+        "exec",
+        "-T",
+        "thinker",
+        "zmq-omni",
+        "health",
+        "--config",
+        "/cfg/pipeline.yaml",
+        "--stage",
+        "thinker",
+        timeout=60,
+    )
     stats = json.loads(health.stdout.strip().splitlines()[-1])
     assert stats["curve_refused"] >= 6, stats  # three senders and three probes, each refused at least once
-    anonymous = compose.run("exec", "-T", "thinker", "zmq-omni", "health", "--endpoint", "tcp://127.0.0.1:5561",
-                            check=False, timeout=60)
+    anonymous = compose.run(
+        "exec", "-T", "thinker", "zmq-omni", "health", "--endpoint", "tcp://127.0.0.1:5561", check=False, timeout=60
+    )
     assert anonymous.returncode == 1 and "requires authentication" in anonymous.stdout, anonymous.stdout

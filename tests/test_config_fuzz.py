@@ -36,7 +36,11 @@ ZMQ_KEYS = [
 WORDS = ["push", "pull", "sender", "receiver", "dual", "auto", "on", "off", "0", "1", "tcp://127.0.0.1:0", "ipc:///x"]
 values = st.recursive(
     st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=30),
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(),
+        st.text(max_size=30),
         st.sampled_from(WORDS),
     ),
     lambda inner: st.one_of(

@@ -59,9 +59,25 @@ def test_demo_completes_every_request_and_writes_valid_wavs(short_tmp: Path, tra
     out = short_tmp / "wavs"
     chunks, payload = 3, 32 * 1024
     result = subprocess.run(
-        [*CLI, "demo", "--requests", "3", "--chunks", str(chunks), "--payload-size", str(payload), "--out", str(out),
-         "--transport", transport],
-        capture_output=True, text=True, timeout=100, env=_env(), check=False,
+        [
+            *CLI,
+            "demo",
+            "--requests",
+            "3",
+            "--chunks",
+            str(chunks),
+            "--payload-size",
+            str(payload),
+            "--out",
+            str(out),
+            "--transport",
+            transport,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=_env(),
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 / 3 completed" in result.stdout
@@ -88,7 +104,10 @@ def test_demo_completes_every_request_and_writes_valid_wavs(short_tmp: Path, tra
 def _start_long_demo(out: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*CLI, "demo", "--requests", "4", "--chunks", "5000", "--payload-size", "65536", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
     )
 
 

@@ -19,26 +19,31 @@ FAST = RetryPolicy(attempts=2, deadline_s=0.5, backoff_initial_s=0.01, jitter_s=
 def full_cache(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     # vLLM layout: (2, num_blocks, block_size, num_kv_heads, head_size); bit patterns incl. NaN payloads.
-    return {f"layer.{i}": rng.integers(0, 2**16, size=(2, 3, 4, HEADS, 5), dtype=np.uint16).view(np.float16)
-            for i in range(LAYERS)}
+    return {
+        f"layer.{i}": rng.integers(0, 2**16, size=(2, 3, 4, HEADS, 5), dtype=np.uint16).view(np.float16)
+        for i in range(LAYERS)
+    }
 
 
 def shard(cache: dict[str, np.ndarray], rank: int, tp: int) -> dict[str, np.ndarray]:
     per = HEADS // tp
-    return {name: np.ascontiguousarray(arr[..., rank * per:(rank + 1) * per, :]) for name, arr in cache.items()}
+    return {name: np.ascontiguousarray(arr[..., rank * per : (rank + 1) * per, :]) for name, arr in cache.items()}
 
 
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (2, 4), (4, 2), (1, 1)])
 def test_tp_round_trip_is_bit_exact(src_tp: int, dst_tp: int) -> None:
     namespace = uuid.uuid4().hex
-    cfg = KVTransferConfig(from_stage="0", to_stage="1", src_tp_size=src_tp, dst_tp_size=dst_tp, retry=FAST,
-                           recv_timeout_s=5)
+    cfg = KVTransferConfig(
+        from_stage="0", to_stage="1", src_tp_size=src_tp, dst_tp_size=dst_tp, retry=FAST, recv_timeout_s=5
+    )
     cache = full_cache(src_tp * 10 + dst_tp)
     with InProcConnector({"namespace": namespace}) as conn:
         senders = [KVTransferManager(cfg, conn, rank=r) for r in range(src_tp)]
         receivers = [KVTransferManager(cfg, conn, rank=d) for d in range(dst_tp)]
-        threads = [threading.Thread(target=s.save, args=("req", shard(cache, r, src_tp)),
-                                    kwargs={"metadata": {"seq_len": 11}}) for r, s in enumerate(senders)]
+        threads = [
+            threading.Thread(target=s.save, args=("req", shard(cache, r, src_tp)), kwargs={"metadata": {"seq_len": 11}})
+            for r, s in enumerate(senders)
+        ]
         for t in threads:
             t.start()
         results = [r.load("req") for r in receivers]

@@ -49,7 +49,11 @@ class Hosts:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         return subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.netns_peer", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
 
 
@@ -114,10 +118,22 @@ def _curve() -> tuple[dict[str, Any], dict[str, Any]]:
 def test_curve_transfer_between_two_hosts(hosts: Hosts) -> None:
     endpoint = f"tcp://{hosts.addr_b}:{PORT}"
     recv_keys, send_keys = _curve()
-    receiver = hosts.run(hosts.b, "recv", "--count", "12", "--config", json.dumps(
-        {"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **recv_keys}))
-    sender = hosts.run(hosts.a, "send", "--count", "12", "--config", json.dumps(
-        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, **send_keys}))
+    receiver = hosts.run(
+        hosts.b,
+        "recv",
+        "--count",
+        "12",
+        "--config",
+        json.dumps({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **recv_keys}),
+    )
+    sender = hosts.run(
+        hosts.a,
+        "send",
+        "--count",
+        "12",
+        "--config",
+        json.dumps({"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, **send_keys}),
+    )
     sent, got = _lines(sender), _lines(receiver)
     assert sent[-1]["failures"] == [] and all(sent[-1]["accepted"])
     digests = got[-1]["digests"]
@@ -129,9 +145,27 @@ def test_curve_transfer_between_two_hosts(hosts: Hosts) -> None:
 def test_partition_reports_every_put_as_failed(hosts: Hosts) -> None:
     endpoint = f"tcp://{hosts.addr_b}:{PORT}"
     _ip("-n", hosts.a, "link", "set", hosts.link_a, "down")  # host B is unreachable from host A
-    sender = hosts.run(hosts.a, "send", "--count", "5", "--size", "1000", "--timeout", "20", "--config", json.dumps(
-        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, **PLAINTEXT,
-         "delivery_timeout_s": 2.0, "put_timeout_s": 2.0}))
+    sender = hosts.run(
+        hosts.a,
+        "send",
+        "--count",
+        "5",
+        "--size",
+        "1000",
+        "--timeout",
+        "20",
+        "--config",
+        json.dumps(
+            {
+                "stage_id": "0",
+                "role": "sender",
+                "endpoints": {"1": endpoint},
+                **PLAINTEXT,
+                "delivery_timeout_s": 2.0,
+                "put_timeout_s": 2.0,
+            }
+        ),
+    )
     done = _lines(sender)[-1]
     failed = {f["key"] for f in done["failures"]}
     # every put is either refused at once or reported later as undelivered: none is lost silently
@@ -143,16 +177,47 @@ def test_partition_reports_every_put_as_failed(hosts: Hosts) -> None:
 def test_a_partition_that_heals_within_the_deadline_loses_nothing_and_duplicates_nothing(hosts: Hosts) -> None:
     endpoint = f"tcp://{hosts.addr_b}:{PORT}"
     count = 60
-    receiver = hosts.run(hosts.b, "recv", "--count", str(count), "--size", "4096", "--timeout", "60",
-                         "--linger", "1", "--config", json.dumps(
-        {"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **PLAINTEXT}))
+    receiver = hosts.run(
+        hosts.b,
+        "recv",
+        "--count",
+        str(count),
+        "--size",
+        "4096",
+        "--timeout",
+        "60",
+        "--linger",
+        "1",
+        "--config",
+        json.dumps({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **PLAINTEXT}),
+    )
     # One put every 50 ms for 3 s; the link goes down for 2.5 s in the middle of it, longer than
     # peer_timeout_s, so the sender presumes the receiver gone meanwhile. Puts keep being accepted; when
     # the link comes back, what ZeroMQ queued and whatever the sender resends arrives, once each.
-    sender = hosts.run(hosts.a, "send", "--count", str(count), "--size", "4096", "--interval", "0.05",
-                       "--timeout", "60", "--config", json.dumps(
-        {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, **PLAINTEXT, "heartbeat_s": 0.2,
-         "peer_timeout_s": 1.0, "delivery_timeout_s": 40.0}))
+    sender = hosts.run(
+        hosts.a,
+        "send",
+        "--count",
+        str(count),
+        "--size",
+        "4096",
+        "--interval",
+        "0.05",
+        "--timeout",
+        "60",
+        "--config",
+        json.dumps(
+            {
+                "stage_id": "0",
+                "role": "sender",
+                "endpoints": {"1": endpoint},
+                **PLAINTEXT,
+                "heartbeat_s": 0.2,
+                "peer_timeout_s": 1.0,
+                "delivery_timeout_s": 40.0,
+            }
+        ),
+    )
     assert sender.stdout is not None
     assert json.loads(sender.stdout.readline())["event"] == "ready"
     time.sleep(0.5)
@@ -187,8 +252,15 @@ def test_plaintext_bind_on_a_real_network_address_is_refused_and_the_opt_out_bin
     outcomes = []
     for extra in ({}, PLAINTEXT):
         config = json.dumps({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, **extra})
-        done = subprocess.run(["ip", "netns", "exec", hosts.b, sys.executable, "-c", _BIND, config], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            ["ip", "netns", "exec", hosts.b, sys.executable, "-c", _BIND, config],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         outcomes.append((done.stdout.strip(), done.stderr))
     (refused, _), (bound, _) = outcomes

@@ -45,10 +45,16 @@ def custom_registered() -> Iterator[None]:
 
 
 def _configs(short_tmp: Path, shm_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    base = {"endpoints": {"1": f"ipc://{short_tmp}/r1"}, "shm_dir": shm_dir, "shm_min_free_bytes": 0,
-            "heartbeat_s": 0.1}
-    return ({**base, "stage_id": "0", "role": "sender", "shm": "on"},
-            {**base, "stage_id": "1", "role": "receiver", "decode_device": "cpu"})
+    base = {
+        "endpoints": {"1": f"ipc://{short_tmp}/r1"},
+        "shm_dir": shm_dir,
+        "shm_min_free_bytes": 0,
+        "heartbeat_s": 0.1,
+    }
+    return (
+        {**base, "stage_id": "0", "role": "sender", "shm": "on"},
+        {**base, "stage_id": "1", "role": "receiver", "decode_device": "cpu"},
+    )
 
 
 @pytest.mark.parametrize("register", ["all", "custom"], ids=["receiver-registered", "receiver-unregistered"])

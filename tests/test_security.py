@@ -37,9 +37,19 @@ def _no_io_threads() -> bool:
 
 @pytest.mark.parametrize(
     ("endpoint", "loopback"),
-    [("tcp://127.0.0.1:5", True), ("tcp://127.8.9.1:5", True), ("tcp://localhost:5", True), ("tcp://[::1]:5", True),
-     ("ipc:///tmp/x", True), ("tcp://0.0.0.0:5", False), ("tcp://*:5", False), ("tcp://10.1.2.3:5", False),
-     ("tcp://talker:5", False), ("tcp://[::]:5", False), ("tcp://[::ffff:127.0.0.1]:5", True)],
+    [
+        ("tcp://127.0.0.1:5", True),
+        ("tcp://127.8.9.1:5", True),
+        ("tcp://localhost:5", True),
+        ("tcp://[::1]:5", True),
+        ("ipc:///tmp/x", True),
+        ("tcp://0.0.0.0:5", False),
+        ("tcp://*:5", False),
+        ("tcp://10.1.2.3:5", False),
+        ("tcp://talker:5", False),
+        ("tcp://[::]:5", False),
+        ("tcp://[::ffff:127.0.0.1]:5", True),
+    ],
 )
 def test_what_counts_as_loopback(endpoint: str, loopback: bool) -> None:
     assert is_loopback(endpoint) is loopback
@@ -97,8 +107,9 @@ def test_the_opt_out_works_and_warns_once(how: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")}
     if how == "env":
         env["ZMQ_OMNI_INSECURE"] = "1"
-    result = subprocess.run([sys.executable, "-c", _OPT_OUT, how], capture_output=True, text=True, timeout=60,
-                            env=env, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", _OPT_OUT, how], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "got 7"
     warnings = [line for line in result.stderr.splitlines() if "INSECURE" in line]
@@ -120,8 +131,12 @@ def test_a_stage_bound_to_every_interface_without_curve_exits_with_one_line(shor
 
     doc["pipeline"]["insecure"] = True  # the documented opt-out, in the pipeline YAML
     config.write_text(yaml.safe_dump(doc))
-    with subprocess.Popen([*CLI, "stage", "--config", str(config), "--stage", "thinker"], stderr=subprocess.PIPE,
-                          text=True, env={k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")}) as p:
+    with subprocess.Popen(
+        [*CLI, "stage", "--config", str(config), "--stage", "thinker"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")},
+    ) as p:
         assert p.stderr is not None
         first = p.stderr.readline() + p.stderr.readline()  # the warning, then "serving on"
         p.terminate()
@@ -162,7 +177,8 @@ def test_keygen_makes_every_party_s_keys_with_safe_modes(short_tmp: Path) -> Non
     talker = files["talker"]
     assert talker["servers"] == {"0": pub["thinker"], "2": pub["vocoder"]}
     assert sorted(talker["clients"]) == sorted(
-        [pub["talker"], pub["thinker"], pub["vocoder"], pub["driver"], pub["health"]])  # itself: healthchecks
+        [pub["talker"], pub["thinker"], pub["vocoder"], pub["driver"], pub["health"]]
+    )  # itself: healthchecks
     assert files["thinker"]["servers"] == {"driver": pub["driver"], "1": pub["talker"]}
     assert files["driver"]["servers"] == {"0": pub["thinker"], "1": pub["talker"], "2": pub["vocoder"]}
     assert files["health"]["clients"] == [] and len(files["health"]["servers"]) == 4
@@ -241,8 +257,15 @@ def _intruders(endpoint: str, server_key: str) -> dict[str, dict[str, Any]]:
     """Three senders the thinker must refuse: no key, a wrong server key, a valid pair not on its list."""
     stranger_pub, stranger_sec = (k.decode() for k in zmq.curve_keypair())
     other_pub, _ = (k.decode() for k in zmq.curve_keypair())
-    base = {"stage_id": "driver", "role": "sender", "endpoints": {"0": endpoint}, "shm": "off",
-            "delivery_timeout_s": 2.0, "heartbeat_s": 0.1, "peer_timeout_s": 0.5}
+    base = {
+        "stage_id": "driver",
+        "role": "sender",
+        "endpoints": {"0": endpoint},
+        "shm": "off",
+        "delivery_timeout_s": 2.0,
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+    }
     curve = {"curve_public_key": stranger_pub, "curve_secret_key": stranger_sec}
     return {
         "no-key": base,
@@ -267,10 +290,27 @@ def test_curve_pipeline_streams_every_request_and_refuses_intruders(
     procs = StageProcs(config, ["thinker", "talker", "vocoder"])
     stage_procs.append(procs)
     drive = subprocess.Popen(
-        [*CLI, "drive", "--config", str(config), "--requests", "4", "--chunks", "1500", "--payload-size", "32768",
-         "--wait-ready", "30", "--prefix", "sec"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")})
+        [
+            *CLI,
+            "drive",
+            "--config",
+            str(config),
+            "--requests",
+            "4",
+            "--chunks",
+            "1500",
+            "--payload-size",
+            "32768",
+            "--wait-ready",
+            "30",
+            "--prefix",
+            "sec",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ZMQ_OMNI_")},
+    )
     try:
         # Meanwhile, the intruders try to put into the thinker and to read its health.
         failures: dict[str, list[Any]] = {}
@@ -284,9 +324,11 @@ def test_curve_pipeline_streams_every_request_and_refuses_intruders(
                 assert intruder.health()["pending"] == 0
         refused_probes = {}
         stranger_pub, stranger_sec = (k.decode() for k in zmq.curve_keypair())
-        for name, kwargs in {"no-key": {}, "wrong-key": {"server_key": stranger_pub},
-                             "not-listed": {"server_key": thinker_pub, "public_key": stranger_pub,
-                                            "secret_key": stranger_sec}}.items():
+        for name, kwargs in {
+            "no-key": {},
+            "wrong-key": {"server_key": stranger_pub},
+            "not-listed": {"server_key": thinker_pub, "public_key": stranger_pub, "secret_key": stranger_sec},
+        }.items():
             with pytest.raises(AuthenticationError) as raised:
                 probe(endpoints["thinker"], timeout_s=10, **kwargs)
             refused_probes[name] = str(raised.value)
@@ -315,8 +357,9 @@ def test_curve_pipeline_streams_every_request_and_refuses_intruders(
     for name in ("talker", "vocoder"):
         own = run_cli("health", "--config", str(config), "--stage", name)
         assert own.returncode == 0 and json.loads(own.stdout)["status"] == "ok", own.stderr
-    other = run_cli("health", "--endpoint", endpoints["thinker"], "--keys", str(keys / "vocoder.keys"),
-                    "--server-key", thinker_pub)
+    other = run_cli(
+        "health", "--endpoint", endpoints["thinker"], "--keys", str(keys / "vocoder.keys"), "--server-key", thinker_pub
+    )
     assert other.returncode == 1 and "not on the stage's allowed clients" in other.stderr, other.stderr
     anonymous = run_cli("health", "--endpoint", endpoints["thinker"], "--timeout", "20")
     assert anonymous.returncode == 1
@@ -346,28 +389,50 @@ def test_pull_mode_intruders_read_nothing_and_are_counted(conns: list[ZmqConnect
     server_pub, server_sec = _pair()
     good_pub, good_sec = _pair()
     stranger_pub, stranger_sec = _pair()
-    server = ZmqConnector({"stage_id": "0", "role": "sender", "mode": "pull", "endpoints": {"0": "tcp://127.0.0.1:0"},
-                           "curve_public_key": server_pub, "curve_secret_key": server_sec,
-                           "curve_allowed_clients": [good_pub]})
+    server = ZmqConnector(
+        {
+            "stage_id": "0",
+            "role": "sender",
+            "mode": "pull",
+            "endpoints": {"0": "tcp://127.0.0.1:0"},
+            "curve_public_key": server_pub,
+            "curve_secret_key": server_sec,
+            "curve_allowed_clients": [good_pub],
+        }
+    )
     conns.append(server)
     assert server.endpoint is not None
     for i in range(4):
         assert server.put("0", "1", f"k{i}", {"secret": i})[0]
-    base = {"stage_id": "1", "role": "receiver", "mode": "pull", "endpoints": {"0": server.endpoint},
-            "fetch_timeout_s": 1.0}
+    base = {
+        "stage_id": "1",
+        "role": "receiver",
+        "mode": "pull",
+        "endpoints": {"0": server.endpoint},
+        "fetch_timeout_s": 1.0,
+    }
     intruders = {
         "no-key": base,
-        "wrong-key": {**base, "curve_public_key": stranger_pub, "curve_secret_key": stranger_sec,
-                      "curve_server_key": stranger_pub},
-        "not-listed": {**base, "curve_public_key": stranger_pub, "curve_secret_key": stranger_sec,
-                       "curve_server_key": server_pub},
+        "wrong-key": {
+            **base,
+            "curve_public_key": stranger_pub,
+            "curve_secret_key": stranger_sec,
+            "curve_server_key": stranger_pub,
+        },
+        "not-listed": {
+            **base,
+            "curve_public_key": stranger_pub,
+            "curve_secret_key": stranger_sec,
+            "curve_server_key": server_pub,
+        },
     }
     for i, (name, extra) in enumerate(intruders.items()):
         intruder = ZmqConnector(extra)
         conns.append(intruder)
         assert intruder.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 1.5) is None, name
-    good = ZmqConnector({**base, "curve_public_key": good_pub, "curve_secret_key": good_sec,
-                         "curve_server_key": server_pub})
+    good = ZmqConnector(
+        {**base, "curve_public_key": good_pub, "curve_secret_key": good_sec, "curve_server_key": server_pub}
+    )
     conns.append(good)
     for i in range(4):
         got = good.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 10)
@@ -379,22 +444,42 @@ def test_push_mode_refusals_are_counted(conns: list[ZmqConnector]) -> None:
     server_pub, server_sec = _pair()
     good_pub, good_sec = _pair()
     stranger_pub, stranger_sec = _pair()
-    receiver = ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": "tcp://127.0.0.1:0"},
-                             "curve_public_key": server_pub, "curve_secret_key": server_sec,
-                             "curve_allowed_clients": [good_pub]})
+    receiver = ZmqConnector(
+        {
+            "stage_id": "1",
+            "role": "receiver",
+            "endpoints": {"1": "tcp://127.0.0.1:0"},
+            "curve_public_key": server_pub,
+            "curve_secret_key": server_sec,
+            "curve_allowed_clients": [good_pub],
+        }
+    )
     conns.append(receiver)
     assert receiver.health()["curve_refused"] == 0
     assert receiver.endpoint is not None
-    base = {"stage_id": "0", "role": "sender", "endpoints": {"1": receiver.endpoint}, "delivery_timeout_s": 1.0,
-            "heartbeat_s": 0.1, "peer_timeout_s": 0.5}
-    good = ZmqConnector({**base, "curve_public_key": good_pub, "curve_secret_key": good_sec,
-                         "curve_server_key": server_pub})
+    base = {
+        "stage_id": "0",
+        "role": "sender",
+        "endpoints": {"1": receiver.endpoint},
+        "delivery_timeout_s": 1.0,
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+    }
+    good = ZmqConnector(
+        {**base, "curve_public_key": good_pub, "curve_secret_key": good_sec, "curve_server_key": server_pub}
+    )
     conns.append(good)
-    for name, extra in (("no-key", {}),
-                        ("wrong-key", {"curve_public_key": stranger_pub, "curve_secret_key": stranger_sec,
-                                       "curve_server_key": stranger_pub}),
-                        ("not-listed", {"curve_public_key": stranger_pub, "curve_secret_key": stranger_sec,
-                                        "curve_server_key": server_pub})):
+    for name, extra in (
+        ("no-key", {}),
+        (
+            "wrong-key",
+            {"curve_public_key": stranger_pub, "curve_secret_key": stranger_sec, "curve_server_key": stranger_pub},
+        ),
+        (
+            "not-listed",
+            {"curve_public_key": stranger_pub, "curve_secret_key": stranger_sec, "curve_server_key": server_pub},
+        ),
+    ):
         intruder = ZmqConnector({**base, **extra})
         conns.append(intruder)
         assert intruder.put("0", "1", name, {"evil": name})[0]

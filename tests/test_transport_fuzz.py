@@ -224,8 +224,9 @@ def test_push_sender_survives_mutated_replies(
     connectors: list[ZmqConnector], loop_errors: LoopErrors, zmq_ctx: zmq.Context[Any]
 ) -> None:
     fake, endpoint = fake_peer(zmq_ctx)  # the receiver: the sender's data and control sockets connect here
-    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, heartbeat_s=0.05,
-                  delivery_timeout_s=60.0)
+    sender = make(
+        connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, heartbeat_s=0.05, delivery_timeout_s=60.0
+    )
     assert sender.put("0", "1", "first", {"n": 0})[0]
     assert fake.poll(5000)
     data_identity = fake.recv_multipart()[0]
@@ -262,8 +263,9 @@ def test_pull_client_get_returns_whatever_its_server_answers(
     # A fake server answers each FETCH with the next mutated reply, carrying the FETCH's own req_id
     # most of the time (a wrong one is ignored, and the get then times out: that path is fuzzed too).
     fake, endpoint = fake_peer(zmq_ctx)
-    client = make(connectors, stage_id="1", role="receiver", mode="pull", endpoints={"0": endpoint},
-                  fetch_timeout_s=0.2)
+    client = make(
+        connectors, stage_id="1", role="receiver", mode="pull", endpoints={"0": endpoint}, fetch_timeout_s=0.2
+    )
     answers: list[tuple[bool, list[bytes]]] = []
     stop = threading.Event()
 

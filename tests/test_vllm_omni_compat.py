@@ -455,7 +455,7 @@ def test_both_ends_built_from_one_extra_in_two_processes(mode: str, transport: s
 
 # -- 7. the vllm.general_plugins entry point -----------------------------------------------------------------------
 
-_STAND_IN_FACTORY = '''
+_STAND_IN_FACTORY = """
 class OmniConnectorFactory:
     _registry = {}
     _dual_role_connectors = set()
@@ -482,9 +482,9 @@ def _builtin_shm(config):
 
 
 OmniConnectorFactory.register_connector("SharedMemoryConnector", _builtin_shm, supports_dual=True)
-'''
+"""
 
-_PLUGIN_RUN = '''
+_PLUGIN_RUN = """
 import json, sys, uuid
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint
@@ -511,7 +511,7 @@ out = {
 for c in (zmq, shm, inproc):
     c.close()
 print(json.dumps(out))
-'''
+"""
 
 
 def test_the_general_plugin_registers_our_connectors_without_clashing(tmp_path: Path) -> None:

@@ -250,8 +250,10 @@ def _decode_one(frame: bytes) -> Any:
 
 
 @FUZZ
-@given(batch=st.lists(corrupted().map(lambda frames: frames[0] if frames else b""), min_size=1, max_size=4),
-       valid=st.lists(objects.map(lambda obj: bytes(encode(obj, inline_threshold=1 << 20)[0])), max_size=4))
+@given(
+    batch=st.lists(corrupted().map(lambda frames: frames[0] if frames else b""), min_size=1, max_size=4),
+    valid=st.lists(objects.map(lambda obj: bytes(encode(obj, inline_threshold=1 << 20)[0])), max_size=4),
+)
 def test_decode_each_decodes_each_frame_as_decode_does(batch: list[bytes], valid: list[bytes]) -> None:
     frames = [*batch, *valid]
     for got, frame in zip(decode_each(frames), frames, strict=True):
@@ -311,8 +313,13 @@ forged_ext = st.one_of(
     marker_ext,
 )
 forged_leaf = st.one_of(
-    forged_ext, st.integers(-(2**63), 2**64 - 1), st.text(max_size=4), st.none(), st.binary(max_size=8),
-    st.sampled_from(sorted(IMAGE_MODE_BITS)), st.floats(),
+    forged_ext,
+    st.integers(-(2**63), 2**64 - 1),
+    st.text(max_size=4),
+    st.none(),
+    st.binary(max_size=8),
+    st.sampled_from(sorted(IMAGE_MODE_BITS)),
+    st.floats(),
 )
 forged_tree = st.recursive(
     forged_leaf,

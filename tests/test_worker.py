@@ -38,9 +38,14 @@ def collector(request_id: str, payload: dict[str, Any], is_final: bool) -> list[
     return [{"x": payload["x"] + 1}] if "x" in payload else []
 
 
-def _config(connector: dict[str, Any], *, stall: float = 5.0, timeout: float = 20.0,
-            stages: tuple[tuple[str, str], ...] = (("producer", "0"), ("doubler", "1"), ("collector", "2")),
-            endpoints: dict[str, str] | None = None) -> dict[str, Any]:
+def _config(
+    connector: dict[str, Any],
+    *,
+    stall: float = 5.0,
+    timeout: float = 20.0,
+    stages: tuple[tuple[str, str], ...] = (("producer", "0"), ("doubler", "1"), ("collector", "2")),
+    endpoints: dict[str, str] | None = None,
+) -> dict[str, Any]:
     endpoints = endpoints or {}
     return {
         "pipeline": {
@@ -49,8 +54,15 @@ def _config(connector: dict[str, Any], *, stall: float = 5.0, timeout: float = 2
             "request_timeout_s": timeout,
             "retry": {"attempts": 2, "deadline_s": 1.0},
             "driver": {"stage_id": "driver", **({"endpoint": endpoints["driver"]} if "driver" in endpoints else {})},
-            "stages": [{"name": name, "stage_id": sid, "function": f"tests.test_worker:{name}",
-                        **({"endpoint": endpoints[name]} if name in endpoints else {})} for name, sid in stages],
+            "stages": [
+                {
+                    "name": name,
+                    "stage_id": sid,
+                    "function": f"tests.test_worker:{name}",
+                    **({"endpoint": endpoints[name]} if name in endpoints else {}),
+                }
+                for name, sid in stages
+            ],
         },
         "runtime": {"connectors": {"edge": connector}, "default_connector": "edge"},
     }
@@ -156,8 +168,9 @@ def test_pipeline_over_zmq_ipc(short_tmp: Path) -> None:
     for i in range(3):
         assert events[f"z{i}"][-1].kind == "completed"
         assert _outputs(events[f"z{i}"]) == [1, 3, 5, 7]
-    assert not [t for t in threading.enumerate() if t.name.startswith(("stage-", "chunks-", "stage", "driver"))
-                and t.is_alive()]
+    assert not [
+        t for t in threading.enumerate() if t.name.startswith(("stage-", "chunks-", "stage", "driver")) and t.is_alive()
+    ]
 
 
 def test_embedding_a_worker_with_a_function_object() -> None:
@@ -169,9 +182,11 @@ def test_embedding_a_worker_with_a_function_object() -> None:
 
     cfg = _config(_inproc(), stages=(("producer", "0"), ("doubler", "1")))
     pipeline = load_pipeline_config(cfg)
-    with StageWorker.from_pipeline(pipeline, "doubler", fn=fn) as doubler_worker, \
-            StageWorker.from_pipeline(pipeline, "producer") as producer_worker, \
-            PipelineDriver.from_pipeline(pipeline) as driver:
+    with (
+        StageWorker.from_pipeline(pipeline, "doubler", fn=fn) as doubler_worker,
+        StageWorker.from_pipeline(pipeline, "producer") as producer_worker,
+        PipelineDriver.from_pipeline(pipeline) as driver,
+    ):
         doubler_worker.start()
         producer_worker.start()
         driver.submit("e", {"n": 2})
@@ -200,8 +215,12 @@ def test_bad_pipeline_config_names_the_key(mutate: Any, message: str) -> None:
 
 
 def test_endpoint_environment_override_and_edge_specs() -> None:
-    endpoints = {"driver": "tcp://127.0.0.1:1", "producer": "tcp://127.0.0.1:2", "doubler": "tcp://127.0.0.1:3",
-                 "collector": "tcp://127.0.0.1:4"}
+    endpoints = {
+        "driver": "tcp://127.0.0.1:1",
+        "producer": "tcp://127.0.0.1:2",
+        "doubler": "tcp://127.0.0.1:3",
+        "collector": "tcp://127.0.0.1:4",
+    }
     cfg = _config({"name": "ZmqConnector", "extra": {"put_timeout_s": 1.0}}, endpoints=endpoints)
     cfg["pipeline"]["stages"][1]["bind"] = "tcp://0.0.0.0:3"
     pipeline = load_pipeline_config(cfg, environ={"ZMQ_OMNI_ENDPOINT_1": "tcp://doubler:5555"})

@@ -31,8 +31,9 @@ def test_example_pipeline_yaml_selects_zmq_connector_per_edge() -> None:
 
 
 def test_custom_connector_builds_by_module_path_and_runs_a_pipeline() -> None:
-    with create_connector({"name": "examples.custom_connector:AuditedConnector",
-                           "extra": {"namespace": "ex-unit", "label": "x"}}) as conn:
+    with create_connector(
+        {"name": "examples.custom_connector:AuditedConnector", "extra": {"namespace": "ex-unit", "label": "x"}}
+    ) as conn:
         assert type(conn).__name__ == "AuditedConnector"
         assert conn.put("a", "b", "k", {"v": np.arange(3)})[0]
         got = conn.get("a", "b", "k")
@@ -76,9 +77,14 @@ def test_embedded_stage_example_serves_as_the_talker(short_tmp: Path) -> None:
         for name, argv in commands.items():
             with open(logs[name], "w", encoding="utf-8") as log:
                 procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        drive = subprocess.run([*CLI, "drive", "--config", config, "--requests", "2", "--chunks", "2",
-                                "--payload-size", "32768"], env=env, capture_output=True, text=True, timeout=90,
-                               check=False)
+        drive = subprocess.run(
+            [*CLI, "drive", "--config", config, "--requests", "2", "--chunks", "2", "--payload-size", "32768"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -56,8 +56,14 @@ def test_stuck_receiver_keeps_both_sides_memory_bounded(short_tmp: Path, shm: st
     with ZmqConnector({"stage_id": "1", "role": "receiver", **common}) as receiver:
         gc.collect()
         receiver_before = _rss()
-        sender_config = {"stage_id": "0", "role": "sender", "max_unacked_bytes": WINDOW,
-                         "put_timeout_s": 0.05, "delivery_timeout_s": 60.0, **common}
+        sender_config = {
+            "stage_id": "0",
+            "role": "sender",
+            "max_unacked_bytes": WINDOW,
+            "put_timeout_s": 0.05,
+            "delivery_timeout_s": 60.0,
+            **common,
+        }
         with spawned(flood_main, sender_config, PUTS) as (_, queue):
             accepted, refused, sender_growth, health = expect(queue, "done", timeout=90)
         receiver_growth = _rss() - receiver_before

@@ -31,9 +31,7 @@ def fetch_in_another_process(rcfg: dict[str, Any], keys: list[str]) -> dict[str,
     return result
 
 
-def test_pull_fetches_after_the_first_come_through_shared_memory_without_a_copy(
-    short_tmp: Path, shm_dir: str
-) -> None:
+def test_pull_fetches_after_the_first_come_through_shared_memory_without_a_copy(short_tmp: Path, shm_dir: str) -> None:
     scfg, rcfg = pull_configs(short_tmp, shm_dir)
     data = [np.random.default_rng(i).standard_normal(MiB // 8) for i in range(4)]  # 1 MiB each
     keys = [f"k{i}" for i in range(4)]

@@ -342,8 +342,6 @@ def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(sho
     assert ours(shm_dir) == []
 
 
-
-
 def test_a_stream_of_puts_gets_the_shm_verdict_without_waiting_for_a_heartbeat(short_tmp: Path, shm_dir: str) -> None:
     # Beats every 30 s: the verdict must come from the ping the connector sends when it first meets the
     # receiver, although the put thread, streaming from its first put on, holds the data socket when that

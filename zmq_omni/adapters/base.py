@@ -87,8 +87,10 @@ class WarningBurst:
         """The summary of the failures counted but not logged yet (None when there are none)."""
         if not self._count:
             return None
-        line = (f"{self._count} more like the one logged {format_seconds(self.interval_s)} or less before "
-                f"({len(self._requests)} requests); the last: {self._last}")
+        line = (
+            f"{self._count} more like the one logged {format_seconds(self.interval_s)} or less before "
+            f"({len(self._requests)} requests); the last: {self._last}"
+        )
         self._count, self._requests, self._last = 0, set(), ""
         return line
 
@@ -176,10 +178,12 @@ class OmniTransferAdapterBase(ABC):
         self._closed = False
         self._owns_connector = connector is None
         self.connector: OmniConnectorBase = connector if connector is not None else self.create_connector(config)
-        self.recv_thread = threading.Thread(target=self._guarded, args=(self.recv_loop,), daemon=True,
-                                            name=f"{name}-recv-{self.stage_id}")
-        self.save_thread = threading.Thread(target=self._guarded, args=(self.save_loop,), daemon=True,
-                                            name=f"{name}-save-{self.stage_id}")
+        self.recv_thread = threading.Thread(
+            target=self._guarded, args=(self.recv_loop,), daemon=True, name=f"{name}-recv-{self.stage_id}"
+        )
+        self.save_thread = threading.Thread(
+            target=self._guarded, args=(self.save_loop,), daemon=True, name=f"{name}-save-{self.stage_id}"
+        )
 
     # -- construction ------------------------------------------------------------
     @classmethod

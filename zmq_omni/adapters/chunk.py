@@ -119,9 +119,20 @@ class ChunkManagerConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
-        known = ("stage_id", "upstream_stage_id", "downstream_stage_id", "connector", "retry",
-                 "stall_timeout_s", "recv_wait_s", "concat_axis", "shutdown_grace_s", "max_queued_chunks",
-                 "queue_full_timeout_s", "idle_state_timeout_s")
+        known = (
+            "stage_id",
+            "upstream_stage_id",
+            "downstream_stage_id",
+            "connector",
+            "retry",
+            "stall_timeout_s",
+            "recv_wait_s",
+            "concat_axis",
+            "shutdown_grace_s",
+            "max_queued_chunks",
+            "queue_full_timeout_s",
+            "idle_state_timeout_s",
+        )
         check_known_keys(data, known, path)
         spec = data.get("connector")
         d = cls.__dataclass_fields__
@@ -129,17 +140,18 @@ class ChunkManagerConfig:
             stage_id=read_str(data, "stage_id", path=path),
             upstream_stage_id=read_str(data, "upstream_stage_id", None, path),
             downstream_stage_id=read_str(data, "downstream_stage_id", None, path),
-            connector=None if spec is None else (
-                spec if isinstance(spec, ConnectorSpec) else ConnectorSpec.from_dict(spec, f"{path}.connector")
-            ),
+            connector=None
+            if spec is None
+            else (spec if isinstance(spec, ConnectorSpec) else ConnectorSpec.from_dict(spec, f"{path}.connector")),
             retry=RetryPolicy.from_dict(read_mapping(data, "retry", {}, path), f"{path}.retry"),
             stall_timeout_s=read_float(data, "stall_timeout_s", d["stall_timeout_s"].default, path),
             recv_wait_s=read_float(data, "recv_wait_s", d["recv_wait_s"].default, path),
             concat_axis=read_int(data, "concat_axis", d["concat_axis"].default, path),
             shutdown_grace_s=read_float(data, "shutdown_grace_s", d["shutdown_grace_s"].default, path, minimum=0),
             max_queued_chunks=read_int(data, "max_queued_chunks", d["max_queued_chunks"].default, path),
-            queue_full_timeout_s=read_float(data, "queue_full_timeout_s", d["queue_full_timeout_s"].default, path,
-                                            minimum=0),
+            queue_full_timeout_s=read_float(
+                data, "queue_full_timeout_s", d["queue_full_timeout_s"].default, path, minimum=0
+            ),
             idle_state_timeout_s=read_float(data, "idle_state_timeout_s", d["idle_state_timeout_s"].default, path),
         )
 
@@ -220,8 +232,13 @@ class OmniChunkManager(OmniTransferAdapterBase):
     def __init__(self, config: ChunkManagerConfig | Mapping[str, Any], connector: OmniConnectorBase | None = None):
         cfg = config if isinstance(config, ChunkManagerConfig) else ChunkManagerConfig.from_dict(config)
         super().__init__(
-            cfg, connector, stage_id=cfg.stage_id, retry=cfg.retry, recv_wait_s=cfg.recv_wait_s,
-            shutdown_grace_s=cfg.shutdown_grace_s, name="chunks",
+            cfg,
+            connector,
+            stage_id=cfg.stage_id,
+            retry=cfg.retry,
+            recv_wait_s=cfg.recv_wait_s,
+            shutdown_grace_s=cfg.shutdown_grace_s,
+            name="chunks",
         )
         self.config: ChunkManagerConfig = cfg
         self._save_queue: deque[_SaveItem] = deque()
@@ -349,12 +366,20 @@ class OmniChunkManager(OmniTransferAdapterBase):
             if len(self._save_queue) >= self.config.max_queued_chunks and not self._wait_for_room(state):
                 if not (state.cancelled or state.failed):
                     self.record_send_failure(
-                        request_id, f"save queue full: {len(self._save_queue)} chunks queued (max_queued_chunks) "
-                                    f"and no room within {self.config.queue_full_timeout_s:g}s")
+                        request_id,
+                        f"save queue full: {len(self._save_queue)} chunks queued (max_queued_chunks) "
+                        f"and no room within {self.config.queue_full_timeout_s:g}s",
+                    )
                 return None
             state.last_activity = time.monotonic()
-            item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id,
-                             payload or {}, is_final, done=done)
+            item = _SaveItem(
+                request_id,
+                f"{state.prefix}{state.next_chunk_id}",
+                state.next_chunk_id,
+                payload or {},
+                is_final,
+                done=done,
+            )
             state.next_chunk_id += 1
             state.terminal_queued = is_final
             self._save_queue.append(item)
@@ -412,8 +437,11 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 busy.add(self._save_in_flight.request_id)
             for request_id, state in list(self._send.items()):
                 receiving = self._recv.get(request_id)
-                if request_id in busy or now - state.last_activity < ttl \
-                        or (receiving is not None and not receiving.final):
+                if (
+                    request_id in busy
+                    or now - state.last_activity < ttl
+                    or (receiving is not None and not receiving.final)
+                ):
                     # A middle stage still receiving the request is bounded by stall_timeout_s.
                     continue
                 if state.failed or state.cancelled or state.terminal_queued:
@@ -428,8 +456,12 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 if recv.final and recv.all_chunks is None and now - recv.last_progress >= ttl:
                     del self._recv[request_id]
                     self.counters.add("expired_states")
-                    logger.warning("stage %s: dropping the received stream of %s: not taken for %.0fs",
-                                   self.stage_id, request_id, ttl)
+                    logger.warning(
+                        "stage %s: dropping the received stream of %s: not taken for %.0fs",
+                        self.stage_id,
+                        request_id,
+                        ttl,
+                    )
         for request_id in abandoned:
             # A stream left open: end it for the next stage (cancelled) and tell the scheduler.
             self.cancel(request_id, notify_downstream=True)
@@ -437,7 +469,8 @@ class OmniChunkManager(OmniTransferAdapterBase):
             logger.warning("stage %s: request %s abandoned: no chunk queued for %.0fs", self.stage_id, request_id, ttl)
             with self._failures_lock:
                 self._failed_send.setdefault(
-                    request_id, f"abandoned: no chunk queued for {ttl:g}s (idle_state_timeout_s); stream cancelled")
+                    request_id, f"abandoned: no chunk queued for {ttl:g}s (idle_state_timeout_s); stream cancelled"
+                )
             self._progress.set()
 
     def _request_id_of_item(self, item: Any) -> str | None:
@@ -449,8 +482,10 @@ class OmniChunkManager(OmniTransferAdapterBase):
             state = self._send.get(item.request_id)
             if state is None or state.failed:
                 return
-        wire = {"meta": {"chunk_id": item.chunk_id, "final": item.final, "cancelled": item.cancelled},
-                "data": item.data}
+        wire = {
+            "meta": {"chunk_id": item.chunk_id, "final": item.final, "cancelled": item.cancelled},
+            "data": item.data,
+        }
         downstream = self.config.downstream_stage_id
         assert downstream is not None
         item.ok = self._put_with_retry(item.request_id, downstream, item.key, wire)
@@ -549,8 +584,10 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 remaining = state.last_progress + limit - time.monotonic()
                 if remaining <= 0:
                     self._fail_receiving_locked(
-                        state, f"load timed out: no chunk from stage {self.config.upstream_stage_id} "
-                               f"for {format_seconds(limit)} (waiting for chunk {state.next_chunk_id})")
+                        state,
+                        f"load timed out: no chunk from stage {self.config.upstream_stage_id} "
+                        f"for {format_seconds(limit)} (waiting for chunk {state.next_chunk_id})",
+                    )
                     return None
                 self._loaded_cond.wait(remaining)
             if self._recv.get(request_id) is not state or not state.final:
@@ -559,8 +596,9 @@ class OmniChunkManager(OmniTransferAdapterBase):
             del self._recv[request_id]
         with self._failures_lock:
             self._finished_loaded.add(request_id)
-        return ChunkInputs(request_id, assemble_chunks(chunks, self.config.concat_axis), 0, len(chunks),
-                           True, state.cancelled_upstream)
+        return ChunkInputs(
+            request_id, assemble_chunks(chunks, self.config.concat_axis), 0, len(chunks), True, state.cancelled_upstream
+        )
 
     def _has_pending_loads(self) -> bool:
         return any(not state.final for state in self._recv.values())
@@ -577,9 +615,11 @@ class OmniChunkManager(OmniTransferAdapterBase):
             with self._lock:
                 if self._recv.get(state.request_id) is state and not state.final:
                     self._fail_receiving_locked(
-                        state, f"stalled: no chunk from stage {self.config.upstream_stage_id} for "
-                               f"{format_seconds(self.config.stall_timeout_s)} "
-                               f"(waiting for chunk {state.next_chunk_id})")
+                        state,
+                        f"stalled: no chunk from stage {self.config.upstream_stage_id} for "
+                        f"{format_seconds(self.config.stall_timeout_s)} "
+                        f"(waiting for chunk {state.next_chunk_id})",
+                    )
         progressed = False
         upstream = self.config.upstream_stage_id
         assert upstream is not None or not active
@@ -604,8 +644,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 return None
             self._rotation = (self._rotation + 1) % len(active)
             state = active[self._rotation]
-            return RecvTarget(str(self.config.upstream_stage_id), self.stage_id,
-                              f"{state.prefix}{state.next_chunk_id}")
+            return RecvTarget(str(self.config.upstream_stage_id), self.stage_id, f"{state.prefix}{state.next_chunk_id}")
 
     def _recv_commit(self, target: RecvTarget, obj: Any, state: _RecvState | None = None) -> bool:
         """Apply a received chunk; False when the stream of its request stopped."""
@@ -622,8 +661,11 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 return False
             meta = obj.get("meta") if isinstance(obj, Mapping) else None
             data = obj.get("data") if isinstance(obj, Mapping) else None
-            if not isinstance(meta, Mapping) or not isinstance(data, Mapping) \
-                    or meta.get("chunk_id") != state.next_chunk_id:
+            if (
+                not isinstance(meta, Mapping)
+                or not isinstance(data, Mapping)
+                or meta.get("chunk_id") != state.next_chunk_id
+            ):
                 self._fail_receiving_locked(state, f"bad chunk under {target.key!r}: not a chunk of this stream")
                 return False
             state.next_chunk_id += 1
@@ -699,8 +741,14 @@ class OmniChunkManager(OmniTransferAdapterBase):
         chunks, state.ready = state.ready, []
         if state.final:
             del self._recv[request_id]
-        return ChunkInputs(request_id, assemble_chunks(chunks, self.config.concat_axis), state.first_ready_id,
-                           len(chunks), state.final, state.cancelled_upstream)
+        return ChunkInputs(
+            request_id,
+            assemble_chunks(chunks, self.config.concat_axis),
+            state.first_ready_id,
+            len(chunks),
+            state.final,
+            state.cancelled_upstream,
+        )
 
     def wait_for_progress(self, timeout: float | None = None) -> bool:
         """Block until a chunk arrived, a stream ended or a failure was recorded.
@@ -739,8 +787,12 @@ class OmniChunkManager(OmniTransferAdapterBase):
         prefix: str | None = None
         with self._lock:
             state = self._send.get(request_id)
-            if state is None and notify_downstream and self.config.downstream_stage_id is not None \
-                    and request_id not in self._ended_streams:
+            if (
+                state is None
+                and notify_downstream
+                and self.config.downstream_stage_id is not None
+                and request_id not in self._ended_streams
+            ):
                 ext = request_id
                 recv = self._recv.get(request_id)
                 if recv is not None:
@@ -754,8 +806,14 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 state.cancelled = True
                 self._room_cond.notify_all()  # a save of this request waiting for room gives up now
                 if notify_downstream is not False:
-                    item = _SaveItem(request_id, f"{state.prefix}{state.next_chunk_id}", state.next_chunk_id, {},
-                                     True, cancelled=True)
+                    item = _SaveItem(
+                        request_id,
+                        f"{state.prefix}{state.next_chunk_id}",
+                        state.next_chunk_id,
+                        {},
+                        True,
+                        cancelled=True,
+                    )
                     state.next_chunk_id += 1
                     state.terminal_queued = True
                     self._save_queue.append(item)
@@ -774,14 +832,16 @@ class OmniChunkManager(OmniTransferAdapterBase):
         """
         with self._lock:
             state = self._send.get(request_id)
-            streaming = (state is not None and not state.terminal_queued and not state.failed) \
-                or request_id in self._recv
+            streaming = (
+                state is not None and not state.terminal_queued and not state.failed
+            ) or request_id in self._recv
         if streaming:
             self.cancel(request_id)
         with self._lock:
             state = self._send.get(request_id)
-            if state is not None and (state.failed or not any(
-                    item.request_id == request_id for item in self._save_queue)):
+            if state is not None and (
+                state.failed or not any(item.request_id == request_id for item in self._save_queue)
+            ):
                 del self._send[request_id]
                 self._remember(self._ended_streams, request_id, None)
 
@@ -799,8 +859,12 @@ class OmniChunkManager(OmniTransferAdapterBase):
         """Sizes of the internal state (for tests, health and leak checks)."""
         self._sweep_idle()
         with self._lock:
-            return {"sending": len(self._send), "receiving": len(self._recv), "queued": len(self._save_queue),
-                    "parked": sum(len(p[1]) for p in self._parked.values())}
+            return {
+                "sending": len(self._send),
+                "receiving": len(self._recv),
+                "queued": len(self._save_queue),
+                "parked": sum(len(p[1]) for p in self._parked.values()),
+            }
 
     def health(self) -> dict[str, Any]:
         """Base health plus :meth:`pending_state`.
@@ -825,9 +889,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         return health
 
     # -- scheduler hooks ----------------------------------------------------------------------------
-    def process_pending_chunks(
-        self, waiting: MutableSequence[R], running: MutableSequence[R]
-    ) -> None:
+    def process_pending_chunks(self, waiting: MutableSequence[R], running: MutableSequence[R]) -> None:
         """Before scheduling: park requests whose next chunk has not arrived.
 
         Parked requests are taken out of ``waiting`` / ``running`` (so the
@@ -855,9 +917,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
                     queue.extend(keep)
                     self._parked[name] = (order, parked)
 
-    def restore_queues(
-        self, waiting: MutableSequence[R], running: MutableSequence[R]
-    ) -> None:
+    def restore_queues(self, waiting: MutableSequence[R], running: MutableSequence[R]) -> None:
         """After scheduling: put parked requests back where they were.
 
         Each goes right after the nearest request that preceded it before
@@ -867,9 +927,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         with self._lock:
             self._restore_locked(waiting, running)
 
-    def _restore_locked(
-        self, waiting: MutableSequence[R], running: MutableSequence[R]
-    ) -> None:
+    def _restore_locked(self, waiting: MutableSequence[R], running: MutableSequence[R]) -> None:
         for name, queue in (("waiting", waiting), ("running", running)):
             entry = self._parked.pop(name, None)
             if entry is None:

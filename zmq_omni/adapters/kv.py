@@ -79,8 +79,17 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "kv_transfer") -> KVTransferConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
-        known = ("from_stage", "to_stage", "src_tp_size", "dst_tp_size", "head_axis", "block_axis",
-                 "recv_timeout_s", "retry", "connector")
+        known = (
+            "from_stage",
+            "to_stage",
+            "src_tp_size",
+            "dst_tp_size",
+            "head_axis",
+            "block_axis",
+            "recv_timeout_s",
+            "retry",
+            "connector",
+        )
         check_known_keys(data, known, path)
         spec = data.get("connector")
         return cls(
@@ -132,15 +141,21 @@ class KVTransferManager:
     """
 
     def __init__(
-        self, config: KVTransferConfig | Mapping[str, Any], connector: OmniConnectorBase | None = None,
-        *, rank: int = 0,
+        self,
+        config: KVTransferConfig | Mapping[str, Any],
+        connector: OmniConnectorBase | None = None,
+        *,
+        rank: int = 0,
     ) -> None:
         self.config = config if isinstance(config, KVTransferConfig) else KVTransferConfig.from_dict(config)
         if connector is None and self.config.connector is None:
             raise ConfigError("KV transfer config names no 'connector' and no connector was given")
         self._owns_connector = connector is None
-        self.connector: OmniConnectorBase = connector if connector is not None else create_connector(
-            self.config.connector)  # type: ignore[arg-type]
+        spec = self.config.connector
+        if connector is None:
+            assert spec is not None  # checked above
+            connector = create_connector(spec)
+        self.connector: OmniConnectorBase = connector
         self.rank = rank
         self.stop_event = threading.Event()
         self._lock = threading.Lock()
@@ -183,8 +198,14 @@ class KVTransferManager:
             index[cfg.head_axis] = slice(lo - my_lo, hi - my_lo)
             shard = {
                 "layers": {name: arr[tuple(index)] for name, arr in layers.items()},
-                "meta": {"head_start": lo, "head_end": hi, "num_heads": total, "src_rank": self.rank,
-                         "src_tp_size": cfg.src_tp_size, "metadata": dict(metadata or {})},
+                "meta": {
+                    "head_start": lo,
+                    "head_end": hi,
+                    "num_heads": total,
+                    "src_rank": self.rank,
+                    "src_tp_size": cfg.src_tp_size,
+                    "metadata": dict(metadata or {}),
+                },
             }
             key = kv_key(request_id, cfg.from_stage, cfg.to_stage, self.rank, dst)
             if not self._put(request_id, key, shard):
@@ -235,9 +256,12 @@ class KVTransferManager:
         try:
             cfg.retry.retrying(stop_event=self.stop_event)(attempt)
         except Exception as exc:
-            self._record(self._failed_send, request_id,
-                         f"KV put {key!r} gave up after {attempts} attempt(s) in "
-                         f"{time.monotonic() - started:.2f}s: {type(exc).__name__}: {exc}")
+            self._record(
+                self._failed_send,
+                request_id,
+                f"KV put {key!r} gave up after {attempts} attempt(s) in "
+                f"{time.monotonic() - started:.2f}s: {type(exc).__name__}: {exc}",
+            )
             return False
         return True
 
@@ -255,19 +279,25 @@ class KVTransferManager:
         deadline = time.monotonic() + (cfg.recv_timeout_s if timeout_s is None else timeout_s)
         # Which source ranks overlap this rank does not depend on the head count:
         # rank d of D covers the fraction [d/D, (d+1)/D), rank s of S [s/S, (s+1)/S).
-        sources = [s for s in range(cfg.src_tp_size)
-                   if s * cfg.dst_tp_size < (self.rank + 1) * cfg.src_tp_size
-                   and self.rank * cfg.src_tp_size < (s + 1) * cfg.dst_tp_size]
+        sources = [
+            s
+            for s in range(cfg.src_tp_size)
+            if s * cfg.dst_tp_size < (self.rank + 1) * cfg.src_tp_size
+            and self.rank * cfg.src_tp_size < (s + 1) * cfg.dst_tp_size
+        ]
         shards: list[Mapping[str, Any]] = []
         for src in sources:
             key = kv_key(request_id, cfg.from_stage, cfg.to_stage, src, self.rank)
             got = cfg.retry.polling(max(0.0, deadline - time.monotonic()), stop_event=self.stop_event)(
-                lambda key=key: self.connector.get_with_deadline(cfg.from_stage, cfg.to_stage, key,
-                                                                 deadline=deadline))
+                lambda key=key: self.connector.get_with_deadline(cfg.from_stage, cfg.to_stage, key, deadline=deadline)
+            )
             if got is None:
-                self._record(self._failed_recv, request_id,
-                             f"KV shard {key!r} from source rank {src} did not arrive within "
-                             f"{format_seconds(cfg.recv_timeout_s if timeout_s is None else timeout_s)}")
+                self._record(
+                    self._failed_recv,
+                    request_id,
+                    f"KV shard {key!r} from source rank {src} did not arrive within "
+                    f"{format_seconds(cfg.recv_timeout_s if timeout_s is None else timeout_s)}",
+                )
                 return None
             shards.append(got[0])
         return self._merge(request_id, shards)
@@ -289,7 +319,8 @@ class KVTransferManager:
             if any(list(shard["layers"]) != names for shard in shards):
                 raise ValueError("shards disagree on the layer names")
             layers = {
-                name: shards[0]["layers"][name] if len(shards) == 1
+                name: shards[0]["layers"][name]
+                if len(shards) == 1
                 else np.concatenate([shard["layers"][name] for shard in shards], axis=cfg.head_axis)
                 for name in names
             }

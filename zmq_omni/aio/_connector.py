@@ -554,4 +554,3 @@ class AsyncConnector:
         base["aio_puts_waiting"] = len(self._puts)
         base["aio_handed_back"] = self._handed_back_count
         return base
-

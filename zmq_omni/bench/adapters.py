@@ -66,12 +66,27 @@ class AdaptersResult:
         """save_async hold against a synchronous put, chunk latency against raw put->get (p50 and p99)."""
         out = []
         for stat in ("p50", "p99"):
-            out.append(Comparison("adapters", "save_async scheduler hold", stat, getattr(self.save_hold, stat),
-                                  getattr(self.raw_put, stat), "synchronous ZmqConnector put"))
+            out.append(
+                Comparison(
+                    "adapters",
+                    "save_async scheduler hold",
+                    stat,
+                    getattr(self.save_hold, stat),
+                    getattr(self.raw_put, stat),
+                    "synchronous ZmqConnector put",
+                )
+            )
         for stat in ("p50", "p99"):
-            out.append(Comparison("adapters", "chunk save_async->assembled", stat,
-                                  getattr(self.chunk_latency, stat), getattr(self.raw_put_get, stat),
-                                  "raw ZmqConnector put->get"))
+            out.append(
+                Comparison(
+                    "adapters",
+                    "chunk save_async->assembled",
+                    stat,
+                    getattr(self.chunk_latency, stat),
+                    getattr(self.raw_put_get, stat),
+                    "raw ZmqConnector put->get",
+                )
+            )
         return out
 
 
@@ -80,8 +95,9 @@ def _thread_cpu(native_id: int | None) -> float:
 
 
 def _zmq(stage: str, role: str, endpoint: str) -> OmniConnectorBase:
-    return create_connector({"name": "ZmqConnector",
-                             "extra": {"stage_id": stage, "role": role, "endpoints": {"1": endpoint}}})
+    return create_connector(
+        {"name": "ZmqConnector", "extra": {"stage_id": stage, "role": role, "endpoints": {"1": endpoint}}}
+    )
 
 
 def run_adapters(n: int = 2000, payload_bytes: int = 4096, *, cpu_window_s: float = 1.0) -> AdaptersResult:
@@ -183,8 +199,16 @@ def run_adapters(n: int = 2000, payload_bytes: int = 4096, *, cpu_window_s: floa
         receiver.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     return AdaptersResult(
-        n=n, payload_bytes=payload_bytes, save_hold=Percentiles.of(save_hold), save_burst=Percentiles.of(burst),
-        load_hold=Percentiles.of(loads), pending_hooks=Percentiles.of(hooks), restore=Percentiles.of(restore),
-        raw_put=Percentiles.of(raw_put), raw_put_get=Percentiles.of(raw), chunk_latency=Percentiles.of(latency),
-        pending_cpu=pending_cpu, idle_cpu=idle_cpu,
+        n=n,
+        payload_bytes=payload_bytes,
+        save_hold=Percentiles.of(save_hold),
+        save_burst=Percentiles.of(burst),
+        load_hold=Percentiles.of(loads),
+        pending_hooks=Percentiles.of(hooks),
+        restore=Percentiles.of(restore),
+        raw_put=Percentiles.of(raw_put),
+        raw_put_get=Percentiles.of(raw),
+        chunk_latency=Percentiles.of(latency),
+        pending_cpu=pending_cpu,
+        idle_cpu=idle_cpu,
     )

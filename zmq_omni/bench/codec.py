@@ -166,8 +166,12 @@ def run_codec(
         payload = {"request_id": _REQUEST_ID, "hidden_states": arr}
         dst = np.empty_like(arr)
         budget, reps = (budget_s, repeats) if size <= 16 * MIB else (large_budget_s, large_repeats)
-        fns = {"ours": _ours(payload), "pickle": _pickle5(payload), "msgpack": _msgpack_copy(payload),
-               "copy": _memcpy(dst, arr)}
+        fns = {
+            "ours": _ours(payload),
+            "pickle": _pickle5(payload),
+            "msgpack": _msgpack_copy(payload),
+            "copy": _memcpy(dst, arr),
+        }
         times = median_seconds(fns, budget, reps)
         row = CodecRow(size, times["ours"], times["pickle"], times["msgpack"], times["copy"])
         del arr, dst, payload, fns
@@ -179,8 +183,11 @@ def run_codec(
 
 def run_small_dict(*, budget_s: float = 0.5, repeats: int = 21) -> SmallDictRow:
     """Encode+decode of :data:`SMALL_META` beside plain msgpack and pickle-5."""
-    fns = {"ours": _ours(SMALL_META), "plain": lambda: msgpack.unpackb(msgpack.packb(SMALL_META)),
-           "pickle": _pickle5(SMALL_META)}
+    fns = {
+        "ours": _ours(SMALL_META),
+        "plain": lambda: msgpack.unpackb(msgpack.packb(SMALL_META)),
+        "pickle": _pickle5(SMALL_META),
+    }
     times = median_seconds(fns, budget_s, repeats)
     return SmallDictRow(len(msgpack.packb(SMALL_META)), times["ours"], times["plain"], times["pickle"])
 
@@ -192,8 +199,7 @@ def run_fresh_shapes(*, budget_s: float = 0.5, repeats: int = 21) -> FreshShapes
     payloads = [{"request_id": _REQUEST_ID, "hidden_states": base[: base.size - i]} for i in range(4096)]
     cycle = itertools.cycle(payloads)
     dst = np.empty_like(base)
-    times = median_seconds({"ours": lambda: decode(encode(next(cycle))), "copy": _memcpy(dst, base)},
-                           budget_s, repeats)
+    times = median_seconds({"ours": lambda: decode(encode(next(cycle))), "copy": _memcpy(dst, base)}, budget_s, repeats)
     return FreshShapesRow(times["ours"], times["copy"])
 
 
@@ -224,8 +230,9 @@ def run_threshold_sweep(
 
             for size in sizes:
                 payload = {"request_id": "r-1", "x": np.ones(size, np.uint8)}
-                times = median_seconds({"inline": trip(payload, size + 1), "frame": trip(payload, 0)},
-                                       budget_s, repeats)
+                times = median_seconds(
+                    {"inline": trip(payload, size + 1), "frame": trip(payload, 0)}, budget_s, repeats
+                )
                 row = ThresholdRow(size, times["inline"], times["frame"])
                 rows.append(row)
                 if on_row is not None:

@@ -60,7 +60,15 @@ __all__ = ["PATHS", "SIZES", "ShmRow", "repetitions", "run_shm"]
 
 SIZES = [1 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 PATHS = (
-    "memcpy", "zmq-ipc", "zmq-tcp", "vllm-style", "pickle-shm", "shm-conn", "zmq+slot", "zmq-off", "zmq-conn",
+    "memcpy",
+    "zmq-ipc",
+    "zmq-tcp",
+    "vllm-style",
+    "pickle-shm",
+    "shm-conn",
+    "zmq+slot",
+    "zmq-off",
+    "zmq-conn",
     "zmq-pull",
 )
 _FAST = "shm fast path (ZmqConnector ipc)"
@@ -87,8 +95,11 @@ class ShmRow:
         if "zmq-conn" not in self.times:
             return []
         fast = self.times["zmq-conn"]
-        return [Comparison("shm", _FAST, size_label(self.size), fast, self.times[path], name)
-                for path, name in _BASELINES.items() if path in self.times]
+        return [
+            Comparison("shm", _FAST, size_label(self.size), fast, self.times[path], name)
+            for path, name in _BASELINES.items()
+            if path in self.times
+        ]
 
 
 def _memcpy(arr: np.ndarray[Any, Any], reps: int) -> float:

@@ -60,8 +60,7 @@ class ThroughputRow:
         label = size_label(self.size)
         return [
             Comparison("transport", f"ZmqConnector {self.transport} shm=off", label, self.off, self.raw, _RAW, "B/s"),
-            Comparison("transport", f"ZmqConnector {self.transport} shm=auto", label, self.auto, self.raw, _RAW,
-                       "B/s"),
+            Comparison("transport", f"ZmqConnector {self.transport} shm=auto", label, self.auto, self.raw, _RAW, "B/s"),
         ]
 
 
@@ -78,8 +77,17 @@ class RateRow:
 
     def comparisons(self) -> list[Comparison]:
         """The row as a ratio-table cell: ZmqConnector (shm off) against raw pyzmq + msgpack."""
-        return [Comparison("transport", f"ZmqConnector {self.transport} rate", f"{SMALL} B msgs", self.off,
-                           self.raw, "raw pyzmq + msgpack per msg", "msg/s")]
+        return [
+            Comparison(
+                "transport",
+                f"ZmqConnector {self.transport} rate",
+                f"{SMALL} B msgs",
+                self.off,
+                self.raw,
+                "raw pyzmq + msgpack per msg",
+                "msg/s",
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -260,19 +268,28 @@ def run_transport(
                 for size in sizes:
                     n = message_count(size, budget_bytes=budget_bytes, max_count=max_count)
                     data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
-                    row = ThroughputRow(transport, size, n, n * size / raw.large(data, n),
-                                        n * size / off.large(data, n), n * size / auto.large(data, n))
+                    row = ThroughputRow(
+                        transport,
+                        size,
+                        n,
+                        n * size / raw.large(data, n),
+                        n * size / off.large(data, n),
+                        n * size / auto.large(data, n),
+                    )
                     del data
                     throughput.append(row)
                     if on_row is not None:
                         on_row(row)
                 if small_count:
                     # Interleaved rounds, median of each: one round on a shared machine varies by a third.
-                    rounds = [[small_count / peer.small(small_count) for peer in (raw, off, auto)]
-                              for _ in range(max(1, small_rounds))]
+                    rounds = [
+                        [small_count / peer.small(small_count) for peer in (raw, off, auto)]
+                        for _ in range(max(1, small_rounds))
+                    ]
                     raw_rate, off_rate, auto_rate = (statistics.median(cell) for cell in zip(*rounds, strict=True))
-                    rate = RateRow(transport, small_count, raw_rate, off_rate, auto_rate,
-                                   int(auto.conn.health()["shm_puts"]))
+                    rate = RateRow(
+                        transport, small_count, raw_rate, off_rate, auto_rate, int(auto.conn.health()["shm_puts"])
+                    )
                     small.append(rate)
                     if on_row is not None:
                         on_row(rate)

@@ -49,19 +49,35 @@ class _Plan:
 
 
 _FULL = _Plan(
-    codec_sizes=(1 * KIB, 1 * MIB, 64 * MIB), codec_budget_s=0.3, codec_repeats=9,
-    transports=("ipc", "tcp"), transport_sizes=(1 * KIB, 1 * MIB, 64 * MIB), transport_budget=512 * MIB,
-    transport_max_count=8000, small_count=20_000,
-    latency_transports=("ipc", "tcp"), latency_sizes=(1 * KIB, 64 * KIB, 1 * MIB), latency_count=1000,
-    shm_sizes=(1 * MIB, 64 * MIB), shm_budget=512 * MIB,
+    codec_sizes=(1 * KIB, 1 * MIB, 64 * MIB),
+    codec_budget_s=0.3,
+    codec_repeats=9,
+    transports=("ipc", "tcp"),
+    transport_sizes=(1 * KIB, 1 * MIB, 64 * MIB),
+    transport_budget=512 * MIB,
+    transport_max_count=8000,
+    small_count=20_000,
+    latency_transports=("ipc", "tcp"),
+    latency_sizes=(1 * KIB, 64 * KIB, 1 * MIB),
+    latency_count=1000,
+    shm_sizes=(1 * MIB, 64 * MIB),
+    shm_budget=512 * MIB,
     adapters_n=1000,
 )
 _QUICK = _Plan(
-    codec_sizes=(1 * KIB, 1 * MIB), codec_budget_s=0.05, codec_repeats=5,
-    transports=("ipc",), transport_sizes=(1 * MIB,), transport_budget=64 * MIB,
-    transport_max_count=500, small_count=2000,
-    latency_transports=("ipc",), latency_sizes=(1 * KIB,), latency_count=200,
-    shm_sizes=(1 * MIB,), shm_budget=32 * MIB,
+    codec_sizes=(1 * KIB, 1 * MIB),
+    codec_budget_s=0.05,
+    codec_repeats=5,
+    transports=("ipc",),
+    transport_sizes=(1 * MIB,),
+    transport_budget=64 * MIB,
+    transport_max_count=500,
+    small_count=2000,
+    latency_transports=("ipc",),
+    latency_sizes=(1 * KIB,),
+    latency_count=200,
+    shm_sizes=(1 * MIB,),
+    shm_budget=32 * MIB,
     adapters_n=100,
 )
 
@@ -81,8 +97,10 @@ def _ratio(ratio: float) -> str:
 
 
 def _line(c: Comparison) -> str:
-    return (f"{c.benchmark:<34} {c.size:>12} {_value(c.ours, c.unit):>12} {_value(c.baseline, c.unit):>12} "
-            f"{_ratio(c.ratio):>9}  {c.baseline_name}")
+    return (
+        f"{c.benchmark:<34} {c.size:>12} {_value(c.ours, c.unit):>12} {_value(c.baseline, c.unit):>12} "
+        f"{_ratio(c.ratio):>9}  {c.baseline_name}"
+    )
 
 
 def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
@@ -92,15 +110,30 @@ def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
     from ..bench.shm import run_shm
     from ..bench.transport import run_transport
 
-    run_codec(plan.codec_sizes, budget_s=plan.codec_budget_s, repeats=plan.codec_repeats,
-              large_budget_s=plan.codec_budget_s * 2, large_repeats=plan.codec_repeats,
-              on_row=lambda row: emit(row.comparisons()))
+    run_codec(
+        plan.codec_sizes,
+        budget_s=plan.codec_budget_s,
+        repeats=plan.codec_repeats,
+        large_budget_s=plan.codec_budget_s * 2,
+        large_repeats=plan.codec_repeats,
+        on_row=lambda row: emit(row.comparisons()),
+    )
     emit(run_small_dict(budget_s=plan.codec_budget_s, repeats=plan.codec_repeats).comparisons())
-    run_transport(plan.transport_sizes, transports=plan.transports, budget_bytes=plan.transport_budget,
-                  max_count=plan.transport_max_count, small_count=plan.small_count,
-                  on_row=lambda row: emit(row.comparisons()))
-    run_latency(plan.latency_sizes, transports=plan.latency_transports, count=plan.latency_count,
-                warmup=min(200, plan.latency_count), on_row=lambda row: emit(row.comparisons()))
+    run_transport(
+        plan.transport_sizes,
+        transports=plan.transports,
+        budget_bytes=plan.transport_budget,
+        max_count=plan.transport_max_count,
+        small_count=plan.small_count,
+        on_row=lambda row: emit(row.comparisons()),
+    )
+    run_latency(
+        plan.latency_sizes,
+        transports=plan.latency_transports,
+        count=plan.latency_count,
+        warmup=min(200, plan.latency_count),
+        on_row=lambda row: emit(row.comparisons()),
+    )
     run_shm(plan.shm_sizes, budget_bytes=plan.shm_budget, paths=_SHM_PATHS, on_row=lambda row: emit(row.comparisons()))
     emit(run_adapters(plan.adapters_n, cpu_window_s=0).comparisons())
 
@@ -118,8 +151,11 @@ def run_bench(args: argparse.Namespace) -> int:
             cells.append(cell)
             print(_line(cell), flush=True)
 
-    print(f"zmq-omni bench{' --quick' if args.quick else ''}: each row measured beside its baseline in the same "
-          f"run; ratio > 1 means zmq_omni is faster", flush=True)
+    print(
+        f"zmq-omni bench{' --quick' if args.quick else ''}: each row measured beside its baseline in the same "
+        f"run; ratio > 1 means zmq_omni is faster",
+        flush=True,
+    )
     print(_COLUMNS)
     print("-" * (len(_COLUMNS) + 16), flush=True)
     try:
@@ -127,8 +163,11 @@ def run_bench(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a grid's own check failed (a put refused, the wrong path taken)
         print(f"zmq-omni bench: error: {exc}", file=sys.stderr)
         return 1
-    print(f"\nratio = baseline time / our time, or our rate / baseline rate; "
-          f"{len(cells)} rows, total time {time.monotonic() - started:.1f} s", flush=True)
+    print(
+        f"\nratio = baseline time / our time, or our rate / baseline rate; "
+        f"{len(cells)} rows, total time {time.monotonic() - started:.1f} s",
+        flush=True,
+    )
     if args.plot is not None:
         _plot(cells, args.plot)
     return 0
@@ -150,17 +189,28 @@ def _check_plot_path(path: str) -> None:
 #: array (msgpack of bytes, one memcpy) is left to the table: zero-copy against a copy grows with the
 #: size without limit and says nothing a user chooses between.
 _PANELS: tuple[tuple[str, Callable[[Comparison], bool]], ...] = (
-    ("ZmqConnector against raw pyzmq PUSH/PULL: same bytes, same socket type (throughput)",
-     lambda c: c.grid == "transport"),
-    ("One message in flight: round trip against raw pyzmq PAIR (msgpack header + zero-copy frame)",
-     lambda c: c.grid == "latency"),
-    ("Same-host shm fast path, put -> get, against the vllm-omni-style path and raw pyzmq tcp",
-     lambda c: c.grid == "shm" and "memcpy" not in c.baseline_name),
-    ("The same against one memcpy of the payload: a floor, 1x is as fast as copying it once",
-     lambda c: c.grid == "shm" and "memcpy" in c.baseline_name),
-    ("Codec against pickle-5 / msgpack; adapters against a plain synchronous connector",
-     lambda c: (c.grid == "codec" and c.baseline_name.startswith(("pickle5", "msgpack packb")))
-     or c.grid == "adapters"),
+    (
+        "ZmqConnector against raw pyzmq PUSH/PULL: same bytes, same socket type (throughput)",
+        lambda c: c.grid == "transport",
+    ),
+    (
+        "One message in flight: round trip against raw pyzmq PAIR (msgpack header + zero-copy frame)",
+        lambda c: c.grid == "latency",
+    ),
+    (
+        "Same-host shm fast path, put -> get, against the vllm-omni-style path and raw pyzmq tcp",
+        lambda c: c.grid == "shm" and "memcpy" not in c.baseline_name,
+    ),
+    (
+        "The same against one memcpy of the payload: a floor, 1x is as fast as copying it once",
+        lambda c: c.grid == "shm" and "memcpy" in c.baseline_name,
+    ),
+    (
+        "Codec against pickle-5 / msgpack; adapters against a plain synchronous connector",
+        lambda c: (
+            (c.grid == "codec" and c.baseline_name.startswith(("pickle5", "msgpack packb"))) or c.grid == "adapters"
+        ),
+    ),
 )
 
 _CAPTION = (
@@ -204,8 +254,9 @@ def _plot(cells: list[Comparison], path: str) -> None:
         return
     heights = [len(rows) + 1.5 for _, rows in panels]
     inches = 1.6 + 0.3 * sum(heights)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, inches), gridspec_kw={"height_ratios": heights},
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(11, inches), gridspec_kw={"height_ratios": heights}, squeeze=False
+    )
     for ax, (title, rows) in zip(axes[:, 0], panels, strict=True):
         ratios = [c.ratio for c in rows]
         # A bar far beyond the panel's others (a p99 outlier) would squash them into slivers: its bar is cut
@@ -213,19 +264,33 @@ def _plot(cells: list[Comparison], path: str) -> None:
         usual = [r for r in ratios if r <= 4 * float(np.median(ratios))]
         high = max(2.0, max(usual) * 1.2)
         positions = list(range(len(rows)))
-        ax.barh(positions, [min(r, high) for r in ratios], height=0.7,
-                color=["tab:blue" if r >= 1 else "tab:orange" for r in ratios])
+        ax.barh(
+            positions,
+            [min(r, high) for r in ratios],
+            height=0.7,
+            color=["tab:blue" if r >= 1 else "tab:orange" for r in ratios],
+        )
         ax.axvline(1.0, color="black", linewidth=1.0, linestyle="--")
         ax.set_yticks(positions, [_plot_label(c) for c in rows], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlim(0, high)
         for y, ratio in zip(positions, ratios, strict=True):
             if ratio > high:
-                ax.annotate(f"{_ratio(ratio)} (bar cut)", (high, y), xytext=(-3, 0), textcoords="offset points",
-                            va="center", ha="right", fontsize=8, color="white", fontweight="bold")
+                ax.annotate(
+                    f"{_ratio(ratio)} (bar cut)",
+                    (high, y),
+                    xytext=(-3, 0),
+                    textcoords="offset points",
+                    va="center",
+                    ha="right",
+                    fontsize=8,
+                    color="white",
+                    fontweight="bold",
+                )
             else:
-                ax.annotate(_ratio(ratio), (ratio, y), xytext=(3, 0), textcoords="offset points", va="center",
-                            fontsize=8)
+                ax.annotate(
+                    _ratio(ratio), (ratio, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+                )
         ax.set_title(title, fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="x", alpha=0.3)

@@ -47,9 +47,11 @@ def run_stage(args: argparse.Namespace) -> int:
     if in_process:
         # Its peers would be other processes, which an in-process connector never reaches: drive would wait forever.
         worker.close()
-        raise ConfigError(f"stage {spec.name!r} uses {in_process[0]}, an in-process connector, which cannot reach "
-                          "stages in other processes; run all its stages in one process (StageWorker.start()) "
-                          "or give its edges ZmqConnector or SharedMemoryConnector")
+        raise ConfigError(
+            f"stage {spec.name!r} uses {in_process[0]}, an in-process connector, which cannot reach "
+            "stages in other processes; run all its stages in one process (StageWorker.start()) "
+            "or give its edges ZmqConnector or SharedMemoryConnector"
+        )
 
     def stop(signum: int, frame: FrameType | None) -> None:
         worker.stop()
@@ -59,16 +61,20 @@ def run_stage(args: argparse.Namespace) -> int:
         from ..metrics import PrometheusExporter
 
         try:
-            exporter = PrometheusExporter(worker.health, port=args.metrics_port, addr=args.metrics_addr,
-                                          prefix="zmq_omni_stage")
+            exporter = PrometheusExporter(
+                worker.health, port=args.metrics_port, addr=args.metrics_addr, prefix="zmq_omni_stage"
+            )
         except (ImportError, OSError) as exc:
             worker.close()
             raise ConfigError(f"--metrics-port {args.metrics_port}: {exc}") from exc
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         metrics = f"; metrics on http://{exporter.addr}:{exporter.port}/metrics" if exporter else ""
-        print(f"zmq-omni stage {spec.name} (stage id {spec.stage_id}) serving on {spec.endpoint or '-'}{metrics}",
-              file=sys.stderr, flush=True)
+        print(
+            f"zmq-omni stage {spec.name} (stage id {spec.stage_id}) serving on {spec.endpoint or '-'}{metrics}",
+            file=sys.stderr,
+            flush=True,
+        )
         worker.run()
         health = worker.health()
     finally:
@@ -79,8 +85,11 @@ def run_stage(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     if args.stats_out:
         Path(args.stats_out).write_text(json.dumps(health, default=str), encoding="utf-8")
-    print(f"zmq-omni stage {spec.name}: stopped ({health['completed']} requests completed, "
-          f"{health['failed']} failed)", file=sys.stderr, flush=True)
+    print(
+        f"zmq-omni stage {spec.name}: stopped ({health['completed']} requests completed, {health['failed']} failed)",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0
 
 
@@ -105,8 +114,11 @@ def wait_ready(pipeline: PipelineConfig, timeout_s: float, *, alive: Any = None)
                 if reason:
                     raise TransportError(reason)
             try:
-                probe(spec.endpoint, timeout_s=min(1.0, max(0.05, deadline - time.monotonic())),
-                      **pipeline.probe_keys(pipeline.driver.name, spec))
+                probe(
+                    spec.endpoint,
+                    timeout_s=min(1.0, max(0.05, deadline - time.monotonic())),
+                    **pipeline.probe_keys(pipeline.driver.name, spec),
+                )
                 break
             except AuthenticationError as exc:  # waiting longer cannot help
                 raise AuthenticationError(f"stage {spec.name!r}: {exc}") from exc
@@ -125,19 +137,36 @@ def run_drive(args: argparse.Namespace) -> int:
     if args.wait_ready > 0:
         wait_ready(pipeline, args.wait_ready)
     with PipelineDriver.from_pipeline(pipeline) as driver:
-        run = drive_requests(driver, pipeline, requests=args.requests, chunks=args.chunks,
-                             payload_size=args.payload_size, out_dir=out_dir, progress=Progress(),
-                             prefix=args.prefix)
+        run = drive_requests(
+            driver,
+            pipeline,
+            requests=args.requests,
+            chunks=args.chunks,
+            payload_size=args.payload_size,
+            out_dir=out_dir,
+            progress=Progress(),
+            prefix=args.prefix,
+        )
     for result in run.requests.values():
         if result.failed is None and result.done:
             ttfa = (result.first_output_at or result.submitted_at) - result.submitted_at
-            print(f"{result.request_id} completed: {result.chunks} chunks, {result.bytes} bytes, "
-                  f"first output after {ttfa * 1e3:.1f} ms", flush=True)
+            print(
+                f"{result.request_id} completed: {result.chunks} chunks, {result.bytes} bytes, "
+                f"first output after {ttfa * 1e3:.1f} ms",
+                flush=True,
+            )
         else:
             print(f"{result.request_id} FAILED: {result.failed or 'did not finish'}", flush=True)
     names = " -> ".join(spec.name for spec in pipeline.stages)
-    print(format_table(run, title=f"zmq-omni drive: {pipeline.name} ({names})", chunks_per_request=args.chunks,
-                       payload_size=args.payload_size), flush=True)
+    print(
+        format_table(
+            run,
+            title=f"zmq-omni drive: {pipeline.name} ({names})",
+            chunks_per_request=args.chunks,
+            payload_size=args.payload_size,
+        ),
+        flush=True,
+    )
     if out_dir is not None:
         wavs = [r.wav_path for r in run.requests.values() if r.wav_path is not None]
         where = f" ({wavs[0].name} ... {wavs[-1].name})" if wavs else ""
@@ -216,9 +245,11 @@ def run_shm_sweep(args: argparse.Namespace) -> int:
         print(f"{verb} {path}")
     for path in report.expired:
         print(f"{verb} (expired) {path}")
-    print(f"shm-sweep: {verb} {len(report.removed) + len(report.expired)} objects, "
-          f"{report.freed_bytes} bytes; kept {report.kept_live} of live owners, "
-          f"{report.kept_foreign} foreign")
+    print(
+        f"shm-sweep: {verb} {len(report.removed) + len(report.expired)} objects, "
+        f"{report.freed_bytes} bytes; kept {report.kept_live} of live owners, "
+        f"{report.kept_foreign} foreign"
+    )
     for line in report.errors:
         print(f"shm-sweep: error: {line}", file=sys.stderr)
     return 1 if report.errors else 0
@@ -284,8 +315,10 @@ def _keygen_pipeline(args: argparse.Namespace, new_pair: Any) -> int:
     if args.rotate:
         missing = sorted(set(names) - set(present))
         if missing:
-            return _keygen_error(f"--rotate needs the pipeline's existing key files in {out_dir}; "
-                                 f"missing: {', '.join(f'{m}.keys' for m in missing)}")
+            return _keygen_error(
+                f"--rotate needs the pipeline's existing key files in {out_dir}; "
+                f"missing: {', '.join(f'{m}.keys' for m in missing)}"
+            )
         existing = {name: KeyFile.load(KeyFile.path_in(out_dir, name)) for name in names}
     files = make_pipeline_keys(pipeline, new_pair, existing=existing, rotate=tuple(args.rotate or ()))
     try:
@@ -296,8 +329,10 @@ def _keygen_pipeline(args: argparse.Namespace, new_pair: Any) -> int:
         return _keygen_error(f"cannot write {exc.filename or out_dir}: {exc.strerror}")
     secrets = [path.name for path in written if path.suffix == ".keys"]
     what = f"rotated {', '.join(args.rotate)}; rewrote" if args.rotate else "wrote"
-    print(f"zmq-omni keygen: {what} {len(secrets)} key files in {out_dir} (0600, dir 0700): {', '.join(secrets)}; "
-          f"public keys in *.pub")
+    print(
+        f"zmq-omni keygen: {what} {len(secrets)} key files in {out_dir} (0600, dir 0700): {', '.join(secrets)}; "
+        f"public keys in *.pub"
+    )
     if args.rotate:
         print("zmq-omni keygen: restart every stage (and the driver) to load them; see docs/security.md")
     return 0

@@ -55,8 +55,10 @@ def demo_pipeline(transport: str, workdir: Path, *, shm: str = "auto", timeout_s
     def endpoint(name: str) -> str:
         return f"ipc://{workdir}/{name}.sock" if transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
 
-    stages = [{"name": name, "stage_id": stage_id, "function": f"zmq_omni.cli.demo_stages:{name}",
-               "endpoint": endpoint(name)} for name, stage_id in STAGES]
+    stages = [
+        {"name": name, "stage_id": stage_id, "function": f"zmq_omni.cli.demo_stages:{name}", "endpoint": endpoint(name)}
+        for name, stage_id in STAGES
+    ]
     return {
         "pipeline": {
             "name": "demo",
@@ -66,11 +68,17 @@ def demo_pipeline(transport: str, workdir: Path, *, shm: str = "auto", timeout_s
             "stages": stages,
         },
         "stage_args": [
-            {"stage_id": "0", "input_connectors": {"from_stage_driver": "zmq"},
-             "output_connectors": {"to_stage_1": "zmq"}},
+            {
+                "stage_id": "0",
+                "input_connectors": {"from_stage_driver": "zmq"},
+                "output_connectors": {"to_stage_1": "zmq"},
+            },
             {"stage_id": "1", "input_connectors": {"from_stage_0": "zmq"}, "output_connectors": {"to_stage_2": "zmq"}},
-            {"stage_id": "2", "input_connectors": {"from_stage_1": "zmq"},
-             "output_connectors": {"to_stage_driver": "zmq"}},
+            {
+                "stage_id": "2",
+                "input_connectors": {"from_stage_1": "zmq"},
+                "output_connectors": {"to_stage_driver": "zmq"},
+            },
         ],
         "runtime": {"connectors": {"zmq": {"name": "ZmqConnector", "extra": {"shm": shm}}}},
     }
@@ -90,9 +98,24 @@ class _Stages:
                 self.logs[name] = workdir / f"{name}.log"
                 with open(self.logs[name], "wb") as log:
                     self.procs[name] = subprocess.Popen(
-                        [sys.executable, "-m", "zmq_omni.cli", "--log-level", log_level, "stage",
-                         "--config", str(config_path), "--stage", name, "--stats-out", str(workdir / f"{name}.json")],
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                        [
+                            sys.executable,
+                            "-m",
+                            "zmq_omni.cli",
+                            "--log-level",
+                            log_level,
+                            "stage",
+                            "--config",
+                            str(config_path),
+                            "--stage",
+                            name,
+                            "--stats-out",
+                            str(workdir / f"{name}.json"),
+                        ],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        env=env,
                     )
         except BaseException:
             self.stop()
@@ -169,22 +192,37 @@ def run_demo(args: argparse.Namespace) -> int:
         config_path = workdir / "pipeline.json"
         config_path.write_text(json.dumps(config), encoding="utf-8")
         pipeline = load_pipeline_config(config_path)
-        print(f"zmq-omni demo: thinker -> talker -> vocoder as 3 processes over {args.transport}:// "
-              f"(shm {args.shm}); {args.requests} requests x {args.chunks} chunks of "
-              f"{args.payload_size} bytes; audio to {out_dir}/", flush=True)
+        print(
+            f"zmq-omni demo: thinker -> talker -> vocoder as 3 processes over {args.transport}:// "
+            f"(shm {args.shm}); {args.requests} requests x {args.chunks} chunks of "
+            f"{args.payload_size} bytes; audio to {out_dir}/",
+            flush=True,
+        )
         stages = _Stages(config_path, workdir, args.log_level)
         with PipelineDriver.from_pipeline(pipeline) as driver:
             wait_ready(pipeline, 30.0, alive=stages.dead)
-            run = drive_requests(driver, pipeline, requests=args.requests, chunks=args.chunks,
-                                 payload_size=args.payload_size, out_dir=out_dir, progress=Progress(),
-                                 check_stages=stages.dead)
+            run = drive_requests(
+                driver,
+                pipeline,
+                requests=args.requests,
+                chunks=args.chunks,
+                payload_size=args.payload_size,
+                out_dir=out_dir,
+                progress=Progress(),
+                check_stages=stages.dead,
+            )
             driver_health = driver.health().get("chunks", {})
         codes = stages.stop()
         hop_bytes = _hop_bytes(stages.stats(), driver_health)
-        title = (f"zmq-omni demo: {len(run.requests)} requests through thinker -> talker -> vocoder "
-                 f"({args.transport}://, shm {args.shm})")
-        print(format_table(run, title=title, chunks_per_request=args.chunks, payload_size=args.payload_size,
-                           hop_bytes=hop_bytes))
+        title = (
+            f"zmq-omni demo: {len(run.requests)} requests through thinker -> talker -> vocoder "
+            f"({args.transport}://, shm {args.shm})"
+        )
+        print(
+            format_table(
+                run, title=title, chunks_per_request=args.chunks, payload_size=args.payload_size, hop_bytes=hop_bytes
+            )
+        )
         wavs = [r.wav_path for r in run.requests.values() if r.wav_path is not None]
         if wavs:
             print(f"\n  {len(wavs)} WAV files in {out_dir.resolve()}/ ({wavs[0].name} ... {wavs[-1].name})")
@@ -194,8 +232,11 @@ def run_demo(args: argparse.Namespace) -> int:
         if run.failed or bad:
             # The stages' logs live in a temp dir removed below: show their ends while they still exist.
             for name, _ in STAGES:
-                print(f"--- stage {name} (exit {codes.get(name)}), last lines of its log ---\n"
-                      f"{stages.log_lines(name, 20)}", file=sys.stderr)
+                print(
+                    f"--- stage {name} (exit {codes.get(name)}), last lines of its log ---\n"
+                    f"{stages.log_lines(name, 20)}",
+                    file=sys.stderr,
+                )
         return 1 if run.failed or bad else 0
     finally:
         if stages is not None:

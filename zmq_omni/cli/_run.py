@@ -211,8 +211,10 @@ def _progress_text(results: Mapping[str, RequestResult], chunks: int, started: f
     failed = sum(1 for r in results.values() if r.failed is not None)
     got = sum(r.chunks for r in results.values())
     mb = sum(r.bytes for r in results.values()) / 1e6
-    return (f"[{time.time() - started:6.1f}s] requests {done}/{len(results)} done, {failed} failed | "
-            f"audio chunks {got} | {mb:.1f} MB audio")
+    return (
+        f"[{time.time() - started:6.1f}s] requests {done}/{len(results)} done, {failed} failed | "
+        f"audio chunks {got} | {mb:.1f} MB audio"
+    )
 
 
 def _pct(values: list[float], q: float) -> str:
@@ -248,14 +250,24 @@ def format_table(
     thinker_chunks = len(completed) * chunks_per_request
     rows: list[tuple[str, str]] = [
         ("requests", f"{len(completed)} / {len(results)} completed"),
-        ("chunks", f"{thinker_chunks} streamed by the thinker, {audio_chunks} audio chunks received "
-                   "(a stage merges chunks that arrive together)"),
-        ("bytes", _size(sum(hop_bytes.values())) + " over all hops" if hop_bytes
-         else _size(sum(r.bytes for r in results)) + " of audio received"),
+        (
+            "chunks",
+            f"{thinker_chunks} streamed by the thinker, {audio_chunks} audio chunks received "
+            "(a stage merges chunks that arrive together)",
+        ),
+        (
+            "bytes",
+            _size(sum(hop_bytes.values())) + " over all hops"
+            if hop_bytes
+            else _size(sum(r.bytes for r in results)) + " of audio received",
+        ),
         ("time to first audio", f"p50 {_pct(ttfa, 50)}   p99 {_pct(ttfa, 99)}"),
-        ("throughput", f"{thinker_chunks / wall:.1f} chunks/s, "
-                       f"{thinker_chunks * payload_size / wall / 1e6:.1f} MB/s hidden states, "
-                       f"{audio_s / wall:.1f}x real-time audio"),
+        (
+            "throughput",
+            f"{thinker_chunks / wall:.1f} chunks/s, "
+            f"{thinker_chunks * payload_size / wall / 1e6:.1f} MB/s hidden states, "
+            f"{audio_s / wall:.1f}x real-time audio",
+        ),
         ("wall time", f"{wall:.2f} s"),
         ("failures", str(len(failed))),
     ]
@@ -263,12 +275,16 @@ def format_table(
     lines = [title, "", f"  {'metric'.ljust(width)}  value", f"  {'-' * width}  {'-' * 40}"]
     lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
     hop_width = max(len(h) for h in run.hop_order)
-    lines += ["", f"  {'hop'.ljust(hop_width)}  {'bytes':>10}  {'p50':>9}  {'p99':>9}",
-              f"  {'-' * hop_width}  {'-' * 10}  {'-' * 9}  {'-' * 9}"]
+    lines += [
+        "",
+        f"  {'hop'.ljust(hop_width)}  {'bytes':>10}  {'p50':>9}  {'p99':>9}",
+        f"  {'-' * hop_width}  {'-' * 10}  {'-' * 9}  {'-' * 9}",
+    ]
     for hop in run.hop_order:
         nbytes = _size(hop_bytes[hop]) if hop_bytes and hop in hop_bytes else "-"
-        lines.append(f"  {hop.ljust(hop_width)}  {nbytes:>10}  {_pct(run.hops[hop], 50):>9}  "
-                     f"{_pct(run.hops[hop], 99):>9}")
+        lines.append(
+            f"  {hop.ljust(hop_width)}  {nbytes:>10}  {_pct(run.hops[hop], 50):>9}  {_pct(run.hops[hop], 99):>9}"
+        )
     for r in failed:
         lines.append(f"  FAILED {r.request_id}: {r.failed or 'did not finish'}")
     return "\n".join(lines)

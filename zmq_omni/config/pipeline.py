@@ -251,9 +251,7 @@ def _load_transfer_config(source: str | Path | Mapping[str, Any], default_shm_th
     return OmniTransferConfig(MappingProxyType(connectors), default if default_raw is not None else None)
 
 
-def get_connectors_config_for_stage(
-    transfer_config: OmniTransferConfig | None, stage_id: str | int
-) -> dict[str, Any]:
+def get_connectors_config_for_stage(transfer_config: OmniTransferConfig | None, stage_id: str | int) -> dict[str, Any]:
     """The connector specs one stage worker needs, in vllm-omni's shape (its function of the same name).
 
     Returns ``{"from_stage_X": {"spec": {"name", "extra"}}}`` for each inbound

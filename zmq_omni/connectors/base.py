@@ -349,9 +349,7 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
     # The parameter names are vllm-omni's (``put_key``, ``get_key``, ``request_id``): its callers pass
     # them by keyword, so they are part of the contract like the positions are.
     @abstractmethod
-    def put(
-        self, from_stage: str, to_stage: str, put_key: str, data: Any
-    ) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         """Hand ``data`` to ``to_stage`` under ``put_key``; return ``(ok, nbytes, metadata)``."""
 
     @abstractmethod

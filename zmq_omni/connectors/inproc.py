@@ -69,16 +69,20 @@ class InProcConnector(OmniConnectorBase):
         # Holding a strong reference keeps the namespace's mailbox alive while any connector uses it.
         self._box = _mailbox(self.namespace)
 
-    def put(
-        self, from_stage: str, to_stage: str, put_key: str, data: Any
-    ) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         """Copy ``data`` into the namespace mailbox, replacing an unconsumed put of ``put_key``."""
         key = put_key
         frames = [bytearray(frame) for frame in encode(data)]
         nbytes = sum(len(frame) for frame in frames)
         if self._closed:
-            self._record_failure("put", str(from_stage), str(to_stage), str(key), "connector is closed",
-                                 ClosedResourceError("put on a closed InProcConnector"))
+            self._record_failure(
+                "put",
+                str(from_stage),
+                str(to_stage),
+                str(key),
+                "connector is closed",
+                ClosedResourceError("put on a closed InProcConnector"),
+            )
             return False, 0, None
         slot = (str(from_stage), str(to_stage), str(key))
         with self._box.cond:

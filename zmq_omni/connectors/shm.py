@@ -210,15 +210,19 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._next_maintenance = time.monotonic() + self._maintain_every
 
     # -- put ---------------------------------------------------------------------
-    def put(
-        self, from_stage: str, to_stage: str, put_key: str, data: Any
-    ) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         """Publish ``data`` under ``put_key``, replacing an unconsumed put of the same address."""
         from_stage, to_stage, key = str(from_stage), str(to_stage), str(put_key)
         frames = encode(data)
         if self._closed:
-            self._record_failure("put", from_stage, to_stage, key, "connector is closed",
-                                 ClosedResourceError("put on a closed SharedMemoryConnector"))
+            self._record_failure(
+                "put",
+                from_stage,
+                to_stage,
+                key,
+                "connector is closed",
+                ClosedResourceError("put on a closed SharedMemoryConnector"),
+            )
             return False, 0, None
         nbytes = frames_nbytes(frames)
         lengths = [flat_bytes(f).nbytes for f in frames]
@@ -313,8 +317,14 @@ class SharedMemoryConnector(OmniConnectorBase):
             return None
         if frames is None:
             self._counters.add("stale_gets")
-            self._record_failure("get", from_stage, to_stage, key, "payload expired or its slot was reclaimed",
-                                 ShmError(f"stale shared-memory handle for {key!r}"))
+            self._record_failure(
+                "get",
+                from_stage,
+                to_stage,
+                key,
+                "payload expired or its slot was reclaimed",
+                ShmError(f"stale shared-memory handle for {key!r}"),
+            )
             return None
         try:
             obj = decode(frames, device=self._device)

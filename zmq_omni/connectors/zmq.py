@@ -317,9 +317,7 @@ class ZmqConnector(OmniConnectorBase):
         return False, 0, None
 
     # -- the contract ---------------------------------------------------------------
-    def put(
-        self, from_stage: str, to_stage: str, put_key: str, data: Any
-    ) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         """Send ``data`` to ``to_stage`` under ``put_key``; ``(True, nbytes, metadata)`` once ZeroMQ has it.
 
         Push mode returns when the put is in the send window and handed to
@@ -557,8 +555,7 @@ class ZmqConnector(OmniConnectorBase):
             endpoint = self._endpoints.require(from_stage)
         else:  # an endpoint the sender's metadata named: the same rule as configured ones, reported, not raised
             try:
-                require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None,
-                              insecure=self._insecure)
+                require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None, insecure=self._insecure)
             except ConfigError as exc:
                 self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
                 return None

@@ -102,9 +102,7 @@ class Record:
         """The buffers of a record, for ``writev`` (body buffers are not copied)."""
         owner = self_owner()
         names = [s.encode() for s in (key, from_stage, to_stage)]
-        head = _REC.pack(
-            _MAGIC, 1, kind, 0, owner.uid, owner.pidns, owner.pid, owner.start, time.time(), len(lengths)
-        )
+        head = _REC.pack(_MAGIC, 1, kind, 0, owner.uid, owner.pidns, owner.pid, owner.start, time.time(), len(lengths))
         meta = struct.pack(f"<{len(lengths)}Q3H", *lengths, *(len(n) for n in names)) + b"".join(names)
         return [head + meta, *body]
 

@@ -182,9 +182,7 @@ class _Closing:
     def __del__(self) -> None:
         if getattr(self, "_closed", True):  # also after a constructor that raised
             return
-        warnings.warn(
-            f"unclosed {type(self).__name__} in {self.directory}", ResourceWarning, stacklevel=2, source=self
-        )
+        warnings.warn(f"unclosed {type(self).__name__} in {self.directory}", ResourceWarning, stacklevel=2, source=self)
         with contextlib.suppress(Exception):
             self.close()
 

@@ -61,9 +61,7 @@ def check_free_space(directory: str, nbytes: int, min_free_bytes: int) -> None:
     except OSError as exc:
         raise ShmSpaceError(f"cannot stat {directory}: {exc}") from exc
     if avail - nbytes < min_free_bytes:
-        raise ShmSpaceError(
-            f"{directory} has {avail} bytes free; {nbytes} requested with a floor of {min_free_bytes}"
-        )
+        raise ShmSpaceError(f"{directory} has {avail} bytes free; {nbytes} requested with a floor of {min_free_bytes}")
 
 
 class Segment:

@@ -85,9 +85,7 @@ class _EdgePair(OmniConnectorBase):
         self._chunk_failures: deque[TransferFailure] = deque(maxlen=_HELD_FAILURES)
         self.on_announce_failure: Callable[[TransferFailure], None] | None = None
 
-    def put(
-        self, from_stage: str, to_stage: str, put_key: str, data: Any
-    ) -> tuple[bool, int, dict[str, Any] | None]:
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         """Put through the outbound connector."""
         return self.outbound.put(from_stage, to_stage, put_key, data)
 
@@ -146,8 +144,11 @@ class _EdgePair(OmniConnectorBase):
                     announcements.append(failure)
                 else:
                     if len(self._chunk_failures) == self._chunk_failures.maxlen:
-                        logger.warning("dropping an uncollected transfer failure: %s [key=%r]",
-                                       self._chunk_failures[0].reason, self._chunk_failures[0].key)
+                        logger.warning(
+                            "dropping an uncollected transfer failure: %s [key=%r]",
+                            self._chunk_failures[0].reason,
+                            self._chunk_failures[0].key,
+                        )
                     self._chunk_failures.append(failure)
             sink = self.on_announce_failure
         if sink is not None:
@@ -166,8 +167,11 @@ class _EdgePair(OmniConnectorBase):
         """Status plus each edge's health."""
         inbound, outbound = self.inbound.health(), self.outbound.health()
         ok = not self._closed and inbound.get("status") == "ok" and outbound.get("status") == "ok"
-        return {"status": "ok" if ok else ("closed" if self._closed else "degraded"),
-                "inbound": inbound, "outbound": outbound}
+        return {
+            "status": "ok" if ok else ("closed" if self._closed else "degraded"),
+            "inbound": inbound,
+            "outbound": outbound,
+        }
 
     def close(self) -> None:
         """Close both edges (idempotent)."""
@@ -220,9 +224,13 @@ class _Endpoint:
         self.connector = _EdgePair(in_conn, out_conn)
         try:
             self.chunks = OmniChunkManager(
-                ChunkManagerConfig(stage_id=self.stage_id, upstream_stage_id=self.upstream,
-                                   downstream_stage_id=self.downstream, retry=retry,
-                                   stall_timeout_s=stall_timeout_s),
+                ChunkManagerConfig(
+                    stage_id=self.stage_id,
+                    upstream_stage_id=self.upstream,
+                    downstream_stage_id=self.downstream,
+                    retry=retry,
+                    stall_timeout_s=stall_timeout_s,
+                ),
                 self.connector,
             )
         except BaseException:
@@ -246,10 +254,12 @@ class _Endpoint:
         self.connector.on_announce_failure = self._on_announce_failure
         self._head_key = f"{ANNOUNCE_PREFIX}{self.stage_id}{HEAD_SUFFIX}"
         self._threads = [
-            threading.Thread(target=self._guard, args=(self._announce_loop,), daemon=True,
-                             name=f"{label}-announce-{self.stage_id}"),
-            threading.Thread(target=self._guard, args=(self._admit_loop,), daemon=True,
-                             name=f"{label}-admit-{self.stage_id}"),
+            threading.Thread(
+                target=self._guard, args=(self._announce_loop,), daemon=True, name=f"{label}-announce-{self.stage_id}"
+            ),
+            threading.Thread(
+                target=self._guard, args=(self._admit_loop,), daemon=True, name=f"{label}-admit-{self.stage_id}"
+            ),
         ]
         for thread in self._threads:
             thread.start()
@@ -285,8 +295,9 @@ class _Endpoint:
             key = f"{ANNOUNCE_PREFIX}{self.stage_id}_{self._seq}"
             self._seq += 1
             if not self._put_announcement(key, request_id, error):
-                self.announce_failures.put((request_id, f"could not announce the request to stage "
-                                                        f"{self.downstream} (key {key!r})"))
+                self.announce_failures.put(
+                    (request_id, f"could not announce the request to stage {self.downstream} (key {key!r})")
+                )
                 continue
             # One attempt, failures ignored: the head only helps a receiver that
             # (re)started behind; a re-put replaces the unconsumed one, so at most
@@ -303,17 +314,27 @@ class _Endpoint:
                 return
             request_id = self._announced_keys.pop(failure.key, None)
         if request_id is None:
-            logger.warning("%s %s: failure of an unknown announcement: %s [key=%r]", self.label, self.stage_id,
-                           failure.reason, failure.key)
+            logger.warning(
+                "%s %s: failure of an unknown announcement: %s [key=%r]",
+                self.label,
+                self.stage_id,
+                failure.reason,
+                failure.key,
+            )
             return
         # Delivery of an announcement that put accepted failed later: the request
         # can never be started downstream.
-        self.announce_failures.put((request_id, f"announcing the request to stage {self.downstream} failed: "
-                                                f"{failure.reason} [key={failure.key!r}]"))
+        self.announce_failures.put(
+            (
+                request_id,
+                f"announcing the request to stage {self.downstream} failed: {failure.reason} [key={failure.key!r}]",
+            )
+        )
 
     def _put_announcement(self, key: str, request_id: str, error: str | None = None) -> bool:
-        body: dict[str, str] = {"request_id": request_id} if error is None else \
-            {"request_id": request_id, "error": error}
+        body: dict[str, str] = (
+            {"request_id": request_id} if error is None else {"request_id": request_id, "error": error}
+        )
 
         def attempt() -> None:
             if self.stop_event.is_set():
@@ -389,8 +410,7 @@ class _Endpoint:
                     continue
                 admit(found[0])
                 if seq < next_seq:
-                    logger.info("%s %s: stage %s restarted its announcements", self.label, self.stage_id,
-                                self.upstream)
+                    logger.info("%s %s: stage %s restarted its announcements", self.label, self.stage_id, self.upstream)
                     next_seq, taken_ahead = seq + 1, set()
                 else:
                     taken_ahead.add(seq)
@@ -405,8 +425,15 @@ class _Endpoint:
             for seq in range(max(next_seq, latest - _CATCH_UP + 1), latest + 1):
                 if seq not in taken_ahead and (found := inbound.get(self.upstream, self.stage_id, key(seq))):
                     admit(found[0])
-            logger.info("%s %s: announcements %d..%d of stage %s were not for this incarnation; going on at %d",
-                        self.label, self.stage_id, next_seq, latest, self.upstream, latest + 1)
+            logger.info(
+                "%s %s: announcements %d..%d of stage %s were not for this incarnation; going on at %d",
+                self.label,
+                self.stage_id,
+                next_seq,
+                latest,
+                self.upstream,
+                latest + 1,
+            )
             next_seq, taken_ahead = latest + 1, {seq for seq in taken_ahead if seq > latest}
             while next_seq in taken_ahead:
                 taken_ahead.discard(next_seq)

@@ -91,9 +91,16 @@ class PipelineDriver:
         first_output_timeout_s: float | None = None,
         stage_names: Mapping[str, str] | None = None,
     ) -> None:
-        self._link = _Endpoint(stage_id=str(stage_id), upstream_stage_id=str(last_stage_id),
-                               downstream_stage_id=str(first_stage_id), inbound=inbound, outbound=outbound,
-                               stall_timeout_s=stall_timeout_s, retry=retry or RetryPolicy(), label="driver")
+        self._link = _Endpoint(
+            stage_id=str(stage_id),
+            upstream_stage_id=str(last_stage_id),
+            downstream_stage_id=str(first_stage_id),
+            inbound=inbound,
+            outbound=outbound,
+            stall_timeout_s=stall_timeout_s,
+            retry=retry or RetryPolicy(),
+            label="driver",
+        )
         self.stage_id = self._link.stage_id
         self.request_timeout_s = request_timeout_s
         self.first_output_timeout_s = (
@@ -109,12 +116,18 @@ class PipelineDriver:
         """Build the driver of a pipeline config (its ``pipeline.driver`` section)."""
         pipeline = config if isinstance(config, PipelineConfig) else load_pipeline_config(config)
         inbound, outbound = pipeline.edge_specs(pipeline.driver)
-        return cls(stage_id=pipeline.driver.stage_id, first_stage_id=pipeline.stages[0].stage_id,
-                   last_stage_id=pipeline.stages[-1].stage_id, inbound=inbound, outbound=outbound,
-                   stall_timeout_s=pipeline.stall_timeout_s, request_timeout_s=pipeline.request_timeout_s,
-                   retry=pipeline.retry,
-                   first_output_timeout_s=pipeline.stall_timeout_s * (len(pipeline.stages) + 1),
-                   stage_names=pipeline.stage_names())
+        return cls(
+            stage_id=pipeline.driver.stage_id,
+            first_stage_id=pipeline.stages[0].stage_id,
+            last_stage_id=pipeline.stages[-1].stage_id,
+            inbound=inbound,
+            outbound=outbound,
+            stall_timeout_s=pipeline.stall_timeout_s,
+            request_timeout_s=pipeline.request_timeout_s,
+            retry=pipeline.retry,
+            first_output_timeout_s=pipeline.stall_timeout_s * (len(pipeline.stages) + 1),
+            stage_names=pipeline.stage_names(),
+        )
 
     @property
     def pending(self) -> int:
@@ -150,8 +163,9 @@ class PipelineDriver:
                 if request_id in self._submitted:
                     events.append(self._failed(request_id, error, time.time()))
                 else:
-                    logger.warning("driver: stage %s failed unknown request %s: %s", self._link.upstream,
-                                   request_id, error)
+                    logger.warning(
+                        "driver: stage %s failed unknown request %s: %s", self._link.upstream, request_id, error
+                    )
             elif request_id in self._submitted:
                 self._streaming.add(request_id)
             else:
@@ -190,11 +204,14 @@ class PipelineDriver:
                 events.append(self._failed(request_id, reason, now))
         for request_id, submitted in list(self._submitted.items()):
             if now - submitted > self.request_timeout_s:
-                events.append(self._failed(request_id, f"not completed within "
-                                           f"{format_seconds(self.request_timeout_s)}", now))
+                events.append(
+                    self._failed(request_id, f"not completed within {format_seconds(self.request_timeout_s)}", now)
+                )
             elif request_id not in self._streaming and now - submitted > self.first_output_timeout_s:
-                reason = (f"stage {self._link.upstream} never started it within "
-                          f"{format_seconds(self.first_output_timeout_s)} (a stage before it is down or stalled)")
+                reason = (
+                    f"stage {self._link.upstream} never started it within "
+                    f"{format_seconds(self.first_output_timeout_s)} (a stage before it is down or stalled)"
+                )
                 events.append(self._failed(request_id, reason, now))
         if self._link.stop_event.is_set() or chunks.stop_event.is_set():
             for request_id in list(self._submitted):

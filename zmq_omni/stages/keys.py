@@ -92,8 +92,13 @@ class KeyFile:
 
     def to_json(self) -> str:
         """The file's text (what :meth:`load` reads)."""
-        data = {"name": self.name, "public_key": self.public_key, "secret_key": self.secret_key,
-                "servers": dict(self.servers), "clients": list(self.clients)}
+        data = {
+            "name": self.name,
+            "public_key": self.public_key,
+            "secret_key": self.secret_key,
+            "servers": dict(self.servers),
+            "clients": list(self.clients),
+        }
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
@@ -128,9 +133,7 @@ class KeyFile:
             name=data["name"],
             public_key=_check_key(data["public_key"], f"{where}: public_key"),
             secret_key=_check_key(data["secret_key"], f"{where}: secret_key"),
-            servers=MappingProxyType(
-                {str(k): _check_key(v, f"{where}: servers.{k}") for k, v in servers.items()}
-            ),
+            servers=MappingProxyType({str(k): _check_key(v, f"{where}: servers.{k}") for k, v in servers.items()}),
             clients=tuple(_check_key(v, f"{where}: clients") for v in clients),
         )
 
@@ -183,10 +186,12 @@ def make_pipeline_keys(
         servers = {other.stage_id: pairs[other.name][0] for other in known if other != spec}
         # Itself too: a container's healthcheck probes its own stage with the key it already holds.
         clients = [pairs[other.name][0] for other in (spec, *peers, driver)]
-        files[spec.name] = KeyFile(spec.name, *pairs[spec.name], MappingProxyType(servers),
-                                   tuple(dict.fromkeys([*clients, health])))
-    files[HEALTH_PROBER] = KeyFile(HEALTH_PROBER, *pairs[HEALTH_PROBER],
-                                   MappingProxyType({s.stage_id: pairs[s.name][0] for s in parties}), ())
+        files[spec.name] = KeyFile(
+            spec.name, *pairs[spec.name], MappingProxyType(servers), tuple(dict.fromkeys([*clients, health]))
+        )
+    files[HEALTH_PROBER] = KeyFile(
+        HEALTH_PROBER, *pairs[HEALTH_PROBER], MappingProxyType({s.stage_id: pairs[s.name][0] for s in parties}), ()
+    )
     return files
 
 
@@ -208,8 +213,9 @@ def write_key_files(directory: str | Path, files: Mapping[str, KeyFile], *, repl
         path = KeyFile.path_in(directory, name)
         if path.exists() and not path.is_file():
             # docker-compose makes a directory where a bind-mounted file is missing.
-            raise ConfigError(f"{path} is not a regular file (a container run without keys may have made it): "
-                              f"remove it")
+            raise ConfigError(
+                f"{path} is not a regular file (a container run without keys may have made it): remove it"
+            )
         if path.exists() and not replace:
             raise KeyFileExistsError(f"{path} exists: refusing to overwrite a secret key")
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -227,8 +227,7 @@ class PipelineConfig:
                 endpoints[peer.stage_id] = peer.endpoint
             if not endpoints.get(peer.stage_id):
                 raise ConfigError(
-                    f"stage {peer.name!r} has no endpoint: set pipeline.stages[].endpoint or "
-                    f"{env_name(peer.stage_id)}"
+                    f"stage {peer.name!r} has no endpoint: set pipeline.stages[].endpoint or {env_name(peer.stage_id)}"
                 )
             extra["endpoints"] = endpoints
             if role == "receiver" and me.bind and "bind" not in extra:
@@ -270,9 +269,14 @@ def _read_stage(data: Any, path: str, *, driver: bool, environ: Mapping[str, str
     bind = read_str(data, "bind", None, path)
     if bind is not None:
         check_endpoint(bind, f"{path}.bind")
-    return StageSpec(name=name, stage_id=stage_id, function=function,
-                     params=None if params is None else MappingProxyType(dict(params)),
-                     endpoint=endpoint, bind=bind)
+    return StageSpec(
+        name=name,
+        stage_id=stage_id,
+        function=function,
+        params=None if params is None else MappingProxyType(dict(params)),
+        endpoint=endpoint,
+        bind=bind,
+    )
 
 
 def load_pipeline_config(
@@ -320,8 +324,10 @@ def load_pipeline_config(
             continue
         first = owner.setdefault(spec.endpoint, spec)
         if first is not spec:
-            raise ConfigError(f"pipeline: stages {first.name!r} and {spec.name!r} have the same endpoint "
-                              f"{spec.endpoint!r}; each stage needs its own")
+            raise ConfigError(
+                f"pipeline: stages {first.name!r} and {spec.name!r} have the same endpoint "
+                f"{spec.endpoint!r}; each stage needs its own"
+            )
     transfer = load_omni_transfer_config(data)
     assert transfer is not None  # a document was given
     keys_dir = env.get(ENV_KEYS_DIR) or read_str(section, "keys_dir", None, "pipeline")

@@ -91,9 +91,16 @@ class StageWorker:
         self.name = name or str(stage_id)
         self.trace = trace
         self._stage_names = dict(stage_names or {})
-        self._link = _Endpoint(stage_id=str(stage_id), upstream_stage_id=str(upstream_stage_id),
-                               downstream_stage_id=str(downstream_stage_id), inbound=inbound, outbound=outbound,
-                               stall_timeout_s=stall_timeout_s, retry=retry or RetryPolicy(), label="stage")
+        self._link = _Endpoint(
+            stage_id=str(stage_id),
+            upstream_stage_id=str(upstream_stage_id),
+            downstream_stage_id=str(downstream_stage_id),
+            inbound=inbound,
+            outbound=outbound,
+            stall_timeout_s=stall_timeout_s,
+            retry=retry or RetryPolicy(),
+            label="stage",
+        )
         self.stage_id = self._link.stage_id
         self._active: dict[str, float] = {}
         # Requests announced downstream whose stream has not ended (run thread only).
@@ -131,10 +138,19 @@ class StageWorker:
         fn = fn if fn is not None else spec.load_function()
         upstream, downstream = pipeline.neighbours(spec)
         inbound, outbound = pipeline.edge_specs(spec)
-        return cls(fn, stage_id=spec.stage_id,
-                   upstream_stage_id=upstream.stage_id, downstream_stage_id=downstream.stage_id,
-                   inbound=inbound, outbound=outbound, stall_timeout_s=pipeline.stall_timeout_s,
-                   retry=pipeline.retry, name=spec.name, trace=trace, stage_names=pipeline.stage_names())
+        return cls(
+            fn,
+            stage_id=spec.stage_id,
+            upstream_stage_id=upstream.stage_id,
+            downstream_stage_id=downstream.stage_id,
+            inbound=inbound,
+            outbound=outbound,
+            stall_timeout_s=pipeline.stall_timeout_s,
+            retry=pipeline.retry,
+            name=spec.name,
+            trace=trace,
+            stage_names=pipeline.stage_names(),
+        )
 
     @property
     def connectors(self) -> tuple[OmniConnectorBase, OmniConnectorBase]:
@@ -153,8 +169,7 @@ class StageWorker:
         """
         chunks = self._link.chunks
         logger.info("stage %s (%s) running", self.name, self.stage_id)
-        while not self._stop.is_set() and not self._link.stop_event.is_set() \
-                and not chunks.stop_event.is_set():
+        while not self._stop.is_set() and not self._link.stop_event.is_set() and not chunks.stop_event.is_set():
             self._admit()
             for request_id in list(self._active):
                 if request_id in self._running:
@@ -204,8 +219,13 @@ class StageWorker:
 
     def health(self) -> dict[str, Any]:
         """The worker's counters, the chunk manager's health and both edges' health."""
-        return {"stage": self.name, "stage_id": self.stage_id, "active_requests": len(self._active),
-                **self.stats, "chunks": self._link.chunks.health()}
+        return {
+            "stage": self.name,
+            "stage_id": self.stage_id,
+            "active_requests": len(self._active),
+            **self.stats,
+            "chunks": self._link.chunks.health(),
+        }
 
     # -- the loop's steps ---------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -218,8 +238,11 @@ class StageWorker:
                 # Refused (or failed) before it streamed, upstream: pass the reason on to the driver.
                 self._link.announce(request_id, error=error)
                 continue
-            refusal = (f"request {request_id!r} is already in flight" if request_id in self._active
-                       else self._link.chunks.stream_refusal(request_id))
+            refusal = (
+                f"request {request_id!r} is already in flight"
+                if request_id in self._active
+                else self._link.chunks.stream_refusal(request_id)
+            )
             if refusal is not None:
                 self._refuse(request_id, refusal)
                 continue
@@ -275,8 +298,9 @@ class StageWorker:
                     self._finish(request_id, failed=False)
                 return
             if not isinstance(out, Iterable):
-                raise TypeError(f"fn returned {type(out).__name__}; expected a dict, a list/generator of dicts, "
-                                "or None")
+                raise TypeError(
+                    f"fn returned {type(out).__name__}; expected a dict, a list/generator of dicts, or None"
+                )
         except Exception as exc:
             logger.exception("stage %s: fn failed for request %s", self.name, request_id)
             self._fail(request_id, f"stage {self.name}: {type(exc).__name__}: {exc}", trace)
@@ -301,8 +325,9 @@ class StageWorker:
             self._save(request_id, {}, True, running.trace, running.received)
             self._finish(request_id, failed=False)
 
-    def _save(self, request_id: str, payload: Mapping[str, Any], final: bool, trace: dict[str, Any],
-              received: float) -> None:
+    def _save(
+        self, request_id: str, payload: Mapping[str, Any], final: bool, trace: dict[str, Any], received: float
+    ) -> None:
         chunk = dict(payload)
         if self.trace:
             chunk[TRACE_KEY] = {**trace, self.stage_id: [received, time.time()]}

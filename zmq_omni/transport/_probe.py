@@ -90,10 +90,12 @@ def probe(
                     raise TransportError(f"unexpected {kind.name} answer to a health probe", endpoint=endpoint)
                 return header[0]
         if not connected:
-            raise PeerGoneError(f"nothing is listening (no connection within {format_seconds(timeout_s)})",
-                                endpoint=endpoint)
-        raise TransportTimeoutError(f"connected but no health answer within {format_seconds(timeout_s)}",
-                                    endpoint=endpoint)
+            raise PeerGoneError(
+                f"nothing is listening (no connection within {format_seconds(timeout_s)})", endpoint=endpoint
+            )
+        raise TransportTimeoutError(
+            f"connected but no health answer within {format_seconds(timeout_s)}", endpoint=endpoint
+        )
     finally:
         sock.disable_monitor()
         close_socket(monitor)

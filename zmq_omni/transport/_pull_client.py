@@ -10,7 +10,6 @@ it back in, so no socket is ever used by two threads at once. ``_idle``,
 in the caller's context and is used by one thread, the caller's event loop.
 """
 
-
 from __future__ import annotations
 
 import itertools

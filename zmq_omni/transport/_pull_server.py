@@ -8,7 +8,6 @@ I/O thread runs the rest (it owns the ROUTER). Every field below ``_cv`` is
 guarded by it; the socket is touched by the I/O thread only.
 """
 
-
 from __future__ import annotations
 
 import logging

@@ -209,13 +209,13 @@ def require_curve(endpoints: Iterable[tuple[str, str]], *, curve: bool, insecure
         log.warning(
             "INSECURE: plaintext TCP on %s (%s) is neither encrypted nor authenticated: anyone who can reach it "
             "can read and inject data (opted out of CURVE with 'insecure' or %s; see docs/security.md)",
-            endpoint, what, ENV_INSECURE,
+            endpoint,
+            what,
+            ENV_INSECURE,
         )
 
 
-_REFUSALS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
+_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 def watch_refusals(loop: IoLoop, sock: Any, counters: Counters) -> None:

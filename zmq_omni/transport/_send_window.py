@@ -31,7 +31,6 @@ from ._push_protocol import _BATCH_OVERHEAD
 __all__ = ["Out", "PeerWindow", "ReplyOutcome", "SendWindow"]
 
 
-
 class Out:
     """One put kept by the sender until its receiver consumed it.
 

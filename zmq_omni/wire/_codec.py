@@ -156,8 +156,26 @@ def _named_ext(code: int, name: str) -> msgpack.ExtType:
 # PIL image modes the format carries, with their bits per pixel in Pillow's raw layout
 # (rows padded to whole bytes; "I", "F" and "I;16N" are little-endian, like every host this supports).
 IMAGE_MODE_BITS: Final = {
-    "1": 1, "L": 8, "P": 8, "LA": 16, "La": 16, "PA": 16, "I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16,
-    "RGB": 24, "YCbCr": 24, "LAB": 24, "HSV": 24, "RGBA": 32, "RGBa": 32, "RGBX": 32, "CMYK": 32, "I": 32, "F": 32,
+    "1": 1,
+    "L": 8,
+    "P": 8,
+    "LA": 16,
+    "La": 16,
+    "PA": 16,
+    "I;16": 16,
+    "I;16L": 16,
+    "I;16B": 16,
+    "I;16N": 16,
+    "RGB": 24,
+    "YCbCr": 24,
+    "LAB": 24,
+    "HSV": 24,
+    "RGBA": 32,
+    "RGBa": 32,
+    "RGBX": 32,
+    "CMYK": 32,
+    "I": 32,
+    "F": 32,
 }
 _MAX_IMAGE_SIDE: Final = (1 << 31) - 1
 
@@ -730,8 +748,10 @@ class _Decoding:
         if code == EXT_IMAGE:
             return _build_image(items)
         if len(items) != 2:
-            raise DecodeError(f"a {'record' if code == EXT_RECORD else 'registered object'} is [marker, value], "
-                              f"got {len(items) - 1} items after the marker")
+            raise DecodeError(
+                f"a {'record' if code == EXT_RECORD else 'registered object'} is [marker, value], "
+                f"got {len(items) - 1} items after the marker"
+            )
         value = items[1]
         entry = _registry.by_name.get(mark.name)
         if entry is None:
@@ -841,8 +861,10 @@ def _build_image(items: list[Any]) -> object:
     bits = IMAGE_MODE_BITS.get(mode) if type(mode) is str else None
     if bits is None:
         raise DecodeError(f"image mode {mode!r} is not carried by the wire format")
-    if type(width) is not int or type(height) is not int or not (
-        0 <= width <= _MAX_IMAGE_SIDE and 0 <= height <= _MAX_IMAGE_SIDE
+    if (
+        type(width) is not int
+        or type(height) is not int
+        or not (0 <= width <= _MAX_IMAGE_SIDE and 0 <= height <= _MAX_IMAGE_SIDE)
     ):
         raise DecodeError(f"image size {width!r} x {height!r} is not two ints in [0, 2**31)")
     if type(pixels) is not np.ndarray or pixels.dtype != np.uint8 or pixels.ndim != 1:
@@ -859,7 +881,7 @@ def _build_image(items: list[Any]) -> object:
         or len(palette[1]) % len(palette[0])
         or len(palette[1]) > 256 * len(palette[0])
     ):
-        raise DecodeError("image palette must be nil or [\"RGB\" or \"RGBA\", bytes of at most 256 entries]")
+        raise DecodeError('image palette must be nil or ["RGB" or "RGBA", bytes of at most 256 entries]')
     image_module = _pil_image()
     try:
         img = image_module.frombytes(mode, (width, height), pixels)
