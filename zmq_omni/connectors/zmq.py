@@ -241,6 +241,9 @@ class ZmqConnector(OmniConnectorBase):
                     max_frames=_MAX_FRAMES,
                     source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
                     counters=self._counters,
+                    unclaimed_ttl_s=cfg.unclaimed_ttl_s,
+                    tombstone_ttl_s=cfg.tombstone_ttl_s,
+                    max_tombstones=cfg.max_tombstones,
                     health=self.health,
                     curve=self._curve,
                     shm=self._shm_receive,
@@ -637,20 +640,38 @@ class ZmqConnector(OmniConnectorBase):
         return got
 
     def cleanup(self, request_id: str) -> bool:
-        """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads)."""
+        """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads).
+
+        Push mode: a put of that key arriving within ``tombstone_ttl_s`` is dropped at once (a tombstone).
+        """
         key = str(request_id)
-        return self._forget(lambda k: k == key) > 0
+        return self._forget(lambda k: k == key, key=key) > 0
 
     def cleanup_prefix(self, prefix: str) -> int:
-        """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many."""
-        prefix = str(prefix)
-        return self._forget(lambda k: key_matches_prefix(k, prefix))
+        """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many.
 
-    def _forget(self, match: Callable[[str], bool]) -> int:
+        Push mode: puts under the prefix arriving within ``tombstone_ttl_s`` are dropped at once.
+        """
+        prefix = str(prefix)
+        return self._forget(lambda k: key_matches_prefix(k, prefix), prefix=prefix)
+
+    def abandon_get(self, get_key: str) -> None:
+        """The caller stopped waiting for ``get_key``: drop it if it is here, and whatever arrives for it later.
+
+        Push mode: the item (now or arriving within ``tombstone_ttl_s``) is dropped and
+        acknowledged as consumed, so its sender's window frees. Pull mode keeps nothing
+        here: the server's copy expires after its ``pull_ttl_s``.
+        """
+        key = str(get_key)
+        if self._receiver is not None:
+            self._receiver.forget(lambda k: k == key, key=key)
+
+    def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
         dropped = 0
-        for part in (self._receiver, self._server):
-            if part is not None:
-                dropped += part.forget(match)
+        if self._receiver is not None:
+            dropped += self._receiver.forget(match, key=key, prefix=prefix)
+        if self._server is not None:
+            dropped += self._server.forget(match)
         if self._sender is not None:
             # A push sender's copies only serve redelivery: release them, but they are not items
             # anyone could still get, so they do not count (the receiver's cleanup counts those).
@@ -684,7 +705,16 @@ class ZmqConnector(OmniConnectorBase):
                 if name in sending:
                     base[name] = sending[name]
         if receiving is not None and self._receiver is not None:
-            base["mailbox"] = receiving["mailbox"]
+            for name in (
+                "mailbox",
+                "mailbox_oldest_s",
+                "tombstones",
+                "dropped_unclaimed",
+                "dropped_late",
+                "dropped_cleanup",
+                "tombstones_evicted",
+            ):
+                base[name] = receiving[name]
             base["incarnation"] = self._receiver.incarnation
         self._shm_health(base)
         return base

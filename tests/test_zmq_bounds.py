@@ -1,0 +1,133 @@
+"""Stages that run for weeks: nothing unclaimed pins a window, every per-peer structure is bounded (issue 13).
+
+Real sockets over ipc, in one process: a push receiver that never takes what
+arrives, a cancelled request whose chunks arrive late, an orphan that pins the
+sender's low-water mark, a pull server answering many fetches, and
+``health()`` saying so while it lasts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zmq_omni.connectors.zmq import ZmqConnector
+
+from .conftest import wait_until
+
+
+@contextmanager
+def _edge(short_tmp: Path, receiver: dict[str, Any] | None = None, **sender: Any) -> Iterator[tuple[Any, Any]]:
+    """A push receiver (stage 1) and a sender (stage 0) over ipc, both closed at the end."""
+    common = {"endpoints": {"1": f"ipc://{short_tmp}/edge.sock"}, "shm": "off", "heartbeat_s": 0.05}
+    with ExitStack() as stack:
+        rconn = stack.enter_context(ZmqConnector({"stage_id": "1", "role": "receiver", **common, **(receiver or {})}))
+        sconn = stack.enter_context(ZmqConnector({"stage_id": "0", "role": "sender", **common, **sender}))
+        yield rconn, sconn
+
+
+def _put(conn: ZmqConnector, key: str, value: int = 0) -> None:
+    ok, _, _ = conn.put("0", "1", key, {"x": np.full(4, value)})
+    assert ok, conn.drain_failures()
+
+
+def _soon(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+# -- 1. nothing unclaimed lives forever ----------------------------------------------------------------------------
+def test_unclaimed_items_expire_and_free_the_senders_window(short_tmp: Path) -> None:
+    with _edge(short_tmp, {"unclaimed_ttl_s": 0.3}, max_unacked=4, put_timeout_s=0.2) as (rconn, sconn):
+        for i in range(4):
+            _put(sconn, f"orphan-{i}")
+        # Nobody takes them: after the ttl they are dropped, acknowledged, and the window frees.
+        assert wait_until(lambda: rconn.health()["dropped_unclaimed"] == 4, timeout=10.0)
+        assert rconn.health()["mailbox"] == 0
+        assert wait_until(lambda: sconn.health()["pending"] == 0)
+        for i in range(4):
+            _put(sconn, f"live-{i}", i)
+            got = rconn.get_with_deadline("0", "1", f"live-{i}", None, deadline=_soon())
+            assert got is not None and int(got[0]["x"][0]) == i
+        assert rconn.get("0", "1", "orphan-0") is None
+
+
+@pytest.mark.parametrize("how", ["cleanup", "cleanup_prefix", "abandon_get"])
+def test_a_late_arrival_under_a_tombstone_is_dropped_at_once(short_tmp: Path, how: str) -> None:
+    with _edge(short_tmp, max_unacked=2, put_timeout_s=0.5) as (rconn, sconn):
+        assert rconn.get("0", "1", "warm") is None  # binds; nothing there
+        if how == "cleanup":
+            rconn.cleanup("req-7")
+            keys = ["req-7", "req-7"]
+        elif how == "cleanup_prefix":
+            rconn.cleanup_prefix("req-7_1_")
+            keys = [f"req-7_1_{i}" for i in range(6)]
+        else:
+            rconn.abandon_get("req-7_1_3")
+            keys = ["req-7_1_3"] * 3
+        # More late puts than the window holds: each must be dropped and its slot freed, not kept.
+        for key in keys:
+            _put(sconn, key)
+        assert wait_until(lambda: sconn.health()["pending"] == 0)
+        health = rconn.health()
+        assert health["mailbox"] == 0 and health["dropped_late"] == len(keys) and health["tombstones"] == 1
+        # Other keys are untouched; a prefix tombstone spares keys that are not prefix + digits.
+        for key in ("req-70", "req-7_1_x", "other"):
+            _put(sconn, key, 5)
+            got = rconn.get_with_deadline("0", "1", key, None, deadline=_soon())
+            assert got is not None, key
+        # A get of a buried key lifts its tombstone: a key asked for again is delivered again.
+        assert rconn.get("0", "1", keys[0]) is None
+        _put(sconn, keys[0], 9)
+        got = rconn.get_with_deadline("0", "1", keys[0], None, deadline=_soon())
+        assert got is not None and int(got[0]["x"][0]) == 9
+
+
+def test_abandon_get_drops_an_item_already_there(short_tmp: Path) -> None:
+    with _edge(short_tmp, max_unacked=1, put_timeout_s=0.5) as (rconn, sconn):
+        assert rconn.get("0", "1", "warm") is None
+        _put(sconn, "k")
+        assert wait_until(lambda: rconn.health()["mailbox"] == 1)
+        rconn.abandon_get("k")
+        assert rconn.health()["mailbox"] == 0 and rconn.health()["dropped_cleanup"] == 1
+        assert wait_until(lambda: sconn.health()["pending"] == 0)
+        _put(sconn, "next")  # the window of one has room again
+
+
+def test_tombstones_are_bounded_and_lapse(short_tmp: Path) -> None:
+    receiver = {"max_tombstones": 3, "tombstone_ttl_s": 2.0}
+    with _edge(short_tmp, receiver) as (rconn, sconn):
+        assert rconn.get("0", "1", "warm") is None
+        for i in range(10):
+            rconn.abandon_get(f"gone-{i}")
+        health = rconn.health()
+        assert health["tombstones"] == 3 and health["tombstones_evicted"] == 7
+        _put(sconn, "gone-0", 1)  # evicted: delivered
+        assert rconn.get_with_deadline("0", "1", "gone-0", None, deadline=_soon()) is not None
+        assert wait_until(lambda: rconn.health()["tombstones"] == 0, timeout=10.0)  # the rest lapse
+        _put(sconn, "gone-9", 2)
+        assert rconn.get_with_deadline("0", "1", "gone-9", None, deadline=_soon()) is not None
+
+
+def test_dropped_items_release_their_shared_memory_slots(short_tmp: Path, shm_dir: str) -> None:
+    common = {"shm": "on", "shm_dir": shm_dir, "shm_threshold": 1024}
+    with _edge(short_tmp, {"unclaimed_ttl_s": 0.3, **common}, **common) as (rconn, sconn):
+        assert rconn.get("0", "1", "warm") is None
+        rconn.cleanup_prefix("late_")
+        big = np.ones(64 << 10, dtype=np.uint8)
+        for key in ("late_0", "late_1", "orphan"):
+            ok, _, _ = sconn.put("0", "1", key, {"x": big})
+            assert ok
+        assert sconn.health()["shm_puts"] == 3
+
+        def settled() -> bool:
+            r, s = rconn.health(), sconn.health()
+            return r["dropped_late"] == 2 and r["dropped_unclaimed"] == 1 and s["pending"] == 0
+
+        assert wait_until(settled, timeout=5.0), (rconn.health(), sconn.health())
+        assert wait_until(lambda: sconn.health()["shm_slots_ready"] + sconn.health()["shm_slots_leased"] == 0)
