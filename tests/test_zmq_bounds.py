@@ -131,3 +131,24 @@ def test_dropped_items_release_their_shared_memory_slots(short_tmp: Path, shm_di
 
         assert wait_until(settled, timeout=5.0), (rconn.health(), sconn.health())
         assert wait_until(lambda: sconn.health()["shm_slots_ready"] + sconn.health()["shm_slots_leased"] == 0)
+
+
+# -- 2. a pong never exceeds what the sender accepts ----------------------------------------------------------------
+def test_an_orphan_pinning_the_low_mark_does_not_make_pongs_too_large(short_tmp: Path) -> None:
+    # A sender with max_unacked=50 refuses a REPLY list naming more than 4 * 50 + 1024 seqs. While an
+    # unclaimed item pins its low mark, every later consumption is repeated in every pong.
+    with _edge(short_tmp, max_unacked=50) as (rconn, sconn):
+        _put(sconn, "orphan")
+        for i in range(1400):
+            _put(sconn, f"k{i}")
+            assert rconn.get_with_deadline("0", "1", f"k{i}", None, deadline=_soon()) is not None
+        resends = sconn.health()["resends"]
+        assert wait_until(lambda: sconn.health()["pending"] == 1)
+        # A few heartbeats later: no reply was refused, and the window still works.
+        wait_until(lambda: False, timeout=0.4)
+        assert sconn.health()["rejected_frames"] == 0, sconn.health()
+        assert sconn.health()["resends"] == resends  # nothing was taken for lost
+        _put(sconn, "after")
+        assert rconn.get_with_deadline("0", "1", "after", None, deadline=_soon()) is not None
+        assert rconn.get("0", "1", "orphan") is not None
+        assert wait_until(lambda: sconn.health()["pending"] == 0)

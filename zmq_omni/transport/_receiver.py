@@ -59,6 +59,9 @@ _PING_TYPES = (str, int, int)
 _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
+# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024, and
+# a pong repeats every consumption its sender may not know yet (many, while an orphan pins its low mark).
+_MAX_REPLY_SEQS = 1024
 
 
 class _Item(NamedTuple):
@@ -509,8 +512,21 @@ class PushReceiver:
                 self._send_reply(source, -1, *acks)
         self._dirty.clear()
 
-    def _send_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> None:
-        """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), ``arrived`` and ``consumed``."""
+    def _send_reply(self, source: SourceState, ping: int, arrived: list[int], consumed: list[int]) -> None:
+        """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), ``arrived`` and ``consumed``.
+
+        Lists longer than ``_MAX_REPLY_SEQS`` go in several REPLYs, plain acks first and the
+        answer to ``ping`` last, so no REPLY exceeds what any sender accepts.
+        """
+        cap = _MAX_REPLY_SEQS
+        if len(arrived) > cap or len(consumed) > cap:
+            arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
+            while len(arrived) > cap or len(consumed) > cap:
+                self._send_one_reply(source, -1, arrived[:cap], consumed[:cap])
+                arrived, consumed = arrived[cap:], consumed[cap:]
+        self._send_one_reply(source, ping, arrived, consumed)
+
+    def _send_one_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> None:
         header = (
             self.incarnation,
             ping,
