@@ -152,3 +152,36 @@ def test_an_orphan_pinning_the_low_mark_does_not_make_pongs_too_large(short_tmp:
         assert rconn.get_with_deadline("0", "1", "after", None, deadline=_soon()) is not None
         assert rconn.get("0", "1", "orphan") is not None
         assert wait_until(lambda: sconn.health()["pending"] == 0)
+
+
+# -- pull mode: the server's copy of what a receiver abandoned ------------------------------------------------------
+def test_pull_receiver_cleanup_leaves_the_server_copy_to_pull_ttl(short_tmp: Path) -> None:
+    common = {"endpoints": {"0": f"ipc://{short_tmp}/pull.sock"}, "mode": "pull", "shm": "off"}
+    with (
+        ZmqConnector({"stage_id": "0", "role": "sender", "pull_ttl_s": 0.3, **common}) as server,
+        ZmqConnector({"stage_id": "1", "role": "receiver", **common}) as client,
+    ):
+        ok, _, _ = server.put("0", "1", "req-1", {"x": np.ones(4)})
+        assert ok and server.health()["pending"] == 1
+        client.abandon_get("req-1")
+        client.cleanup("req-1")
+        assert server.health()["pending"] == 1  # the receiver holds nothing of it, and tells the server nothing
+        assert wait_until(lambda: server.health()["pending"] == 0, timeout=5.0)
+        assert server.health()["expired"] == 1
+        assert [f.key for f in server.drain_failures()] == ["req-1"]
+
+
+def test_pull_server_forgets_replies_that_left_without_being_asked(short_tmp: Path) -> None:
+    common = {"endpoints": {"0": f"ipc://{short_tmp}/pull.sock"}, "mode": "pull", "shm": "off"}
+    with (
+        ZmqConnector({"stage_id": "0", "role": "sender", **common}) as server,
+        ZmqConnector({"stage_id": "1", "role": "receiver", **common}) as client,
+    ):
+        for i in range(300):
+            ok, _, meta = server.put("0", "1", f"k{i}", {"x": np.full(4, i)})
+            assert ok
+            assert client.get("0", "1", f"k{i}", meta) is not None
+        part = server._server
+        assert part is not None
+        # Nobody calls stats(), wait_fetched() or health(): the I/O thread prunes as replies leave.
+        assert wait_until(lambda: len(part._leaving) == 0, timeout=5.0), len(part._leaving)
