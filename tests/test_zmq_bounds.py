@@ -185,3 +185,27 @@ def test_pull_server_forgets_replies_that_left_without_being_asked(short_tmp: Pa
         assert part is not None
         # Nobody calls stats(), wait_fetched() or health(): the I/O thread prunes as replies leave.
         assert wait_until(lambda: len(part._leaving) == 0, timeout=5.0), len(part._leaving)
+
+
+def test_pull_client_keeps_sockets_and_verdicts_for_a_bounded_number_of_servers(
+    short_tmp: Path, shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Restarted pull servers on fresh ports name new endpoints in their metadata, for weeks.
+    from zmq_omni.transport import _pull_client
+
+    monkeypatch.setattr(_pull_client, "MAX_SERVERS", 2)
+    common = {"mode": "pull", "shm": "auto", "shm_dir": shm_dir}
+    with ExitStack() as stack:
+        client = stack.enter_context(ZmqConnector({"stage_id": "1", "role": "receiver", **common}))
+        for n in range(4):
+            endpoint = f"ipc://{short_tmp}/s{n}.sock"
+            server = stack.enter_context(
+                ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"0": endpoint}, **common})
+            )
+            for i in range(2):  # the second fetch learned the probe from the first reply
+                ok, _, meta = server.put("0", "1", f"k{i}", {"x": np.ones(4)})
+                assert ok and client.get_with_deadline("0", "1", f"k{i}", meta, deadline=_soon()) is not None
+        assert client._client is not None
+        idle = client._client.idle_sockets()
+        assert list(idle) == [f"ipc://{short_tmp}/s{n}.sock" for n in (2, 3)] and all(v == 1 for v in idle.values())
+        assert len(client.health()["shm_servers"]) == 2
