@@ -187,6 +187,48 @@ def test_pull_server_forgets_replies_that_left_without_being_asked(short_tmp: Pa
         assert wait_until(lambda: len(part._leaving) == 0, timeout=5.0), len(part._leaving)
 
 
+# -- 3. health() tells the truth, both ways ---------------------------------------------------------------------------
+def _problems(conn: ZmqConnector) -> str:
+    health = conn.health()
+    assert (health["status"] == "degraded") == bool(health.get("reasons")), health
+    return " | ".join(health.get("reasons", []))
+
+
+def test_health_is_degraded_while_the_send_window_is_full_or_stays_nearly_full(short_tmp: Path) -> None:
+    with _edge(short_tmp, max_unacked=10) as (rconn, sconn):
+        assert sconn.health()["status"] == "ok"
+        for i in range(9):  # 90 %: nearly full, not full
+            _put(sconn, f"k{i}")
+        assert wait_until(lambda: "send window nearly full" in _problems(sconn), timeout=5.0)
+        _put(sconn, "k9")
+        assert "send window full (10 puts" in _problems(sconn)
+        for i in range(10):
+            assert rconn.get_with_deadline("0", "1", f"k{i}", None, deadline=_soon()) is not None
+        assert wait_until(lambda: sconn.health()["status"] == "ok", timeout=5.0), sconn.health()
+
+
+def test_health_is_degraded_while_puts_keep_failing_and_ok_once_one_succeeds(short_tmp: Path) -> None:
+    with _edge(short_tmp, max_unacked=1, put_timeout_s=0.05) as (rconn, sconn):
+        _put(sconn, "a")
+        assert not sconn.put("0", "1", "b", {"x": 1})[0]  # the window of one is full
+        assert "put of 'b' to stage '1' failed" in _problems(sconn)
+        assert rconn.get_with_deadline("0", "1", "a", None, deadline=_soon()) is not None
+        assert wait_until(lambda: sconn.health()["pending"] == 0)
+        assert "failed" in _problems(sconn)  # no put succeeded since
+        _put(sconn, "c")
+        assert "failed" not in _problems(sconn)
+
+
+def test_health_is_degraded_while_items_wait_unclaimed_and_after_they_are_dropped(short_tmp: Path) -> None:
+    with _edge(short_tmp, {"unclaimed_ttl_s": 1.0, "degraded_hold_s": 0.5}) as (rconn, sconn):
+        _put(sconn, "orphan")
+        assert wait_until(lambda: rconn.health()["mailbox"] == 1)
+        assert wait_until(lambda: "waits unclaimed" in _problems(rconn), timeout=5.0)
+        assert wait_until(lambda: "1 items dropped unclaimed" in _problems(rconn), timeout=5.0)
+        assert wait_until(lambda: rconn.health()["status"] == "ok", timeout=5.0), rconn.health()
+        assert rconn.health()["dropped_unclaimed"] == 1
+
+
 def test_pull_client_keeps_sockets_and_verdicts_for_a_bounded_number_of_servers(
     short_tmp: Path, shm_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

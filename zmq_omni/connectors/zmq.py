@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from ..config.zmq import ZmqConnectorConfig
 from ..errors import (
@@ -98,6 +98,11 @@ class ZmqConnector(OmniConnectorBase):
         self._close_lock = threading.Lock()
         self._bind_lock = threading.Lock()  # one lazy bind at a time (the receive and save threads race to it)
         self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
+        # health(): when a put last failed (None: one succeeded since), and the receiver's drops last seen.
+        self._put_failed_at: float | None = None
+        self._put_failure = ""
+        self._unclaimed_seen = 0
+        self._unclaimed_at = 0.0
         cfg = ZmqConnectorConfig.from_dict(config)
         self.config = cfg
         #: The stage id exactly as given (vllm-omni's adapters compute ``stage_id - 1``); without one,
@@ -315,6 +320,21 @@ class ZmqConnector(OmniConnectorBase):
     def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         self._record_failure("get" if op == "get" else "put", from_stage, to_stage, key, reason, error)
 
+    def _record_failure(
+        self,
+        op: Literal["put", "get"],
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        reason: str,
+        error: ZmqOmniError | None = None,
+    ) -> None:
+        """Keep the failure (see the base class); a failed put also makes ``health()`` degraded for a while."""
+        super()._record_failure(op, from_stage, to_stage, key, reason, error)
+        if op == "put" and not self._closed:
+            self._put_failure = f"put of {key!r} to stage {to_stage!r} failed: {reason}"
+            self._put_failed_at = time.monotonic()
+
     def _fail_put(self, from_stage: str, to_stage: str, key: str, error: ZmqOmniError) -> tuple[bool, int, None]:
         self._record_failure("put", from_stage, to_stage, key, str(error), error)
         return False, 0, None
@@ -404,6 +424,8 @@ class ZmqConnector(OmniConnectorBase):
                 metadata = self._server.store(from_stage, to_stage, key, frames, nbytes, block=block)
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
+        if self._put_failed_at is not None:  # puts go through again: health() need not wait degraded_hold_s
+            self._put_failed_at = None
         return True, nbytes, metadata
 
     def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int, block: bool = True) -> bytes | None:
@@ -716,8 +738,54 @@ class ZmqConnector(OmniConnectorBase):
             ):
                 base[name] = receiving[name]
             base["incarnation"] = self._receiver.incarnation
+        reasons = self._reasons(sending, receiving)
+        if reasons:
+            base["reasons"] = reasons
+            if base["status"] == "ok":
+                base["status"] = "degraded"
         self._shm_health(base)
         return base
+
+    def _reasons(self, sending: dict[str, Any] | None, receiving: dict[str, Any] | None) -> list[str]:
+        """Why ``health()`` is degraded now (empty: it is not); see ``docs/zmq-connector.md``.
+
+        A full send window (or pull store), a window nearly full for five heartbeats, items
+        unclaimed for half of ``unclaimed_ttl_s``, items dropped unclaimed within
+        ``degraded_hold_s``, and a put that failed within ``degraded_hold_s`` with none
+        succeeding since.
+        """
+        cfg, now = self.config, time.monotonic()
+        problems = []
+        if sending is not None:
+            if sending.get("window_full"):
+                problems.append(
+                    f"send window full ({sending['pending']} puts, {sending['pending_bytes']} bytes unconsumed; "
+                    f"max_unacked={cfg.max_unacked}, max_unacked_bytes={cfg.max_unacked_bytes})"
+                )
+            elif sending.get("window_high_s", 0.0) >= 5 * cfg.heartbeat_s:
+                problems.append(
+                    f"send window nearly full for {sending['window_high_s']:.1f}s "
+                    f"({sending['pending']} puts, {sending['pending_bytes']} bytes unconsumed)"
+                )
+        if receiving is not None:
+            # Late arrivals under a tombstone are the expected end of a cancelled stream: counted, not degraded.
+            dropped = receiving["dropped_unclaimed"]
+            if dropped > self._unclaimed_seen:
+                self._unclaimed_seen, self._unclaimed_at = dropped, now
+            if self._unclaimed_at and now - self._unclaimed_at < cfg.degraded_hold_s:
+                problems.append(
+                    f"{dropped} items dropped unclaimed after unclaimed_ttl_s={cfg.unclaimed_ttl_s}s "
+                    f"(the last {now - self._unclaimed_at:.1f}s ago)"
+                )
+            if receiving["mailbox_oldest_s"] >= cfg.unclaimed_ttl_s / 2:
+                problems.append(
+                    f"an item waits unclaimed for {receiving['mailbox_oldest_s']:.1f}s "
+                    f"(dropped at unclaimed_ttl_s={cfg.unclaimed_ttl_s}s)"
+                )
+        failed_at = self._put_failed_at
+        if failed_at is not None and now - failed_at < cfg.degraded_hold_s:
+            problems.append(f"{self._put_failure} ({now - failed_at:.1f}s ago; no put succeeded since)")
+        return problems
 
     def _shm_health(self, base: dict[str, Any]) -> None:
         """The fast path's state: policy, pool, fallbacks, verdicts; ``degraded`` while large transfers cannot use it.
@@ -751,6 +819,7 @@ class ZmqConnector(OmniConnectorBase):
                     problems.append(f"receivers of stages {refused} cannot read our shared memory")
         if problems:
             base["shm_problems"] = problems
+            base.setdefault("reasons", []).extend(problems)
             if base["status"] == "ok":
                 base["status"] = "degraded"
 

@@ -195,6 +195,8 @@ class PullServer:
                 "bytes_sent": self._bytes_sent,
                 "pending": len(self._store) + len(leaving),
                 "pending_bytes": self._bytes + sum(entry.nbytes for entry in leaving),
+                "window_full": bool(self._store)
+                and (len(self._store) >= self._max_count or self._bytes >= self._max_bytes),
                 "endpoint": self.endpoint,
             }
 

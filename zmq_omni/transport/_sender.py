@@ -54,7 +54,10 @@ from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import close_socket, make_socket
 
-__all__ = ["PushSender"]
+__all__ = ["NEARLY_FULL", "PushSender"]
+
+#: A window holding this share of ``max_unacked`` (or of its bytes) is nearly full (``stats()["window_high_s"]``).
+NEARLY_FULL = 0.9
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -141,6 +144,7 @@ class PushSender:
         self._bytes_sent = 0  # _lock
         self._batches_sent = 0  # _lock
         self._delivery_waiters = 0  # _lock: threads in wait_delivered(); arrivals wake them
+        self._high_since: float | None = None  # _lock: since when the window is nearly full (read at each beat)
         self._closed = False  # _lock (read without it as a hint)
         loop.every(heartbeat_s, self._heartbeat)
         loop.every(min(0.05, heartbeat_s), self._expire)
@@ -525,6 +529,8 @@ class PushSender:
                 "pending": window.count,
                 "pending_bytes": window.nbytes,
                 "undelivered": sum(len(p.win.unarrived) for p in self._peers.values()),
+                "window_full": window.full(1),
+                "window_high_s": 0.0 if self._high_since is None else time.monotonic() - self._high_since,
                 "peers": {
                     p.to_stage: {
                         "endpoint": p.endpoint,
@@ -695,6 +701,12 @@ class PushSender:
     def _heartbeat(self) -> None:
         now = time.monotonic()
         with self._lock:
+            window = self._window
+            if window.count >= NEARLY_FULL * window.max_count or window.nbytes >= NEARLY_FULL * window.max_bytes:
+                if self._high_since is None:
+                    self._high_since = now
+            else:
+                self._high_since = None
             peers = list(self._peers.values())
             for peer in peers:
                 at_risk = self._window.note_silence(peer.win, now, self._peer_timeout)
