@@ -304,6 +304,21 @@ def test_source_state_reports_consumption_in_every_pong_until_the_sender_forgets
     assert not source.is_new(0) and not source.is_new(2) and source.is_new(4)
 
 
+def test_source_state_reports_drops_apart_once_then_repeats_them_as_consumed() -> None:
+    source = SourceState("s", 0.0)
+    for seq in range(3):
+        source.accept(seq)
+    source.consume(0)
+    source.drop(1, -2)
+    source.drop(2, -3)
+    assert source.drops() == [(-2, [1]), (-3, [2])] and source.drops() == []
+    assert source.ack() == ([0, 1, 2], [0])
+    assert sorted(source.pong()[1]) == [0, 1, 2]  # an ack of a drop may be lost too: pongs repeat it
+    source.drop(3, -2)
+    last = source.last_word()
+    assert last is not None and sorted(last[1]) == [0, 1, 2, 3]
+
+
 _SOURCE_OPS = st.lists(
     st.one_of(
         st.tuples(st.just("data"), st.integers(0, 30), st.integers(0, 30)),

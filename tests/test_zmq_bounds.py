@@ -50,6 +50,7 @@ def test_unclaimed_items_expire_and_free_the_senders_window(short_tmp: Path) -> 
         assert wait_until(lambda: rconn.health()["dropped_unclaimed"] == 4, timeout=10.0)
         assert rconn.health()["mailbox"] == 0
         assert wait_until(lambda: sconn.health()["pending"] == 0)
+        assert wait_until(lambda: sconn.health()["receiver_dropped_unclaimed"] == 4)
         for i in range(4):
             _put(sconn, f"live-{i}", i)
             got = rconn.get_with_deadline("0", "1", f"live-{i}", None, deadline=_soon())
@@ -76,6 +77,9 @@ def test_a_late_arrival_under_a_tombstone_is_dropped_at_once(short_tmp: Path, ho
         assert wait_until(lambda: sconn.health()["pending"] == 0)
         health = rconn.health()
         assert health["mailbox"] == 0 and health["dropped_late"] == len(keys) and health["tombstones"] == 1
+        # The sender learns why its window freed: dropped unconsumed, cancelled downstream.
+        assert wait_until(lambda: sconn.health()["receiver_dropped_cancelled"] == len(keys))
+        assert sconn.health()["receiver_dropped_unclaimed"] == 0
         # Other keys are untouched; a prefix tombstone spares keys that are not prefix + digits.
         for key in ("req-70", "req-7_1_x", "other"):
             _put(sconn, key, 5)
@@ -251,3 +255,13 @@ def test_pull_client_keeps_sockets_and_verdicts_for_a_bounded_number_of_servers(
         idle = client._client.idle_sockets()
         assert list(idle) == [f"ipc://{short_tmp}/s{n}.sock" for n in (2, 3)] and all(v == 1 for v in idle.values())
         assert len(client.health()["shm_servers"]) == 2
+
+
+def test_a_drop_report_longer_than_one_reply_keeps_its_reason(short_tmp: Path) -> None:
+    with _edge(short_tmp) as (rconn, sconn):
+        for i in range(1100):
+            _put(sconn, f"p_{i}")
+        assert wait_until(lambda: rconn.health()["mailbox"] == 1100, timeout=10.0)
+        assert rconn.cleanup_prefix("p_") == 1100
+        assert wait_until(lambda: sconn.health()["receiver_dropped_cancelled"] == 1100, timeout=10.0), sconn.health()
+        assert sconn.health()["pending"] == 0 and sconn.health()["rejected_frames"] == 0

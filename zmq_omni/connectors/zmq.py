@@ -717,6 +717,9 @@ class ZmqConnector(OmniConnectorBase):
         base = super().health()
         for name in ("resends", "rejected_frames", "duplicates_dropped", "delivery_failures"):
             base.setdefault(name, 0)
+        if self._sender is not None:  # what its receivers dropped unconsumed (and acknowledged, freeing the window)
+            for name in ("receiver_dropped_unclaimed", "receiver_dropped_cancelled"):
+                base.setdefault(name, 0)
         base.update(
             {"stage_id": self.stage_id, "role": self.config.role, "mode": self.config.mode, "endpoint": self.endpoint}
         )

@@ -12,8 +12,8 @@ Threads and locks:
 * the connector's **I/O thread** runs the handlers and owns the ROUTER, every
   ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_arrivals``
   and ``_now``: no lock, no other thread touches them;
-* ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``, ``_taken``
-  (consumed seqs handed to the I/O thread), the tombstones ``_tombs``, ``_generation``,
+* ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``, ``_taken`` and
+  ``_dropped_taken`` (consumed and dropped seqs handed to the I/O thread), the tombstones ``_tombs``, ``_generation``,
   ``_batches_received``, ``_gets``, ``_bytes_received``, ``_dropped``, ``_flush_armed``
   and ``_closed``.
 
@@ -21,7 +21,9 @@ Nothing unclaimed lives forever: an item no ``get`` took within ``unclaimed_ttl_
 is dropped, and ``forget`` with a key or prefix (``cleanup``, ``cleanup_prefix``,
 ``abandon_get``) leaves a :class:`~zmq_omni.transport._tombstones.Tombstones` entry
 under which a late arrival is dropped at once. Either way the item is acknowledged
-as consumed, so its sender's window frees, and its shared-memory slot is released.
+as consumed, in a REPLY whose ping number says why (``DROPPED_UNCLAIMED``,
+``DROPPED_CANCELLED``), so its sender's window frees and it counts the drop, and
+its shared-memory slot is released.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..metrics import Counters
 from ._dedupe import SourceState
 from ._envelope import Kind, check_types, pack, to_ranges, unpack
 from ._loop import IoLoop
-from ._push_protocol import _MAX_DRAIN
+from ._push_protocol import _MAX_DRAIN, DROPPED_CANCELLED, DROPPED_UNCLAIMED
 from ._router import recv_routed
 from ._security import Curve, watch_refusals
 from ._shm import ShmReceive
@@ -124,7 +126,8 @@ class PushReceiver:
         # Called on the I/O thread with the addresses of each drain's arrivals, after they are in the mailbox.
         self.on_arrivals: Callable[[list[tuple[str, str, str]]], None] | None = None
         self._batches_received = 0
-        self._taken: list[tuple[str, int]] = []  # consumed or dropped (sid, seq) waiting for the I/O thread
+        self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
+        self._dropped_taken: list[tuple[str, int, int]] = []  # dropped unconsumed (sid, seq, DROPPED_* code)
         self._sources: dict[str, SourceState] = {}
         self._dirty: set[str] = set()
         self._pending_acks = 0
@@ -201,7 +204,7 @@ class PushReceiver:
             slots = [slot for slot in self._box if match(slot[2])]
             items = [self._box.pop(slot) for slot in slots]
             for item in items:
-                self._ack_dropped(item)
+                self._ack_dropped(item, DROPPED_CANCELLED)
             self._dropped["cleanup"] += len(items)
         self._discard(items)
         return len(slots)
@@ -223,9 +226,9 @@ class PushReceiver:
             self._flush_armed = True
             self._loop.call_soon(self._schedule_flush)
 
-    def _ack_dropped(self, item: _Item) -> None:
-        """Hand ``item``'s consumption to the I/O thread: the sender's window frees (caller holds ``_cv``)."""
-        self._taken.append((item.sid, item.seq))
+    def _ack_dropped(self, item: _Item, code: int) -> None:
+        """Hand ``item``'s disposal (``code`` says why) to the I/O thread: the sender's window frees (holds ``_cv``)."""
+        self._dropped_taken.append((item.sid, item.seq, code))
         if not self._flush_armed:
             self._flush_armed = True
             self._loop.call_soon(self._schedule_flush)
@@ -352,7 +355,7 @@ class PushReceiver:
             if not covers(slot[2], now):  # a drop renews the tombstone: a stream still arriving keeps it
                 kept.append((slot, item))
                 continue
-            self._ack_dropped(item)
+            self._ack_dropped(item, DROPPED_CANCELLED)
             self._dropped["late"] += 1
             dropped.append(item)
         return kept
@@ -474,6 +477,8 @@ class PushReceiver:
             source.shm = False if self._shm is None else self._shm.probe(probe)
             source.probe = probe
         self._flush_taken()
+        for code, seqs in source.drops():  # before the pong, which then repeats them as consumed
+            self._send_reply(source, code, [], seqs)
         arrived, consumed = source.pong()
         self._send_reply(source, ping, arrived, consumed)
 
@@ -495,6 +500,7 @@ class PushReceiver:
     def _flush_taken(self, *, disarm: bool = False) -> None:
         with self._lock:
             taken, self._taken = self._taken, []
+            dropped, self._dropped_taken = self._dropped_taken, []
             if disarm:
                 self._flush_armed = False
         for sid, seq in taken:
@@ -502,10 +508,18 @@ class PushReceiver:
             if source is not None:
                 source.consume(seq)
                 self._dirty.add(sid)
+        for sid, seq, code in dropped:
+            source = self._sources.get(sid)
+            if source is not None:
+                source.drop(seq, code)
+                self._dirty.add(sid)
 
     def _flush_acks(self) -> None:
         for sid in self._dirty:
             source = self._sources.get(sid)
+            if source is not None:
+                for code, seqs in source.drops():
+                    self._send_reply(source, code, [], seqs)
             acks = None if source is None else source.ack()
             if acks is not None:
                 assert source is not None
@@ -521,8 +535,9 @@ class PushReceiver:
         cap = _MAX_REPLY_SEQS
         if len(arrived) > cap or len(consumed) > cap:
             arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
+            ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
             while len(arrived) > cap or len(consumed) > cap:
-                self._send_one_reply(source, -1, arrived[:cap], consumed[:cap])
+                self._send_one_reply(source, ack, arrived[:cap], consumed[:cap])
                 arrived, consumed = arrived[cap:], consumed[cap:]
         self._send_one_reply(source, ping, arrived, consumed)
 
@@ -560,7 +575,7 @@ class PushReceiver:
                 expired.append(item)
             for slot, item in zip(slots, expired, strict=True):
                 del box[slot]
-                self._ack_dropped(item)
+                self._ack_dropped(item, DROPPED_UNCLAIMED)
             self._dropped["unclaimed"] += len(expired)
             self._tombs.lapse(now)
         if expired:

@@ -47,7 +47,7 @@ from ._batching import LONE_GAP_S, RETRY_MAX_S, RETRY_MIN_S, STREAM_FLUSH_S, Out
 from ._endpoints import EndpointMap
 from ._envelope import Kind, check_ranges, check_types, pack, unpack
 from ._loop import IoLoop
-from ._push_protocol import _MAX_DRAIN, FailureCallback
+from ._push_protocol import _MAX_DRAIN, DROP_COUNTERS, FailureCallback
 from ._security import Curve
 from ._send_window import Out, PeerWindow, SendWindow
 from ._shm import ShmSend
@@ -651,6 +651,8 @@ class PushSender:
             if arrived and self._cv.listener is not None:
                 # Arrivals drained ZeroMQ's queue: a non-blocking put refused at the high-water mark may go now.
                 self._cv.listener()
+        if result.freed and ping in DROP_COUNTERS:  # the receiver dropped them unconsumed, and says why
+            self._counters.add(DROP_COUNTERS[ping], result.freed)
         if result.resend:
             self._resend(peer, result.resend)
 
