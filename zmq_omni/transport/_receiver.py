@@ -13,9 +13,9 @@ Threads and locks:
   ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_arrivals``
   and ``_now``: no lock, no other thread touches them;
 * ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``, ``_taken`` and
-  ``_dropped_taken`` (consumed and dropped seqs handed to the I/O thread), the tombstones ``_tombs``, ``_generation``,
-  ``_batches_received``, ``_gets``, ``_bytes_received``, ``_dropped``, ``_flush_armed``
-  and ``_closed``.
+  ``_dropped_taken`` (consumed and dropped seqs handed to the I/O thread), the
+  tombstones ``_tombs``, ``_generation``, ``_batches_received``, ``_gets``,
+  ``_bytes_received``, ``_dropped``, ``_flush_armed`` and ``_closed``.
 
 Nothing unclaimed lives forever: an item no ``get`` took within ``unclaimed_ttl_s``
 is dropped, and ``forget`` with a key or prefix (``cleanup``, ``cleanup_prefix``,
