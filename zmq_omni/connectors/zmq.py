@@ -34,6 +34,7 @@ from ..config.zmq import ZmqConnectorConfig
 from ..errors import (
     ClosedResourceError,
     ConfigError,
+    DeliveryError,
     MessageTooLargeError,
     ShmError,
     TransportError,
@@ -331,7 +332,9 @@ class ZmqConnector(OmniConnectorBase):
     ) -> None:
         """Keep the failure (see the base class); a failed put also makes ``health()`` degraded for a while."""
         super()._record_failure(op, from_stage, to_stage, key, reason, error)
-        if op == "put" and not self._closed:
+        # A put its receiver dropped because it cancelled the request says nothing about the link.
+        cancelled = isinstance(error, DeliveryError) and error.dropped == "cancelled"
+        if op == "put" and not self._closed and not cancelled:
             self._put_failure = f"put of {key!r} to stage {to_stage!r} failed: {reason}"
             self._put_failed_at = time.monotonic()
 
@@ -344,8 +347,10 @@ class ZmqConnector(OmniConnectorBase):
         """Send ``data`` to ``to_stage`` under ``put_key``; ``(True, nbytes, metadata)`` once ZeroMQ has it.
 
         Push mode returns when the put is in the send window and handed to
-        ZeroMQ, not when it is acknowledged; a delivery that is never confirmed
-        is reported later through :meth:`drain_failures`. Large arrays are sent
+        ZeroMQ, not when it is acknowledged; a delivery that is never confirmed,
+        or a put its receiver dropped unconsumed (its request cancelled there, or
+        unclaimed past its ``unclaimed_ttl_s``), is reported later through
+        :meth:`drain_failures` (a ``DeliveryError``; ``dropped`` says which). Large arrays are sent
         without copying and pinned until the receiver consumed them: do not
         modify them in place after ``put`` unless ``copy_on_put`` is set, or
         the put took the same-host fast path (its bytes were copied into

@@ -15,8 +15,11 @@ The invariants the tests check after any sequence of calls:
 * ``count``/``nbytes`` are the sums over every peer's ``retained``;
   ``unarrived`` is a subset of ``retained``, in deadline order;
 * a put the receiver reported consumed is never resent and never reported lost;
+* a put the receiver reported dropped unconsumed (a REPLY whose ping number is a
+  ``DROPPED_*`` code) is returned as ``disposed``, once, apart from the consumed ones;
 * every put that leaves the window other than by consumption, withdrawal or
-  :meth:`SendWindow.forget` is returned to the caller as failed, exactly once.
+  :meth:`SendWindow.forget` is returned to the caller as failed (expired, lost
+  at close, or disposed by the receiver), exactly once.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._push_protocol import _BATCH_OVERHEAD
+from ._push_protocol import _BATCH_OVERHEAD, DROP_COUNTERS
 
 __all__ = ["Out", "PeerWindow", "ReplyOutcome", "SendWindow"]
 
@@ -98,7 +101,8 @@ class ReplyOutcome:
     """What applying one REPLY decided: the I/O the caller does next, and whom to wake."""
 
     resend: list[Out] = field(default_factory=list)  # unarrived puts sent before the answered ping (or a restart)
-    freed: int = 0  # puts consumed: window room for waiting puts
+    freed: int = 0  # puts that left the window (consumed or disposed): room for waiting puts
+    disposed: list[Out] = field(default_factory=list)  # consumed seqs of a DROPPED_* REPLY: dropped unconsumed
     arrived: bool = False  # arrivals were confirmed (wakes flush/wait_delivered)
     changed: bool = False  # a new incarnation or shm verdict (wakes reads_shm)
     restarted: bool = False  # the receiver restarted: everything unconsumed is in ``resend``
@@ -196,6 +200,9 @@ class SendWindow:
 
         A REPLY of an incarnation we saw replaced (stale) only frees what it
         reports consumed, since consumption is final whichever incarnation says it.
+        When ``ping`` is a ``DROPPED_*`` code the receiver dropped the consumed
+        seqs unconsumed: those still retained are returned in ``disposed`` (the
+        caller reports each as a failed put), not merely freed.
         """
         result = ReplyOutcome()
         win.last_heard = now
@@ -219,6 +226,7 @@ class SendWindow:
                 result.changed = True
         freed = freed_bytes = 0
         retained_pop, unarrived_pop = win.retained.pop, win.unarrived.pop
+        disposed = result.disposed if ping in DROP_COUNTERS else None
         for run in consumed:
             for seq in run:
                 out = retained_pop(seq, None)
@@ -227,6 +235,8 @@ class SendWindow:
                     out.queued = False  # still in the outbox: the next batch skips it
                     freed += 1
                     freed_bytes += out.nbytes
+                    if disposed is not None:
+                        disposed.append(out)
         self.count -= freed
         self.nbytes -= freed_bytes
         result.freed = freed
