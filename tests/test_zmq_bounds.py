@@ -123,6 +123,29 @@ def test_a_put_dropped_unclaimed_is_reported_failed_to_its_sender(short_tmp: Pat
         assert "unclaimed" in failures[0].reason
 
 
+def test_a_sender_cleanup_never_cancels_puts_on_their_way(short_tmp: Path) -> None:
+    # vllm-omni #6670: a final chunk put just before its request is cleaned up on the sender must still arrive.
+    common = {"endpoints": {"1": f"ipc://{short_tmp}/edge.sock"}, "shm": "off", "heartbeat_s": 0.05}
+    receiver = {"stage_id": "1", "role": "receiver", **common}
+    with ZmqConnector({"stage_id": "0", "role": "sender", **common}) as sconn:
+        with ZmqConnector(receiver) as rconn:
+            _put(sconn, "warm")  # the receiver's first REPLY says it takes batches
+            assert rconn.get_with_deadline("0", "1", "warm", None, deadline=_soon()) is not None
+        # The receiver is away: small puts wait in the sender's outbox (ZeroMQ has no peer to queue them for).
+        keys = [f"req-3_0_{i}" for i in range(5)]
+        for i, key in enumerate(keys):
+            ok, _, _ = sconn.put("0", "1", key, i)
+            assert ok
+        sconn.cleanup_prefix("req-3_0_")  # the request finished here: its puts were accepted all the same
+        assert sconn.health()["pending"] == len(keys)
+        with ZmqConnector(receiver) as rconn:
+            for i, key in enumerate(keys):
+                got = rconn.get_with_deadline("0", "1", key, None, deadline=_soon())
+                assert got is not None and got[0] == i, key
+            assert wait_until(lambda: sconn.health()["pending"] == 0)  # released once they arrived
+        assert not sconn.drain_failures()
+
+
 def test_abandon_get_drops_an_item_already_there(short_tmp: Path) -> None:
     with _edge(short_tmp, max_unacked=1, put_timeout_s=0.5) as (rconn, sconn):
         assert rconn.get("0", "1", "warm") is None

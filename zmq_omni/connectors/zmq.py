@@ -667,9 +667,11 @@ class ZmqConnector(OmniConnectorBase):
         return got
 
     def cleanup(self, request_id: str) -> bool:
-        """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads).
+        """Drop everything held for the key ``request_id`` (mailbox, retained sends, unfetched payloads).
 
         Push mode: a put of that key arriving within ``tombstone_ttl_s`` is dropped at once (a tombstone).
+        A push sender cancels none of its puts still on their way (vllm-omni #6670): it releases only
+        its copies of those the receiver holds; the others are released once they arrive.
         """
         key = str(request_id)
         return self._forget(lambda k: k == key, key=key) > 0
@@ -678,6 +680,7 @@ class ZmqConnector(OmniConnectorBase):
         """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many.
 
         Push mode: puts under the prefix arriving within ``tombstone_ttl_s`` are dropped at once.
+        A push sender cancels none of its puts still on their way, as with :meth:`cleanup`.
         """
         prefix = str(prefix)
         return self._forget(lambda k: key_matches_prefix(k, prefix), prefix=prefix)
@@ -700,8 +703,8 @@ class ZmqConnector(OmniConnectorBase):
         if self._server is not None:
             dropped += self._server.forget(match)
         if self._sender is not None:
-            # A push sender's copies only serve redelivery: release them, but they are not items
-            # anyone could still get, so they do not count (the receiver's cleanup counts those).
+            # A push sender's copies of delivered puts only serve redelivery: release them. Puts still
+            # on their way go on (#6670). None counts: the receiver's cleanup counts what it drops.
             self._sender.forget(match)
         return dropped
 

@@ -503,7 +503,11 @@ class PushSender:
         return sock
 
     def forget(self, match: Callable[[str], bool]) -> int:
-        """Stop retaining puts whose key matches (the request is finished); return how many."""
+        """Release the puts whose key matches that the receiver holds (the request was cleaned up); how many.
+
+        Puts still on their way are not cancelled (see :meth:`SendWindow.forget`): they are released
+        once their arrival is confirmed, or reported failed like any other.
+        """
         with self._lock:
             dropped = self._window.forget(match)
             if dropped:
