@@ -41,6 +41,7 @@ __all__ = [
     "ShmSpaceError",
     "TransportError",
     "TransportTimeoutError",
+    "DROPPED_ENDED",
     "ZmqOmniError",
     "format_seconds",
     "from_zmq_error",
@@ -109,6 +110,11 @@ class DeliveryError(TransportError):
         super().__init__(f"{message} [key={key!r}]", endpoint=endpoint)
         self.key = key
         self.dropped = dropped
+
+
+#: In the reason of a put its receiver dropped under a tombstone: the receiver had ended, cancelled or
+#: abandoned that request (a reused request id lands here too, before the stage's refusal says why).
+DROPPED_ENDED = "dropped it: its request had ended or was cancelled there"
 
 
 class ShmError(ZmqOmniError):

@@ -18,13 +18,17 @@ from typing import Any, Literal
 from ..adapters import RetryPolicy
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase
-from ..errors import format_seconds
+from ..errors import DROPPED_ENDED, format_seconds
 from ._link import ERROR_KEY, TRACE_KEY, _Endpoint
 from .pipeline import PipelineConfig, load_pipeline_config, name_stages
 
 __all__ = ["DriverEvent", "PipelineDriver"]
 
 logger = logging.getLogger("zmq_omni.stages")
+
+#: How long a request whose input a stage dropped under a tombstone waits for that stage's refusal, which
+#: says why (a reused id: "already ended its stream"), before it fails with the drop itself as the reason.
+DROPPED_GRACE_S = 2.0
 
 
 # -- the driver -----------------------------------------------------------------------------------------
@@ -109,6 +113,8 @@ class PipelineDriver:
         self._stage_names = dict(stage_names or {})
         self._submitted: dict[str, float] = {}
         self._streaming: set[str] = set()
+        # Requests whose input a stage dropped as ended there: their reason and when to stop waiting for a refusal.
+        self._dropped: dict[str, tuple[str, float]] = {}
         self._closed = False
 
     @classmethod
@@ -193,7 +199,18 @@ class PipelineDriver:
             if request_id in self._submitted:
                 events.append(self._failed(request_id, reason, now))
         for request_id, reason in chunks.collect_failed_send_request_ids().items():
-            if request_id in self._submitted:
+            if request_id not in self._submitted:
+                continue
+            if DROPPED_ENDED in reason and request_id not in self._dropped:
+                # The stage had ended or cancelled this id (a reused id): its refusal, with the real cause,
+                # comes down the pipeline a moment later and wins; the drop is the reason only without one.
+                self._dropped[request_id] = (reason, now + DROPPED_GRACE_S)
+            else:
+                events.append(self._failed(request_id, reason, now))
+        for request_id, (reason, until) in list(self._dropped.items()):
+            if request_id not in self._submitted:
+                del self._dropped[request_id]
+            elif now >= until:
                 events.append(self._failed(request_id, reason, now))
         while True:
             try:
@@ -226,6 +243,7 @@ class PipelineDriver:
 
     def _forget(self, request_id: str) -> None:
         self._submitted.pop(request_id, None)
+        self._dropped.pop(request_id, None)
         self._streaming.discard(request_id)
 
     def fail_all(self, reason: str) -> list[DriverEvent]:

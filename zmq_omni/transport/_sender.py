@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from ..errors import (
+    DROPPED_ENDED,
     ClosedResourceError,
     DecodeError,
     DeliveryError,
@@ -604,7 +605,7 @@ class PushSender:
         # No slot to discard: the receiver released it as it dropped the item.
         self._counters.add(DROP_COUNTERS[code], len(outs))
         if code == DROPPED_CANCELLED:
-            dropped, reason = "cancelled", f"stage {peer.to_stage!r} dropped it: request cancelled there"
+            dropped, reason = "cancelled", f"stage {peer.to_stage!r} {DROPPED_ENDED}"
         else:
             dropped = "unclaimed"
             reason = f"stage {peer.to_stage!r} dropped it: unclaimed (no get took it within its unclaimed_ttl_s)"
