@@ -183,6 +183,12 @@ def _walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, obj
 
 
+#: Health fields that count held items: the worker's pending sets, windows (``pending``), mailboxes.
+_HOLDERS = ("active_requests", "running_generators", "refused_draining", "pending", "mailbox", "undelivered")
+#: The chunk manager's per-request state and save queue.
+_CHUNK_HOLDERS = ("chunks.sending", "chunks.receiving", "chunks.queued", "chunks.parked")
+
+
 def leftovers(status: Mapping[str, Any]) -> list[str]:
     """What a stage (or the driver) still holds: every pending set, window and mailbox that is not empty."""
     held = []
@@ -190,9 +196,7 @@ def leftovers(status: Mapping[str, Any]) -> list[str]:
         name = path.rsplit(".", 1)[-1]
         if not isinstance(value, int) or isinstance(value, bool) or value == 0:
             continue
-        if name in ("active_requests", "running_generators", "refused_draining", "pending", "mailbox", "undelivered"):
-            held.append(f"{path}={value}")
-        elif path.endswith(("chunks.sending", "chunks.receiving", "chunks.queued", "chunks.parked")):
+        if name in _HOLDERS or path.endswith(_CHUNK_HOLDERS):
             held.append(f"{path}={value}")
     return held
 
@@ -265,7 +269,12 @@ class Soak:
                 "retry": {"attempts": 2, "deadline_s": 1.0},
                 "driver": {"stage_id": "driver", "endpoint": endpoints["driver"]},
                 "stages": [
-                    {"name": name, "stage_id": sid, "function": f"tests.soak_stages:{name}", "endpoint": endpoints[name]}
+                    {
+                        "name": name,
+                        "stage_id": sid,
+                        "function": f"tests.soak_stages:{name}",
+                        "endpoint": endpoints[name],
+                    }
                     for name, sid in STAGES
                 ],
             },
@@ -566,7 +575,9 @@ def main() -> int:
     parser.add_argument("--logs", action="store_true", help="print the stages' logs too")
     args = parser.parse_args()
     settings = SoakSettings.from_env(args.transport)
-    overrides = {k: v for k, v in (("rounds", args.rounds), ("per_round", args.per_round), ("chunks", args.chunks)) if v}
+    overrides = {
+        k: v for k, v in (("rounds", args.rounds), ("per_round", args.per_round), ("chunks", args.chunks)) if v
+    }
     settings = SoakSettings(**{**settings.__dict__, **overrides})
     workdir = Path(tempfile.mkdtemp(prefix="zo-soak-", dir="/tmp"))
     try:
