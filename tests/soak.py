@@ -385,12 +385,12 @@ class Soak:
             outcomes[rid] = Outcome(rid, kind_of(round_index, index), round_index, seed, time.time())
             driver.submit(rid, {"n": s.chunks, "seed": seed})
         deadline = time.monotonic() + s.request_timeout_s + 15
-        kill_after = 0.25 * s.per_round * s.chunks
+        kill_after = 0.15 * s.per_round * s.chunks
         round_started = time.monotonic()
         while driver.pending and time.monotonic() < deadline:
             for event in driver.poll(0.05):
                 self._apply(outcomes, event)
-            if round_index == s.kill_round and not self.kill:
+            if round_index == s.kill_round and not self.kill and driver.pending:
                 delivered = sum(len(o.seqs) for o in outcomes.values())
                 if delivered >= kill_after or time.monotonic() - round_started > 5.0:
                     self._kill_and_restart(outcomes)
@@ -501,8 +501,8 @@ class Soak:
     def _check(self, outcomes: list[Outcome], final: dict[str, dict[str, Any]], shm_left: list[str]) -> list[str]:
         s = self.s
         problems: list[str] = []
-        if not self.kill:
-            problems.append("the stage was never killed")
+        if not self.kill.get("in_flight"):
+            problems.append(f"the kill of the {s.kill_stage} caught no request mid-stream: {self.kill}")
         for o in outcomes:
             label = f"{o.request_id} (round {o.round}, {o.kind})"
             if o.ended is None:
