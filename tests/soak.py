@@ -75,7 +75,7 @@ class SoakSettings:
     unclaimed_ttl_s: float = 5.0
     #: How long the stages get to empty every window, mailbox and pending set after the kill round (before
     #: the next round starts) and after the last round.
-    quiesce_s: float = 20.0
+    quiesce_s: float = 30.0
 
     @classmethod
     def from_env(cls, transport: str) -> SoakSettings:
@@ -168,6 +168,12 @@ class SoakReport:
         lines.append("  failure reasons:")
         lines += [f"    {n:4d} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
         lines.append(f"  kill: {json.dumps(self.kill)}")
+        lines.append("  stage counters (the last incarnation of each):")
+        for name, _ in STAGES:
+            status = self.final_status.get(name, {})
+            counts = {k: status.get(k) for k in ("requests", "completed", "failed", "cancelled", "refused")}
+            counts.update({k: status.get(k) for k in ("chunks_in", "chunks_out")})
+            lines.append(f"    {name:8s} {json.dumps(counts)}")
         lines.append(f"  RSS (KiB; bound on growth {RSS_GROWTH_BOUND_KIB} KiB between the thirds of the steady run):")
         for stage, rss in self.rss_kib.items():
             lines.append(f"    {stage:8s} {json.dumps(rss)}")
