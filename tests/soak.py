@@ -145,6 +145,7 @@ class SoakReport:
     shm_left: list[str]
     exit_codes: dict[str, int | None]
     kill: dict[str, float]
+    steady_deltas: dict[str, dict[str, int]]
     wall_s: float
     problems: list[str]
 
@@ -179,6 +180,9 @@ class SoakReport:
         for stage, rss in self.rss_kib.items():
             lines.append(f"    {stage:8s} {json.dumps(rss)}")
         lines.append(f"  dropped/expired counters at the end: {json.dumps(self.dropped, sort_keys=True)}")
+        lines.append(
+            f"  failure counters that moved in the steady run: {json.dumps(self.steady_deltas, sort_keys=True)}"
+        )
         lines.append(f"  left at the end: {json.dumps(self.leftovers, sort_keys=True)}")
         lines.append(f"  shared memory left: {self.shm_left}")
         lines.append(f"  exit codes: {self.exit_codes}")
@@ -220,6 +224,20 @@ def dropped_counters(status: Mapping[str, Any]) -> dict[str, int]:
         path: value
         for path, value in _walk(status)
         if isinstance(value, int) and not isinstance(value, bool) and value and any(w in path for w in words)
+    }
+
+
+#: Counters that must not move in the steady run (no kill there; cancelled, raising and refused requests
+#: must cost no send failure, no unconfirmed delivery, no put timeout and no rejected frame or reply).
+_STEADY_COUNTERS = ("send_failures", "delivery_failures", "rejected_frames", "outbound.timeouts")
+
+
+def steady_counters(status: Mapping[str, Any]) -> dict[str, int]:
+    """The values of ``_STEADY_COUNTERS`` in a stage's status, by path."""
+    return {
+        path: value
+        for path, value in _walk(status)
+        if path.endswith(_STEADY_COUNTERS) and isinstance(value, int) and not isinstance(value, bool)
     }
 
 
@@ -359,6 +377,7 @@ class Soak:
         pipeline = load_pipeline_config(self.config)
         outcomes: list[Outcome] = []
         steady_from = started
+        steady_start: dict[str, dict[str, int]] = {}
         driver_status: dict[str, Any] = {}
         for round_index in range(self.s.rounds):
             driver = PipelineDriver.from_pipeline(pipeline)
@@ -372,6 +391,7 @@ class Soak:
                     if held:
                         self.problems.append(f"not drained {self.s.quiesce_s} s after the kill round: {held}")
                     steady_from = time.time()
+                    steady_start = {name: steady_counters(self.status(name)) for name, _ in STAGES}
                 if round_index == self.s.rounds - 1:
                     driver_status = self._quiesce(driver)[0]
             finally:
@@ -381,6 +401,19 @@ class Soak:
         self._sampler.join(2)
         final_status = {name: self.status(name) for name, _ in STAGES}
         final_status["driver"] = driver_status
+        steady_deltas = {
+            name: moved
+            for name, before in steady_start.items()
+            if (
+                moved := {
+                    path: value - before.get(path, 0)
+                    for path, value in steady_counters(final_status[name]).items()
+                    if value != before.get(path, 0)
+                }
+            )
+        }
+        for name, moved in steady_deltas.items():
+            self.problems.append(f"stage {name}: failure counters moved in the steady run: {moved}")
         self._stop_stages()
         shm_left = self._shm_left()
         return SoakReport(
@@ -388,11 +421,12 @@ class Soak:
             outcomes=outcomes,
             rss_kib=self._rss_verdicts(steady_from, ended),
             final_status=final_status,
-            leftovers={name: held for name, st in final_status.items() if (held := leftovers(st))},
+            leftovers={name: kept for name, st in final_status.items() if (kept := leftovers(st))},
             dropped={name: dropped_counters(st) for name, st in final_status.items()},
             shm_left=shm_left,
             exit_codes=self.exit_codes,
             kill=self.kill,
+            steady_deltas=steady_deltas,
             wall_s=ended - started,
             problems=self.problems + self._check(outcomes, final_status, shm_left),
         )
