@@ -43,7 +43,8 @@ _worker: Any = None  # this process's StageWorker (the talker cancels through it
 def chunk_values(seed: int, chunk: int) -> np.ndarray:
     """The thinker's chunk ``chunk`` of the request with ``seed``: exact in float32 (all < 2**23)."""
     base = float((seed % 4096) * 1000 + chunk)
-    return np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH) + np.float32(base)
+    values: np.ndarray = np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH) + np.float32(base)
+    return values
 
 
 def _seq(payload: dict[str, Any]) -> list[int]:
