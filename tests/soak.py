@@ -41,7 +41,6 @@ import yaml
 
 from tests.ports import reserve_port
 from tests.soak_stages import CANCEL_REASON, RAISE_MESSAGE, ROWS, chunk_values
-from zmq_omni.config import ZmqConnectorConfig
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = (("thinker", "0"), ("talker", "1"), ("vocoder", "2"))
@@ -200,7 +199,15 @@ def _walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 
 #: Health fields that count held items: the worker's pending sets, windows (``pending``), mailboxes.
-_HOLDERS = ("active_requests", "running_generators", "refused_draining", "pending", "mailbox", "undelivered")
+_HOLDERS = (
+    "active_requests",
+    "running_generators",
+    "refused_draining",
+    "closing_requests",
+    "pending",
+    "mailbox",
+    "undelivered",
+)
 #: The chunk manager's per-request state and save queue.
 _CHUNK_HOLDERS = ("chunks.sending", "chunks.receiving", "chunks.queued", "chunks.parked")
 
@@ -286,10 +293,8 @@ class Soak:
             "peer_timeout_s": 1.0,
             "heartbeat_s": 0.2,
             "max_unacked": s.max_unacked,
+            "unclaimed_ttl_s": s.unclaimed_ttl_s,
         }
-        known_keys = ZmqConnectorConfig.keys()
-        if "unclaimed_ttl_s" in known_keys:  # the receiver TTL of issue 13 (not in older trees)
-            extra["unclaimed_ttl_s"] = s.unclaimed_ttl_s
         if self.shm_dir is not None:
             extra.update({"shm": "on", "shm_dir": self.shm_dir, "shm_threshold": 8192})
         else:

@@ -435,14 +435,6 @@ def test_giving_up_a_receiving_stream_abandons_its_next_key_and_cleans_its_prefi
         conn1.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "needs transport work (issue 13): the push receiver must keep a bounded tombstone per "
-        "cleanup/cleanup_prefix/abandon_get and drop a late arrival under it at once, acknowledging it as "
-        "disposed so the sender's window slot is freed (plus a TTL for unclaimed mailbox items)"
-    ),
-)
 def test_fifty_cancelled_streams_do_not_fill_a_window_of_fifty(short_tmp: Path) -> None:
     endpoint = f"ipc://{short_tmp}/edge.sock"
     common = {"endpoints": {"1": endpoint}, "shm": "off", "heartbeat_s": 0.2}

@@ -15,10 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from zmq_omni.connectors.base import key_matches_prefix as key_matches
 from zmq_omni.transport._batching import STREAM_FLUSH_S, Outbox, batch_end
 from zmq_omni.transport._dedupe import SourceState
 from zmq_omni.transport._envelope import check_ranges, to_ranges
 from zmq_omni.transport._send_window import Out, SendWindow
+from zmq_omni.transport._tombstones import Tombstones
 
 MAX_COUNT = 6
 MAX_BYTES = 1000
@@ -302,6 +304,21 @@ def test_source_state_reports_consumption_in_every_pong_until_the_sender_forgets
     assert not source.is_new(0) and not source.is_new(2) and source.is_new(4)
 
 
+def test_source_state_reports_drops_apart_once_then_repeats_them_as_consumed() -> None:
+    source = SourceState("s", 0.0)
+    for seq in range(3):
+        source.accept(seq)
+    source.consume(0)
+    source.drop(1, -2)
+    source.drop(2, -3)
+    assert source.drops() == [(-2, [1]), (-3, [2])] and source.drops() == []
+    assert source.ack() == ([0, 1, 2], [0])
+    assert sorted(source.pong()[1]) == [0, 1, 2]  # an ack of a drop may be lost too: pongs repeat it
+    source.drop(3, -2)
+    last = source.last_word()
+    assert last is not None and sorted(last[1]) == [0, 1, 2, 3]
+
+
 _SOURCE_OPS = st.lists(
     st.one_of(
         st.tuples(st.just("data"), st.integers(0, 30), st.integers(0, 30)),
@@ -393,3 +410,82 @@ def test_take_respects_the_batch_budget_skips_dropped_puts_and_requeue_keeps_ord
     rest = box.take(1 << 20, "1", 256)
     assert rest == [o for o in outs if o is not outs[1]] and box.nbytes == 0 and not box.items
     assert batch_end(outs, 0, 10, "1", 256) == 1  # one put always fits
+
+
+# -- the receiver's tombstones ---------------------------------------------------------------------------------------
+def test_tombstones_cover_a_key_or_a_prefix_plus_digits_renew_on_each_drop_and_lapse() -> None:
+    tombs = Tombstones(ttl_s=1.0, max_count=10)
+    tombs.bury(0.0, key="req-7", prefix="req-8_1_")
+    assert tombs.covers("req-7", 0.5) and not tombs.covers("req-70", 0.5)
+    assert tombs.covers("req-8_1_12", 0.5) and not tombs.covers("req-8_1_x", 0.5) and not tombs.covers("req-8_1_", 0.5)
+    assert tombs.covers("req-7", 1.4)  # renewed at 0.5: lasts until 1.5
+    assert not tombs.covers("req-8_1_3", 1.6)  # renewed at 0.5 too: lapsed at 1.5
+    assert tombs.lapse(1.6) == 1 and len(tombs) == 1 and tombs.lapse(2.4) == 1 and len(tombs) == 0
+    tombs.bury(2.0, prefix="a")
+    tombs.lift("a12")  # a get of a key under it: nobody may drop it any more
+    assert not tombs.covers("a12", 2.1) and len(tombs) == 0
+
+
+def test_tombstones_past_their_bound_evict_the_one_that_lapses_first() -> None:
+    tombs = Tombstones(ttl_s=1.0, max_count=2)
+    tombs.bury(0.0, key="a")
+    tombs.bury(0.1, prefix="p")
+    tombs.bury(0.2, key="b")  # "a" lapses first: it goes
+    assert len(tombs) == 2 and tombs.evicted == 1
+    assert not tombs.covers("a", 0.3) and tombs.covers("p1", 0.3) and tombs.covers("b", 0.3)
+
+
+_TOMB_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["bury_key", "bury_prefix", "arrive", "lift", "lapse"]),
+        st.sampled_from(["k", "k1", "k12", "k1x", "1", ""]),
+        st.floats(0.0, 0.7),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_TOMB_OPS, max_count=st.integers(1, 4))
+def test_tombstones_match_a_model_of_buried_names(ops: list[tuple[str, str, float]], max_count: int) -> None:
+    tombs = Tombstones(ttl_s=1.0, max_count=max_count)
+    model: dict[tuple[str, str], float] = {}  # (kind, name) -> lapses at
+    now = 0.0
+
+    def lay(kind: str, name: str) -> None:
+        model.pop((kind, name), None)
+        model[(kind, name)] = now + 1.0
+        while len(model) > max_count:  # the oldest laid or renewed goes (the first, in insertion order)
+            del model[next(iter(model))]
+
+    def covering(key: str) -> tuple[str, str] | None:
+        if model.get(("key", key), -1.0) > now:
+            return ("key", key)
+        live = [name for (kind, name), t in model.items() if kind == "prefix" and t > now and key_matches(key, name)]
+        return ("prefix", max(live, key=len)) if live else None
+
+    for op, name, dt in ops:
+        now += dt
+        if op == "bury_key":
+            tombs.bury(now, key=name)
+            lay("key", name)
+        elif op == "bury_prefix":
+            tombs.bury(now, prefix=name)
+            lay("prefix", name)
+        elif op == "arrive":
+            found = covering(name)
+            assert tombs.covers(name, now) == (found is not None), (name, model)
+            if found is not None:
+                lay(*found)
+        elif op == "lift":
+            tombs.lift(name)
+            for entry in [e for e in model if e == ("key", name) or (e[0] == "prefix" and key_matches(name, e[1]))]:
+                del model[entry]
+        else:
+            tombs.lapse(now)
+            for entry in [e for e, t in model.items() if t <= now]:
+                del model[entry]
+        assert len(tombs) <= max_count
+        assert {n: covering(n) is not None for n in ("k", "k1", "k12", "1")} == {
+            n: tombs._find(n, now) is not None for n in ("k", "k1", "k12", "1")
+        }

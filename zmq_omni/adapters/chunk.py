@@ -48,6 +48,18 @@ logger = logging.getLogger("zmq_omni.adapters")
 _REMEMBERED = 65_536
 
 
+def _payload_nbytes(data: Mapping[str, Any]) -> int:
+    """Bytes a received chunk holds: its arrays' ``nbytes`` plus ``bytes``/``str`` lengths (for max_ready_bytes)."""
+    total = 0
+    for value in data.values():
+        nbytes = getattr(value, "nbytes", None)
+        if isinstance(nbytes, int):
+            total += nbytes
+        elif isinstance(value, (bytes, bytearray, str)):
+            total += len(value)
+    return total
+
+
 def _neighbour(stage_id: str, step: int) -> str | None:
     try:
         value = int(stage_id) + step
@@ -88,6 +100,19 @@ class ChunkManagerConfig:
             send state and a finished receiving stream whose inputs were never
             taken are dropped (counted as ``expired_states``). Its id stays a
             used id.
+        max_ready_chunks: most chunks received for one request and not taken
+            yet. At the bound the receive worker stops reading that request's
+            stream until the scheduler takes its inputs: the chunks stay in the
+            connector unconsumed, so the sender's window pushes back on the
+            upstream stage instead of this stage's memory growing with a
+            backlog (and each take assembling an ever larger one). The time a
+            stream is paused does not count towards ``stall_timeout_s``.
+        max_ready_bytes: most payload bytes (array ``nbytes``, ``bytes``/``str``
+            lengths) received for all requests together and not taken yet; at
+            the bound, requests holding any untaken chunk pause the same way
+            (a request with none may still read one, so every request can
+            progress). Streams read by :meth:`OmniChunkManager.load` are not
+            bounded (it returns the whole stream at once).
     """
 
     stage_id: str
@@ -102,6 +127,8 @@ class ChunkManagerConfig:
     max_queued_chunks: int = 4096
     queue_full_timeout_s: float = 10.0
     idle_state_timeout_s: float = 600.0
+    max_ready_chunks: int = 64
+    max_ready_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_id", str(self.stage_id))
@@ -115,6 +142,8 @@ class ChunkManagerConfig:
             raise ConfigError(f"'max_queued_chunks' must be >= 1, got {self.max_queued_chunks}")
         if self.queue_full_timeout_s < 0 or self.idle_state_timeout_s <= 0:
             raise ConfigError("'queue_full_timeout_s' must be >= 0 and 'idle_state_timeout_s' > 0")
+        if self.max_ready_chunks < 1 or self.max_ready_bytes < 1:
+            raise ConfigError("'max_ready_chunks' and 'max_ready_bytes' must be >= 1")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
@@ -132,6 +161,8 @@ class ChunkManagerConfig:
             "max_queued_chunks",
             "queue_full_timeout_s",
             "idle_state_timeout_s",
+            "max_ready_chunks",
+            "max_ready_bytes",
         )
         check_known_keys(data, known, path)
         spec = data.get("connector")
@@ -153,6 +184,8 @@ class ChunkManagerConfig:
                 data, "queue_full_timeout_s", d["queue_full_timeout_s"].default, path, minimum=0
             ),
             idle_state_timeout_s=read_float(data, "idle_state_timeout_s", d["idle_state_timeout_s"].default, path),
+            max_ready_chunks=read_int(data, "max_ready_chunks", d["max_ready_chunks"].default, path),
+            max_ready_bytes=read_int(data, "max_ready_bytes", d["max_ready_bytes"].default, path),
         )
 
 
@@ -211,6 +244,8 @@ class _RecvState:
     final: bool = False
     cancelled_upstream: bool = False
     all_chunks: list[Mapping[str, Any]] | None = None  # kept for a synchronous load()
+    ready_bytes: int = 0  # payload bytes of ``ready`` (0 for a load(): it is not bounded)
+    paused_at: float | None = None  # when the receive worker found it at a bound (its stall timer stops)
 
 
 class OmniChunkManager(OmniTransferAdapterBase):
@@ -244,6 +279,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         self._save_queue: deque[_SaveItem] = deque()
         self._send: dict[str, _SendState] = {}
         self._recv: dict[str, _RecvState] = {}
+        self._ready_bytes = 0  # sum of ready_bytes over _recv (guarded by self._lock)
         self._rotation = 0
         # key prefix -> request id, for failures reported by key (bounded, LRU).
         self._send_owner: OrderedDict[str, str] = OrderedDict()
@@ -454,7 +490,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 # Unfinished streams are bounded by stall_timeout_s already; a finished
                 # one whose inputs nobody takes would stay forever.
                 if recv.final and recv.all_chunks is None and now - recv.last_progress >= ttl:
-                    del self._recv[request_id]
+                    self._drop_recv_locked(request_id)
                     self.counters.add("expired_states")
                     logger.warning(
                         "stage %s: dropping the received stream of %s: not taken for %.0fs",
@@ -562,6 +598,9 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 self._kick_recv()
             if keep_all and state.all_chunks is None:
                 state.all_chunks = list(state.ready)
+                # A load() returns the whole stream: its chunks do not count against max_ready_bytes.
+                self._ready_bytes -= state.ready_bytes
+                state.ready_bytes = 0
         self._sweep_idle()
         return state
 
@@ -593,7 +632,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
             if self._recv.get(request_id) is not state or not state.final:
                 return None
             chunks = state.all_chunks or []
-            del self._recv[request_id]
+            self._drop_recv_locked(request_id)
         with self._failures_lock:
             self._finished_loaded.add(request_id)
         return ChunkInputs(
@@ -601,13 +640,55 @@ class OmniChunkManager(OmniTransferAdapterBase):
         )
 
     def _has_pending_loads(self) -> bool:
-        return any(not state.final for state in self._recv.values())
+        return any(not state.final and not self._paused_locked(state) for state in self._recv.values())
+
+    def _paused_locked(self, state: _RecvState) -> bool:
+        """True while the receive worker must not read ``state``'s stream: it is at a bound (lock held).
+
+        A stream with no untaken chunk is never paused, so every request can progress.
+        """
+        return (
+            bool(state.ready)
+            and state.all_chunks is None
+            and (len(state.ready) >= self.config.max_ready_chunks or self._ready_bytes >= self.config.max_ready_bytes)
+        )
+
+    def _readable_locked(self, now: float) -> list[_RecvState]:
+        """The unfinished streams the receive worker may read now (lock held).
+
+        Notes when each stream pauses at a bound and, when it resumes, moves its
+        stall timer on by the pause: only time spent waiting for the upstream counts.
+        """
+        readable: list[_RecvState] = []
+        for state in self._recv.values():
+            if state.final:
+                continue
+            if self._paused_locked(state):
+                if state.paused_at is None:
+                    state.paused_at = now
+                continue
+            if state.paused_at is not None:
+                state.last_progress += now - state.paused_at
+                state.paused_at = None
+            readable.append(state)
+        return readable
+
+    def _drop_recv_locked(self, request_id: str) -> _RecvState | None:
+        """Remove a receiving state and its untaken bytes (lock held); wake the receive worker if that frees room."""
+        state = self._recv.pop(request_id, None)
+        if state is not None and state.ready_bytes:
+            at_bound = self._ready_bytes >= self.config.max_ready_bytes
+            self._ready_bytes -= state.ready_bytes
+            state.ready_bytes = 0
+            if at_bound:
+                self._kick_recv()
+        return state
 
     def _recv_pass(self) -> bool:
         now = time.monotonic()
         stalled: list[_RecvState] = []
         with self._lock:
-            active = [s for s in self._recv.values() if not s.final]
+            active = self._readable_locked(now)
             for state in active:
                 if now - state.last_progress > self.config.stall_timeout_s:
                     stalled.append(state)
@@ -635,11 +716,14 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 progressed = True
                 if not self._recv_commit(RecvTarget(str(upstream), self.stage_id, key), got[0], state):
                     break
+                with self._lock:
+                    if self._paused_locked(state):
+                        break  # the rest stays in the connector until the scheduler takes these
         return progressed
 
     def _recv_target(self) -> RecvTarget | None:
         with self._lock:
-            active = [s for s in self._recv.values() if not s.final]
+            active = self._readable_locked(time.monotonic())
             if not active:
                 return None
             self._rotation = (self._rotation + 1) % len(active)
@@ -677,6 +761,10 @@ class OmniChunkManager(OmniTransferAdapterBase):
                 state.ready.append(data)
                 if state.all_chunks is not None:
                     state.all_chunks.append(data)
+                else:
+                    nbytes = _payload_nbytes(data)
+                    state.ready_bytes += nbytes
+                    self._ready_bytes += nbytes
             if final:
                 state.final = True
                 state.cancelled_upstream = bool(meta.get("cancelled"))
@@ -691,7 +779,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
         return not final
 
     def _fail_receiving_locked(self, state: _RecvState, reason: str) -> None:
-        del self._recv[state.request_id]
+        self._drop_recv_locked(state.request_id)
         self._loaded_cond.notify_all()
         self.record_receive_failure(state.request_id, reason)
         self._progress.set()
@@ -739,8 +827,14 @@ class OmniChunkManager(OmniTransferAdapterBase):
         if state is None or not (state.ready or state.final):
             return None
         chunks, state.ready = state.ready, []
+        # Taking frees room: a stream paused at a bound (this one, or any at the byte bound) reads on.
+        resume = state.paused_at is not None or self._ready_bytes >= self.config.max_ready_bytes
+        self._ready_bytes -= state.ready_bytes
+        state.ready_bytes = 0
         if state.final:
             del self._recv[request_id]
+        if resume:
+            self._kick_recv()
         return ChunkInputs(
             request_id,
             assemble_chunks(chunks, self.config.concat_axis),
@@ -818,7 +912,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
                     state.terminal_queued = True
                     self._save_queue.append(item)
                     self._save_cond.notify()
-            recv = self._recv.pop(request_id, None)
+            recv = self._drop_recv_locked(request_id)
             if recv is not None:
                 prefix = recv.prefix
                 self._loaded_cond.notify_all()
@@ -875,6 +969,9 @@ class OmniChunkManager(OmniTransferAdapterBase):
         clears.
         """
         health = {**super().health(), **self.pending_state()}
+        with self._lock:
+            health["ready_chunks"] = sum(len(state.ready) for state in self._recv.values())
+            health["ready_bytes"] = self._ready_bytes
         reasons: list[str] = []
         limit = self.config.max_queued_chunks
         if health["queued"] * 4 >= limit * 3:

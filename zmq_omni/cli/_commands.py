@@ -83,6 +83,8 @@ def run_stage(args: argparse.Namespace) -> int:
         worker.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    # The counts once close() settled them: a request counts as completed only when its final chunk was put.
+    health.update(worker.stats)
     if args.stats_out:
         Path(args.stats_out).write_text(json.dumps(health, default=str), encoding="utf-8")
     print(

@@ -92,6 +92,14 @@ class ZmqConnectorConfig:
         batch_max_bytes: push mode: most bytes of one BATCH message (also capped by
             the receiver's ``max_message_bytes``, which it announces).
         pull_ttl_s: pull mode: unfetched payloads expire after this long.
+        unclaimed_ttl_s: push mode: an item no ``get`` took within this long after
+            it arrived is dropped (its sender's window frees; counted as ``dropped_unclaimed``).
+        tombstone_ttl_s: push mode: after ``cleanup``, ``cleanup_prefix`` or ``abandon_get``,
+            puts arriving under that key or prefix are dropped at once for this long (each
+            one dropped renews it; counted as ``dropped_late``); a ``get`` of the key lifts it.
+        max_tombstones: push mode: most tombstones held; past it the oldest is forgotten.
+        degraded_hold_s: how long ``health()`` stays ``degraded`` after a put failed or an
+            unclaimed item was dropped (it clears sooner once a put succeeds again).
         fetch_timeout_s: pull mode: longest wait for a fetch reply.
         copy_on_put: copy large arrays at ``put`` instead of pinning them.
         inline_threshold: arrays of at least this many bytes get their own frame.
@@ -143,6 +151,10 @@ class ZmqConnectorConfig:
     batch_max_messages: int = 256
     batch_max_bytes: int = 64 << 10
     pull_ttl_s: float = 300.0
+    unclaimed_ttl_s: float = 300.0
+    tombstone_ttl_s: float = 60.0
+    max_tombstones: int = 65536
+    degraded_hold_s: float = 30.0
     fetch_timeout_s: float = 5.0
     copy_on_put: bool = False
     inline_threshold: int = 4096
@@ -219,6 +231,10 @@ class ZmqConnectorConfig:
             batch_max_messages=read_int(extra, "batch_max_messages", 256, _PATH, minimum=1),
             batch_max_bytes=read_int(extra, "batch_max_bytes", 64 << 10, _PATH, minimum=1024),
             pull_ttl_s=read_float(extra, "pull_ttl_s", 300.0, _PATH, minimum=0.001),
+            unclaimed_ttl_s=read_float(extra, "unclaimed_ttl_s", 300.0, _PATH, minimum=0.01),
+            tombstone_ttl_s=read_float(extra, "tombstone_ttl_s", 60.0, _PATH, minimum=0.01),
+            max_tombstones=read_int(extra, "max_tombstones", 65536, _PATH, minimum=1),
+            degraded_hold_s=read_float(extra, "degraded_hold_s", 30.0, _PATH, minimum=0.0),
             fetch_timeout_s=read_float(extra, "fetch_timeout_s", 5.0, _PATH, minimum=0.001),
             copy_on_put=read_bool(extra, "copy_on_put", False, _PATH),
             inline_threshold=read_int(extra, "inline_threshold", 4096, _PATH, minimum=0),

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from ..config.zmq import ZmqConnectorConfig
 from ..errors import (
@@ -98,6 +98,11 @@ class ZmqConnector(OmniConnectorBase):
         self._close_lock = threading.Lock()
         self._bind_lock = threading.Lock()  # one lazy bind at a time (the receive and save threads race to it)
         self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
+        # health(): when a put last failed (None: one succeeded since), and the receiver's drops last seen.
+        self._put_failed_at: float | None = None
+        self._put_failure = ""
+        self._unclaimed_seen = 0
+        self._unclaimed_at = 0.0
         cfg = ZmqConnectorConfig.from_dict(config)
         self.config = cfg
         #: The stage id exactly as given (vllm-omni's adapters compute ``stage_id - 1``); without one,
@@ -241,6 +246,9 @@ class ZmqConnector(OmniConnectorBase):
                     max_frames=_MAX_FRAMES,
                     source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
                     counters=self._counters,
+                    unclaimed_ttl_s=cfg.unclaimed_ttl_s,
+                    tombstone_ttl_s=cfg.tombstone_ttl_s,
+                    max_tombstones=cfg.max_tombstones,
                     health=self.health,
                     curve=self._curve,
                     shm=self._shm_receive,
@@ -311,6 +319,21 @@ class ZmqConnector(OmniConnectorBase):
 
     def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         self._record_failure("get" if op == "get" else "put", from_stage, to_stage, key, reason, error)
+
+    def _record_failure(
+        self,
+        op: Literal["put", "get"],
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        reason: str,
+        error: ZmqOmniError | None = None,
+    ) -> None:
+        """Keep the failure (see the base class); a failed put also makes ``health()`` degraded for a while."""
+        super()._record_failure(op, from_stage, to_stage, key, reason, error)
+        if op == "put" and not self._closed:
+            self._put_failure = f"put of {key!r} to stage {to_stage!r} failed: {reason}"
+            self._put_failed_at = time.monotonic()
 
     def _fail_put(self, from_stage: str, to_stage: str, key: str, error: ZmqOmniError) -> tuple[bool, int, None]:
         self._record_failure("put", from_stage, to_stage, key, str(error), error)
@@ -401,6 +424,8 @@ class ZmqConnector(OmniConnectorBase):
                 metadata = self._server.store(from_stage, to_stage, key, frames, nbytes, block=block)
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
+        if self._put_failed_at is not None:  # puts go through again: health() need not wait degraded_hold_s
+            self._put_failed_at = None
         return True, nbytes, metadata
 
     def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int, block: bool = True) -> bytes | None:
@@ -637,20 +662,38 @@ class ZmqConnector(OmniConnectorBase):
         return got
 
     def cleanup(self, request_id: str) -> bool:
-        """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads)."""
+        """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads).
+
+        Push mode: a put of that key arriving within ``tombstone_ttl_s`` is dropped at once (a tombstone).
+        """
         key = str(request_id)
-        return self._forget(lambda k: k == key) > 0
+        return self._forget(lambda k: k == key, key=key) > 0
 
     def cleanup_prefix(self, prefix: str) -> int:
-        """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many."""
-        prefix = str(prefix)
-        return self._forget(lambda k: key_matches_prefix(k, prefix))
+        """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many.
 
-    def _forget(self, match: Callable[[str], bool]) -> int:
+        Push mode: puts under the prefix arriving within ``tombstone_ttl_s`` are dropped at once.
+        """
+        prefix = str(prefix)
+        return self._forget(lambda k: key_matches_prefix(k, prefix), prefix=prefix)
+
+    def abandon_get(self, get_key: str) -> None:
+        """The caller stopped waiting for ``get_key``: drop it if it is here, and whatever arrives for it later.
+
+        Push mode: the item (now or arriving within ``tombstone_ttl_s``) is dropped and
+        acknowledged as consumed, so its sender's window frees. Pull mode keeps nothing
+        here: the server's copy expires after its ``pull_ttl_s``.
+        """
+        key = str(get_key)
+        if self._receiver is not None:
+            self._receiver.forget(lambda k: k == key, key=key)
+
+    def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
         dropped = 0
-        for part in (self._receiver, self._server):
-            if part is not None:
-                dropped += part.forget(match)
+        if self._receiver is not None:
+            dropped += self._receiver.forget(match, key=key, prefix=prefix)
+        if self._server is not None:
+            dropped += self._server.forget(match)
         if self._sender is not None:
             # A push sender's copies only serve redelivery: release them, but they are not items
             # anyone could still get, so they do not count (the receiver's cleanup counts those).
@@ -674,6 +717,9 @@ class ZmqConnector(OmniConnectorBase):
         base = super().health()
         for name in ("resends", "rejected_frames", "duplicates_dropped", "delivery_failures"):
             base.setdefault(name, 0)
+        if self._sender is not None:  # what its receivers dropped unconsumed (and acknowledged, freeing the window)
+            for name in ("receiver_dropped_unclaimed", "receiver_dropped_cancelled"):
+                base.setdefault(name, 0)
         base.update(
             {"stage_id": self.stage_id, "role": self.config.role, "mode": self.config.mode, "endpoint": self.endpoint}
         )
@@ -684,10 +730,65 @@ class ZmqConnector(OmniConnectorBase):
                 if name in sending:
                     base[name] = sending[name]
         if receiving is not None and self._receiver is not None:
-            base["mailbox"] = receiving["mailbox"]
+            for name in (
+                "mailbox",
+                "mailbox_oldest_s",
+                "tombstones",
+                "dropped_unclaimed",
+                "dropped_late",
+                "dropped_cleanup",
+                "tombstones_evicted",
+            ):
+                base[name] = receiving[name]
             base["incarnation"] = self._receiver.incarnation
+        reasons = self._reasons(sending, receiving)
+        if reasons:
+            base["reasons"] = reasons
+            if base["status"] == "ok":
+                base["status"] = "degraded"
         self._shm_health(base)
         return base
+
+    def _reasons(self, sending: dict[str, Any] | None, receiving: dict[str, Any] | None) -> list[str]:
+        """Why ``health()`` is degraded now (empty: it is not); see ``docs/zmq-connector.md``.
+
+        A full send window (or pull store), a window nearly full for five heartbeats, items
+        unclaimed for half of ``unclaimed_ttl_s``, items dropped unclaimed within
+        ``degraded_hold_s``, and a put that failed within ``degraded_hold_s`` with none
+        succeeding since.
+        """
+        cfg, now = self.config, time.monotonic()
+        problems = []
+        if sending is not None:
+            if sending.get("window_full"):
+                problems.append(
+                    f"send window full ({sending['pending']} puts, {sending['pending_bytes']} bytes unconsumed; "
+                    f"max_unacked={cfg.max_unacked}, max_unacked_bytes={cfg.max_unacked_bytes})"
+                )
+            elif sending.get("window_high_s", 0.0) >= 5 * cfg.heartbeat_s:
+                problems.append(
+                    f"send window nearly full for {sending['window_high_s']:.1f}s "
+                    f"({sending['pending']} puts, {sending['pending_bytes']} bytes unconsumed)"
+                )
+        if receiving is not None:
+            # Late arrivals under a tombstone are the expected end of a cancelled stream: counted, not degraded.
+            dropped = receiving["dropped_unclaimed"]
+            if dropped > self._unclaimed_seen:
+                self._unclaimed_seen, self._unclaimed_at = dropped, now
+            if self._unclaimed_at and now - self._unclaimed_at < cfg.degraded_hold_s:
+                problems.append(
+                    f"{dropped} items dropped unclaimed after unclaimed_ttl_s={cfg.unclaimed_ttl_s}s "
+                    f"(the last {now - self._unclaimed_at:.1f}s ago)"
+                )
+            if receiving["mailbox_oldest_s"] >= cfg.unclaimed_ttl_s / 2:
+                problems.append(
+                    f"an item waits unclaimed for {receiving['mailbox_oldest_s']:.1f}s "
+                    f"(dropped at unclaimed_ttl_s={cfg.unclaimed_ttl_s}s)"
+                )
+        failed_at = self._put_failed_at
+        if failed_at is not None and now - failed_at < cfg.degraded_hold_s:
+            problems.append(f"{self._put_failure} ({now - failed_at:.1f}s ago; no put succeeded since)")
+        return problems
 
     def _shm_health(self, base: dict[str, Any]) -> None:
         """The fast path's state: policy, pool, fallbacks, verdicts; ``degraded`` while large transfers cannot use it.
@@ -721,6 +822,7 @@ class ZmqConnector(OmniConnectorBase):
                     problems.append(f"receivers of stages {refused} cannot read our shared memory")
         if problems:
             base["shm_problems"] = problems
+            base.setdefault("reasons", []).extend(problems)
             if base["status"] == "ok":
                 base["status"] = "degraded"
 

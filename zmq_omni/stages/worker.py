@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,10 @@ from .pipeline import ChunkFunction, PipelineConfig, load_pipeline_config, name_
 __all__ = ["StageWorker"]
 
 logger = logging.getLogger("zmq_omni.stages")
+
+#: How many completed requests a worker remembers, so that a send failure reported after
+#: its final chunk went out (a delivery deadline, a put the downstream dropped) recounts it as failed.
+_RECENT_COMPLETED = 4096
 
 
 # -- the stage worker -----------------------------------------------------------------------------------
@@ -112,6 +117,11 @@ class StageWorker:
         self._refused: set[str] = set()
         # Cancellations asked for by cancel() (any thread), applied by the run thread.
         self._cancels: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        # Requests whose final chunk is queued but not yet put (run thread only): counted
+        # completed once the chunk manager reports the put, failed on a send failure.
+        self._closing: OrderedDict[str, None] = OrderedDict()
+        # The last completed requests (run thread only, bounded): a later send failure recounts one as failed.
+        self._recent_completed: OrderedDict[str, None] = OrderedDict()
         self._stop = threading.Event()
         self._closed = False
         # Run thread only (then close): a stopped downstream fails every request at once, one line per interval.
@@ -192,7 +202,7 @@ class StageWorker:
                 self._step(request_id)
             self._drain_refused()
             self._handle_failures()
-            chunks.get_finished_requests()  # drained so the set does not grow; state is released per request
+            self._count_sent(chunks.get_finished_requests().saved)
             if self._running or not self._link.admitted.empty():
                 continue
             chunks.wait_for_progress(idle_wait_s)
@@ -222,7 +232,12 @@ class StageWorker:
         self._stop.set()
 
     def close(self) -> None:
-        """Stop, shut the chunk manager down and close both connectors (idempotent)."""
+        """Stop, shut the chunk manager down and close both connectors (idempotent).
+
+        Then ``stats`` are final: a request whose final chunk was queued counts as
+        completed only if its puts went through (the shutdown flushes what is in
+        flight); one still unsent, or failed meanwhile, counts as failed.
+        """
         if self._closed:
             return
         self._closed = True
@@ -230,6 +245,12 @@ class StageWorker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
         self._link.close()
+        chunks = self._link.chunks
+        self._count_sent(chunks.get_finished_requests().saved)
+        for request_id in chunks.collect_failed_send_request_ids():
+            self._count_send_failure(request_id)
+        for request_id in list(self._closing):
+            self._count_send_failure(request_id)  # never confirmed: not delivered as far as this stage knows
         summary = self._downstream_warnings.flush()
         if summary:
             logger.warning("stage %s: requests failed downstream: %s", self.name, summary)
@@ -248,6 +269,7 @@ class StageWorker:
             "active_requests": len(self._active),
             "running_generators": len(self._running),
             "refused_draining": len(self._refused),
+            "closing_requests": len(self._closing),
             **self.stats,
             "chunks": self._link.chunks.health(),
         }
@@ -387,9 +409,33 @@ class StageWorker:
 
     def _finish(self, request_id: str, *, failed: bool, counted: bool = True) -> None:
         self._running.pop(request_id, None)
-        if self._active.pop(request_id, None) is not None and counted:
-            self.stats["failed" if failed else "completed"] += 1
+        if self._active.pop(request_id, None) is not None:
+            if failed:
+                if counted:
+                    self.stats["failed"] += 1
+            else:
+                # Its final chunk is only queued: completed once it is put (_count_sent).
+                self._closing[request_id] = None
+        elif failed:
+            self._count_send_failure(request_id)
         self._announced.discard(request_id)
+
+    def _count_sent(self, request_ids: Iterable[str]) -> None:
+        """Count as completed the closing requests whose final chunk the chunk manager put."""
+        for request_id in request_ids:
+            if self._closing.pop(request_id, 0) is None:
+                self.stats["completed"] += 1
+                self._recent_completed[request_id] = None
+                while len(self._recent_completed) > _RECENT_COMPLETED:
+                    self._recent_completed.popitem(last=False)
+
+    def _count_send_failure(self, request_id: str) -> None:
+        """A send failure of a request already finished here: it failed, whether closing or counted completed."""
+        if self._closing.pop(request_id, 0) is None:
+            self.stats["failed"] += 1
+        elif self._recent_completed.pop(request_id, 0) is None:
+            self.stats["completed"] -= 1
+            self.stats["failed"] += 1
 
     def _handle_failures(self) -> None:
         chunks = self._link.chunks

@@ -27,7 +27,19 @@ __all__ = ["SourceState"]
 class SourceState:
     """What the receiver knows of one sender: dedupe window and acknowledgements not yet sent."""
 
-    __slots__ = ("arrived", "consumed", "ctl", "last_heard", "low", "probe", "pruned_low", "reported", "seen", "shm")
+    __slots__ = (
+        "arrived",
+        "consumed",
+        "ctl",
+        "dropped",
+        "last_heard",
+        "low",
+        "probe",
+        "pruned_low",
+        "reported",
+        "seen",
+        "shm",
+    )
 
     def __init__(self, sid: str, now: float) -> None:
         self.ctl = b"c" + sid.encode()  # the routing identity of the sender's control socket
@@ -36,6 +48,7 @@ class SourceState:
         self.seen: set[int] = set()  # accepted seqs >= low (pruned at pongs)
         self.arrived: list[int] = []  # to report arrived in the next REPLY
         self.consumed: list[int] = []  # to report consumed in the next REPLY
+        self.dropped: dict[int, list[int]] = {}  # why (a DROPPED_* code) -> seqs dropped unconsumed, not yet sent
         self.reported: set[int] = set()  # consumed seqs >= low: repeated in every pong until the sender forgets them
         self.last_heard = now
         self.probe: list[Any] | None = None  # the last probe answered
@@ -73,6 +86,19 @@ class SourceState:
         """``get`` took ``seq`` (or a re-put or cleanup dropped it): to be reported consumed."""
         self.consumed.append(seq)
 
+    def drop(self, seq: int, code: int) -> None:
+        """``seq`` was dropped unconsumed for the reason ``code``: to be reported in a REPLY of its own."""
+        self.dropped.setdefault(code, []).append(seq)
+
+    def drops(self) -> list[tuple[int, list[int]]]:
+        """The seqs dropped since the last call, per reason code; from now on pongs repeat them as consumed."""
+        if not self.dropped:
+            return []
+        dropped, self.dropped = list(self.dropped.items()), {}
+        for _, seqs in dropped:
+            self.reported.update(seqs)
+        return dropped
+
     def ack(self) -> tuple[list[int], list[int]] | None:
         """A plain acknowledgement, ``(arrived, consumed)``; None when there is nothing to say."""
         if not (self.arrived or self.consumed):
@@ -103,6 +129,7 @@ class SourceState:
         """What to tell the sender as the receiver closes: arrivals and every unconfirmed consumption."""
         self.reported.update(self.consumed)
         self.consumed = []
+        self.drops()
         if not (self.reported or self.arrived):
             return None
         arrived, self.arrived = self.arrived, []

@@ -25,7 +25,9 @@ Headers by kind:
 * ``PING``        ``[sid, n, low]`` or ``[sid, n, low, probe]``; ``probe`` is ``[segment, nonce]``,
   a shared-memory segment the receiver may attach to prove it shares the sender's ``/dev/shm``.
 * ``REPLY``       ``[incarnation, n, arrived, consumed]``, ``[..., shm]`` or ``[..., shm, batch_bytes]``;
-  ``n`` is the answered ping or -1 for a plain acknowledgement; ``arrived``/``consumed`` are
+  ``n`` is the answered ping or -1 for a plain acknowledgement (-2, -3: one whose consumed seqs were
+  dropped unconsumed: unclaimed past the receiver's ttl, or cancelled; an older sender reads any
+  negative ``n`` as a plain acknowledgement); ``arrived``/``consumed`` are
   ``[[first, last], ...]`` seq ranges; ``shm`` is the probe verdict (``true``: send handles,
   ``false``: send frames, ``null``: not probed); ``batch_bytes`` is the largest ``BATCH`` frame the
   receiver accepts (0 or absent: it takes no ``BATCH``, so a sender never batches to an older receiver).

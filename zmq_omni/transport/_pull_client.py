@@ -40,6 +40,11 @@ __all__ = ["FetchChannel", "PullClient"]
 log = logging.getLogger("zmq_omni.transport")
 
 _POLL_SLICE_S = 0.1  # a waiting fetch re-checks close() this often
+# Servers come from put metadata: over weeks, restarted servers on fresh ports name new endpoints.
+# Idle sockets and shared-memory verdicts are kept for this many endpoints (least recently used go)...
+MAX_SERVERS = 64
+# ...and at most this many idle sockets per endpoint (more fetches than that at once close theirs after).
+MAX_IDLE_PER_SERVER = 16
 
 
 class PullClient:
@@ -60,13 +65,14 @@ class PullClient:
         self._curve = curve
         self._shm = shm
         # Per server endpoint: the last probe it named and whether we read it (our fast-path verdict).
+        # At most MAX_SERVERS, in the order first learned (the oldest is forgotten: its next fetch takes frames).
         self._verdicts: dict[str, tuple[Any, bool]] = {}
         self._hwm = hwm
         self._max_message = max_message_bytes
         self._decode = decode
         self._counters = counters
         self._lock = threading.Condition()
-        self._idle: dict[str, list[Any]] = {}
+        self._idle: dict[str, list[Any]] = {}  # least recently used endpoint first; at most MAX_SERVERS
         self._busy: set[Any] = set()
         self._ids = itertools.count(1)
         self._closed = False
@@ -180,7 +186,11 @@ class PullClient:
         if known is not None and known[0] == probe:
             return
         verdict = self._shm.probe(probe)  # DecodeError when malformed
-        self._verdicts[endpoint] = (probe, verdict)
+        verdicts = self._verdicts
+        verdicts.pop(endpoint, None)
+        verdicts[endpoint] = (probe, verdict)
+        while len(verdicts) > MAX_SERVERS:
+            del verdicts[next(iter(verdicts))]
         log.info("pull server %s: we %s its shared memory", endpoint, "read" if verdict else "cannot read")
 
     def _open_shm(self, loc: Any) -> tuple[Any, int]:
@@ -210,14 +220,26 @@ class PullClient:
             return sock
 
     def _checkin(self, endpoint: str, sock: Any, reusable: bool) -> None:
+        doomed = [sock]
         with self._lock:
             self._busy.discard(sock)
             self._lock.notify_all()
             # After a timeout the socket may still receive the old answer: replace it (Lazy Pirate).
             if reusable and not self._closed:
-                self._idle.setdefault(endpoint, []).append(sock)
-                return
-        close_socket(sock)
+                idle = self._idle.pop(endpoint, [])
+                self._idle[endpoint] = idle  # most recently used last
+                if len(idle) < MAX_IDLE_PER_SERVER:
+                    idle.append(sock)
+                    doomed = []
+                while len(self._idle) > MAX_SERVERS:
+                    doomed.extend(self._idle.pop(next(iter(self._idle))))
+        for old in doomed:
+            close_socket(old)
+
+    def idle_sockets(self) -> dict[str, int]:
+        """Idle pooled sockets per server endpoint (bounded: ``MAX_SERVERS`` x ``MAX_IDLE_PER_SERVER``)."""
+        with self._lock:
+            return {endpoint: len(socks) for endpoint, socks in self._idle.items()}
 
     def close(self) -> None:
         """Close idle sockets; wait (one poll slice or so) for busy fetches to give theirs back."""

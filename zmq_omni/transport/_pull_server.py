@@ -44,6 +44,7 @@ _CLOSE_GRACE_S = 0.5  # close() lets replies still leaving finish this long, the
 # Long polls parked at once; beyond it a FETCH is answered "not found" at once. A bound on what fetchers
 # (buggy or hostile) can make the server hold, and on the expiry scan's cost, far above real fan-in.
 _MAX_PARKED = 65536
+_PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
 
 
 class _Stored:
@@ -107,6 +108,7 @@ class PullServer:
         self._store: dict[Slot, _Stored] = {}
         self._bytes = 0
         self._leaving: list[_Leaving] = []  # pending like the store: close() before they left loses them
+        self._prune_at = _PRUNE_MIN  # _leaving is pruned when it reaches this length (amortized), and each second
         self._puts = 0
         self._bytes_sent = 0
         # Parked FETCHes per slot: (identity, req_id, expiry, the fetcher reads our shared memory).
@@ -193,6 +195,8 @@ class PullServer:
                 "bytes_sent": self._bytes_sent,
                 "pending": len(self._store) + len(leaving),
                 "pending_bytes": self._bytes + sum(entry.nbytes for entry in leaving),
+                "window_full": bool(self._store)
+                and (len(self._store) >= self._max_count or self._bytes >= self._max_bytes),
                 "endpoint": self.endpoint,
             }
 
@@ -292,6 +296,8 @@ class PullServer:
         self._bytes -= entry.nbytes
         leaving = _Leaving(slot, entry.nbytes, None, None)
         self._leaving.append(leaving)
+        if len(self._leaving) >= self._prune_at:  # amortized: pruning is linear in what is leaving
+            self._prune_at = 2 * len(self._still_leaving()) + _PRUNE_MIN
         self._cv.notify_all()
         return entry, leaving
 
@@ -367,6 +373,7 @@ class PullServer:
         expired: list[Slot] = []
         unanswered: list[tuple[bytes, int, bool | None]] = []  # parked fetches whose wait ended
         with self._cv:
+            self._still_leaving()  # replies that left since the last beat are forgotten here, not only at stats()
             for slot, entry in list(self._store.items()):
                 if entry.expires <= now:
                     self._bytes -= self._store.pop(slot).nbytes

@@ -21,7 +21,10 @@ Delivery protocol (seq numbers are per sender and receiving stage):
 1. The receiver acknowledges **arrival** (cumulative, batched per drain of its
    socket) and **consumption** (when ``get`` takes the item, or a re-put or
    ``cleanup`` drops it). Arrival stops the delivery deadline; consumption
-   frees the sender's copy.
+   frees the sender's copy. Items dropped unconsumed (``unclaimed_ttl_s``, a
+   tombstone, ``cleanup``) are acknowledged in a REPLY of their own whose ``n``
+   says why (``DROPPED_UNCLAIMED``, ``DROPPED_CANCELLED``), then repeated as
+   consumed in pongs like any other consumption.
 2. Every ``heartbeat_s`` the sender sends PING ``n`` on the data DEALER, behind
    the data it already sent. The receiver flushes its acks and answers with a
    pong naming ``n`` and its incarnation id. ZeroMQ keeps per-connection
@@ -44,7 +47,15 @@ from collections.abc import Callable
 
 from ..errors import ZmqOmniError
 
-__all__ = ["FailureCallback"]
+__all__ = ["DROPPED_CANCELLED", "DROPPED_UNCLAIMED", "DROP_COUNTERS", "FailureCallback"]
+
+# A REPLY whose ``n`` is one of these is a plain acknowledgement whose consumed seqs the receiver
+# dropped unconsumed, and why. A sender of an older version takes any negative ``n`` for a plain
+# acknowledgement, so it frees its window all the same; a current one also counts them.
+DROPPED_UNCLAIMED = -2  # no get took them within unclaimed_ttl_s
+DROPPED_CANCELLED = -3  # cleanup, cleanup_prefix or abandon_get dropped them, or a tombstone did on arrival
+#: The sender's counter for each code.
+DROP_COUNTERS = {DROPPED_UNCLAIMED: "receiver_dropped_unclaimed", DROPPED_CANCELLED: "receiver_dropped_cancelled"}
 
 #: ``(op, from_stage, to_stage, key, reason, error)`` -- how the transport reports a failure for good.
 FailureCallback = Callable[[str, str, str, str, str, ZmqOmniError], None]

@@ -12,9 +12,18 @@ Threads and locks:
 * the connector's **I/O thread** runs the handlers and owns the ROUTER, every
   ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_arrivals``
   and ``_now``: no lock, no other thread touches them;
-* ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``,
-  ``_taken`` (consumed seqs handed to the I/O thread), ``_generation``,
-  ``_batches_received``, ``_gets``, ``_bytes_received``, ``_flush_armed`` and ``_closed``.
+* ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``, ``_taken`` and
+  ``_dropped_taken`` (consumed and dropped seqs handed to the I/O thread), the
+  tombstones ``_tombs``, ``_generation``, ``_batches_received``, ``_gets``,
+  ``_bytes_received``, ``_dropped``, ``_flush_armed`` and ``_closed``.
+
+Nothing unclaimed lives forever: an item no ``get`` took within ``unclaimed_ttl_s``
+is dropped, and ``forget`` with a key or prefix (``cleanup``, ``cleanup_prefix``,
+``abandon_get``) leaves a :class:`~zmq_omni.transport._tombstones.Tombstones` entry
+under which a late arrival is dropped at once. Either way the item is acknowledged
+as consumed, in a REPLY whose ping number says why (``DROPPED_UNCLAIMED``,
+``DROPPED_CANCELLED``), so its sender's window frees and it counts the drop, and
+its shared-memory slot is released.
 """
 
 from __future__ import annotations
@@ -32,11 +41,12 @@ from ..metrics import Counters
 from ._dedupe import SourceState
 from ._envelope import Kind, check_types, pack, to_ranges, unpack
 from ._loop import IoLoop
-from ._push_protocol import _MAX_DRAIN
+from ._push_protocol import _MAX_DRAIN, DROPPED_CANCELLED, DROPPED_UNCLAIMED
 from ._router import recv_routed
 from ._security import Curve, watch_refusals
 from ._shm import ShmReceive
 from ._sockets import bind, close_socket, make_socket
+from ._tombstones import Tombstones
 
 __all__ = ["PushReceiver"]
 
@@ -51,6 +61,9 @@ _PING_TYPES = (str, int, int)
 _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
+# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024, and
+# a pong repeats every consumption its sender may not know yet (many, while an orphan pins its low mark).
+_MAX_REPLY_SEQS = 1024
 
 
 class _Item(NamedTuple):
@@ -61,6 +74,7 @@ class _Item(NamedTuple):
     sid: str
     seq: int
     loc: bytes | None  # a slot handle, opened by ``take`` (obj is None until then)
+    arrived: float  # time.monotonic() when it reached the mailbox (unclaimed_ttl_s counts from it)
 
 
 # ``_Item.__new__`` is a Python function; the tuple constructor makes the same object without it.
@@ -83,6 +97,9 @@ class PushReceiver:
         max_frames: int,
         source_ttl_s: float,
         counters: Counters,
+        unclaimed_ttl_s: float = 300.0,
+        tombstone_ttl_s: float = 60.0,
+        max_tombstones: int = 65536,
         health: Callable[[], dict[str, Any]],
         curve: Curve | None = None,
         shm: ShmReceive | None = None,
@@ -95,18 +112,22 @@ class PushReceiver:
         self._max_message = max_message_bytes
         self._max_frames = max_frames
         self._source_ttl = source_ttl_s
+        self._unclaimed_ttl = unclaimed_ttl_s
         self._counters = counters
         self._health = health
         # A plain Lock under the condition: ``with self._lock`` costs a C call, a Condition's two Python ones.
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._box: dict[tuple[str, str, str], _Item] = {}
+        self._box: dict[tuple[str, str, str], _Item] = {}  # in arrival order (a re-put moves to the end)
+        self._tombs = Tombstones(tombstone_ttl_s, max_tombstones)
+        self._dropped = {"unclaimed": 0, "late": 0, "cleanup": 0}
         self._arrivals: list[tuple[tuple[str, str, str], _Item]] = []  # decoded this drain, stored at its end
         self._generation = 0  # bumped under _cv whenever items arrive (wait_for_change)
         # Called on the I/O thread with the addresses of each drain's arrivals, after they are in the mailbox.
         self.on_arrivals: Callable[[list[tuple[str, str, str]]], None] | None = None
         self._batches_received = 0
         self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
+        self._dropped_taken: list[tuple[str, int, int]] = []  # dropped unconsumed (sid, seq, DROPPED_* code)
         self._sources: dict[str, SourceState] = {}
         self._dirty: set[str] = set()
         self._pending_acks = 0
@@ -126,6 +147,7 @@ class PushReceiver:
             raise
         loop.add_reader(self._sock, self._on_readable)
         loop.every(max(1.0, source_ttl_s / 10), self._expire_sources)
+        loop.every(min(1.0, unclaimed_ttl_s / 4, tombstone_ttl_s / 4), self._expire_unclaimed)
         loop.on_stop(self._shutdown)
 
     # -- application threads -------------------------------------------------------
@@ -137,6 +159,8 @@ class PushReceiver:
             DecodeError: the shared-memory payload is not a valid encoding.
         """
         with self._lock:
+            if self._tombs:
+                self._tombs.lift(key)
             item = self._box.pop((from_stage, to_stage, key), None)
             if item is None:
                 return None
@@ -147,6 +171,8 @@ class PushReceiver:
         """Like :meth:`take`, waiting on a condition until ``time.monotonic() >= deadline``."""
         slot = (from_stage, to_stage, key)
         with self._lock:
+            if self._tombs:
+                self._tombs.lift(key)
             item = self._box.pop(slot, None)
             while item is None:
                 remaining = deadline - time.monotonic()
@@ -166,13 +192,20 @@ class PushReceiver:
             raise ShmError("its shared-memory payload expired or its sender withdrew it")
         return self._decode(views), item.nbytes
 
-    def forget(self, match: Callable[[str], bool]) -> int:
-        """Drop mailbox items whose key matches (acknowledged as consumed); return how many."""
+    def forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
+        """Drop mailbox items whose key matches (acknowledged as consumed); return how many.
+
+        With ``key`` (``cleanup``, ``abandon_get``) or ``prefix`` (``cleanup_prefix``) it also
+        leaves a tombstone: for ``tombstone_ttl_s`` an arrival under it is dropped at once.
+        """
+        now = time.monotonic()
         with self._lock:
+            self._tombs.bury(now, key=key, prefix=prefix)
             slots = [slot for slot in self._box if match(slot[2])]
             items = [self._box.pop(slot) for slot in slots]
             for item in items:
-                self._ack_taken(item)
+                self._ack_dropped(item, DROPPED_CANCELLED)
+            self._dropped["cleanup"] += len(items)
         self._discard(items)
         return len(slots)
 
@@ -193,14 +226,32 @@ class PushReceiver:
             self._flush_armed = True
             self._loop.call_soon(self._schedule_flush)
 
+    def _ack_dropped(self, item: _Item, code: int) -> None:
+        """Hand ``item``'s disposal (``code`` says why) to the I/O thread: the sender's window frees (holds ``_cv``)."""
+        self._dropped_taken.append((item.sid, item.seq, code))
+        if not self._flush_armed:
+            self._flush_armed = True
+            self._loop.call_soon(self._schedule_flush)
+
     def stats(self) -> dict[str, Any]:
-        """Gets, bytes taken, items waiting for ``get``, and BATCH messages taken in."""
+        """Gets, bytes taken, items waiting for ``get``, BATCH messages taken in, and what was dropped unclaimed.
+
+        ``dropped_unclaimed``: items no get took within ``unclaimed_ttl_s``; ``dropped_late``: arrivals
+        under a tombstone; ``dropped_cleanup``: items cleanup/abandon removed; ``tombstones_evicted``:
+        tombstones pushed out by ``max_tombstones``. ``mailbox_oldest_s``: age of the oldest item.
+        """
+        now = time.monotonic()
         with self._lock:
+            oldest = next(iter(self._box.values()), None)
             return {
                 "gets": self._gets,
                 "bytes_received": self._bytes_received,
                 "mailbox": len(self._box),
+                "mailbox_oldest_s": 0.0 if oldest is None else max(0.0, now - oldest.arrived),
                 "batches_received": self._batches_received,
+                "tombstones": len(self._tombs),
+                "tombstones_evicted": self._tombs.evicted,
+                **{f"dropped_{k}": v for k, v in self._dropped.items()},
             }
 
     def generation(self) -> int:
@@ -278,9 +329,11 @@ class PushReceiver:
         arrivals, self._arrivals = self._arrivals, []
         replaced: list[_Item] = []
         with self._lock:
+            if self._tombs:
+                arrivals = self._drop_buried(arrivals, replaced)
             box = self._box
             for slot, item in arrivals:
-                old = box.get(slot)
+                old = box.pop(slot, None)  # a re-put goes to the end: the mailbox stays in arrival order
                 box[slot] = item
                 if old is not None:  # a re-put replaces; the replaced one counts as consumed
                     self._taken.append((old.sid, old.seq))
@@ -289,8 +342,23 @@ class PushReceiver:
             self._cv.notify_all()
         if replaced:
             self._discard(replaced)
-        if self.on_arrivals is not None:
+        if self.on_arrivals is not None and arrivals:
             self.on_arrivals([slot for slot, _ in arrivals])
+
+    def _drop_buried(
+        self, arrivals: list[tuple[tuple[str, str, str], _Item]], dropped: list[_Item]
+    ) -> list[tuple[tuple[str, str, str], _Item]]:
+        """Drop (acknowledged as consumed) the arrivals under a tombstone, renewing it; the rest (holds ``_lock``)."""
+        kept = []
+        covers, now = self._tombs.covers, self._now
+        for slot, item in arrivals:
+            if not covers(slot[2], now):  # a drop renews the tombstone: a stream still arriving keeps it
+                kept.append((slot, item))
+                continue
+            self._ack_dropped(item, DROPPED_CANCELLED)
+            self._dropped["late"] += 1
+            dropped.append(item)
+        return kept
 
     def _on_batch(self, header: list[Any], payload: memoryview, n_frames: int) -> int:
         """Take in the puts of one BATCH, each validated on its own; how many of them were rejected.
@@ -314,6 +382,7 @@ class PushReceiver:
         with self._lock:
             self._batches_received += 1
         arrivals = self._arrivals
+        now = self._now
         accepted: list[int] = []
         duplicates: list[int] = []
         rejected = 0
@@ -340,7 +409,7 @@ class PushReceiver:
             if not all_new:
                 taken.add(seq)
             accepted.append(seq)
-            arrivals.append(((from_stage, to_stage, key), _new_item(_Item, (obj, len(wire), sid, seq, None))))
+            arrivals.append(((from_stage, to_stage, key), _new_item(_Item, (obj, len(wire), sid, seq, None, now))))
         source.accept_batch(accepted, duplicates)
         if duplicates:
             self._counters.add("duplicates_dropped", len(duplicates))
@@ -369,7 +438,7 @@ class PushReceiver:
             parts = [payload]
         source = self._sources.get(sid) or self._source(sid)
         if self._admit(source, sid, low, seq):
-            item = _new_item(_Item, (self._decode(parts), size, sid, seq, None))
+            item = _new_item(_Item, (self._decode(parts), size, sid, seq, None, self._now))
             self._store(source, (from_stage, to_stage, key), item)
 
     def _on_handle(self, header: list[Any], loc: bytes, extra: int) -> None:
@@ -385,7 +454,7 @@ class PushReceiver:
             raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
         # A duplicate handle is never opened: the first arrival's item holds it.
         if self._admit(source, sid, low, seq):
-            self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc))
+            self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc, self._now))
 
     def _admit(self, source: SourceState, sid: str, low: int, seq: int) -> bool:
         """Note a message from ``source``; False for a duplicate, which is acknowledged again and dropped."""
@@ -408,6 +477,8 @@ class PushReceiver:
             source.shm = False if self._shm is None else self._shm.probe(probe)
             source.probe = probe
         self._flush_taken()
+        for code, seqs in source.drops():  # before the pong, which then repeats them as consumed
+            self._send_reply(source, code, [], seqs)
         arrived, consumed = source.pong()
         self._send_reply(source, ping, arrived, consumed)
 
@@ -429,6 +500,7 @@ class PushReceiver:
     def _flush_taken(self, *, disarm: bool = False) -> None:
         with self._lock:
             taken, self._taken = self._taken, []
+            dropped, self._dropped_taken = self._dropped_taken, []
             if disarm:
                 self._flush_armed = False
         for sid, seq in taken:
@@ -436,18 +508,40 @@ class PushReceiver:
             if source is not None:
                 source.consume(seq)
                 self._dirty.add(sid)
+        for sid, seq, code in dropped:
+            source = self._sources.get(sid)
+            if source is not None:
+                source.drop(seq, code)
+                self._dirty.add(sid)
 
     def _flush_acks(self) -> None:
         for sid in self._dirty:
             source = self._sources.get(sid)
+            if source is not None:
+                for code, seqs in source.drops():
+                    self._send_reply(source, code, [], seqs)
             acks = None if source is None else source.ack()
             if acks is not None:
                 assert source is not None
                 self._send_reply(source, -1, *acks)
         self._dirty.clear()
 
-    def _send_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> None:
-        """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), ``arrived`` and ``consumed``."""
+    def _send_reply(self, source: SourceState, ping: int, arrived: list[int], consumed: list[int]) -> None:
+        """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), ``arrived`` and ``consumed``.
+
+        Lists longer than ``_MAX_REPLY_SEQS`` go in several REPLYs, plain acks first and the
+        answer to ``ping`` last, so no REPLY exceeds what any sender accepts.
+        """
+        cap = _MAX_REPLY_SEQS
+        if len(arrived) > cap or len(consumed) > cap:
+            arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
+            ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
+            while len(arrived) > cap or len(consumed) > cap:
+                self._send_one_reply(source, ack, arrived[:cap], consumed[:cap])
+                arrived, consumed = arrived[cap:], consumed[cap:]
+        self._send_one_reply(source, ping, arrived, consumed)
+
+    def _send_one_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> None:
         header = (
             self.incarnation,
             ping,
@@ -465,6 +559,33 @@ class PushReceiver:
             # Unroutable or full: acks are repeated (pongs carry every unconfirmed consumption,
             # and unacknowledged arrivals are resent and acknowledged again), so dropping is safe.
             self._counters.add("acks_dropped")
+
+    def _expire_unclaimed(self) -> None:
+        """Drop items no get took within ``unclaimed_ttl_s`` (acknowledged as consumed) and lapsed tombstones."""
+        now = time.monotonic()
+        cutoff = now - self._unclaimed_ttl
+        expired: list[_Item] = []
+        with self._lock:
+            box = self._box
+            slots = []
+            for slot, item in box.items():  # arrival order: the expired ones are a prefix
+                if item.arrived > cutoff:
+                    break
+                slots.append(slot)
+                expired.append(item)
+            for slot, item in zip(slots, expired, strict=True):
+                del box[slot]
+                self._ack_dropped(item, DROPPED_UNCLAIMED)
+            self._dropped["unclaimed"] += len(expired)
+            self._tombs.lapse(now)
+        if expired:
+            log.warning(
+                "%d items on %s were never taken within unclaimed_ttl_s=%ss: dropped",
+                len(expired),
+                self.endpoint,
+                self._unclaimed_ttl,
+            )
+            self._discard(expired)
 
     def _expire_sources(self) -> None:
         cutoff = time.monotonic() - self._source_ttl

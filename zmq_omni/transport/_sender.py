@@ -47,14 +47,17 @@ from ._batching import LONE_GAP_S, RETRY_MAX_S, RETRY_MIN_S, STREAM_FLUSH_S, Out
 from ._endpoints import EndpointMap
 from ._envelope import Kind, check_ranges, check_types, pack, unpack
 from ._loop import IoLoop
-from ._push_protocol import _MAX_DRAIN, FailureCallback
+from ._push_protocol import _MAX_DRAIN, DROP_COUNTERS, FailureCallback
 from ._security import Curve
 from ._send_window import Out, PeerWindow, SendWindow
 from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import close_socket, make_socket
 
-__all__ = ["PushSender"]
+__all__ = ["NEARLY_FULL", "PushSender"]
+
+#: A window holding this share of ``max_unacked`` (or of its bytes) is nearly full (``stats()["window_high_s"]``).
+NEARLY_FULL = 0.9
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -141,6 +144,7 @@ class PushSender:
         self._bytes_sent = 0  # _lock
         self._batches_sent = 0  # _lock
         self._delivery_waiters = 0  # _lock: threads in wait_delivered(); arrivals wake them
+        self._high_since: float | None = None  # _lock: since when the window is nearly full (read at each beat)
         self._closed = False  # _lock (read without it as a hint)
         loop.every(heartbeat_s, self._heartbeat)
         loop.every(min(0.05, heartbeat_s), self._expire)
@@ -525,6 +529,8 @@ class PushSender:
                 "pending": window.count,
                 "pending_bytes": window.nbytes,
                 "undelivered": sum(len(p.win.unarrived) for p in self._peers.values()),
+                "window_full": window.full(1),
+                "window_high_s": 0.0 if self._high_since is None else time.monotonic() - self._high_since,
                 "peers": {
                     p.to_stage: {
                         "endpoint": p.endpoint,
@@ -645,6 +651,8 @@ class PushSender:
             if arrived and self._cv.listener is not None:
                 # Arrivals drained ZeroMQ's queue: a non-blocking put refused at the high-water mark may go now.
                 self._cv.listener()
+        if result.freed and ping in DROP_COUNTERS:  # the receiver dropped them unconsumed, and says why
+            self._counters.add(DROP_COUNTERS[ping], result.freed)
         if result.resend:
             self._resend(peer, result.resend)
 
@@ -695,6 +703,12 @@ class PushSender:
     def _heartbeat(self) -> None:
         now = time.monotonic()
         with self._lock:
+            window = self._window
+            if window.count >= NEARLY_FULL * window.max_count or window.nbytes >= NEARLY_FULL * window.max_bytes:
+                if self._high_since is None:
+                    self._high_since = now
+            else:
+                self._high_since = None
             peers = list(self._peers.values())
             for peer in peers:
                 at_risk = self._window.note_silence(peer.win, now, self._peer_timeout)

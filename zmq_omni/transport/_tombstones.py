@@ -1,0 +1,119 @@
+"""Push mode, receiving half: tombstones of keys nobody will take any more (pure state, no sockets, no threads).
+
+``cleanup(key)``, ``cleanup_prefix(prefix)`` and ``abandon_get(key)`` bury a key or a
+prefix: for ``ttl_s`` a put arriving under it is dropped at once (acknowledged as
+consumed, so its sender's window frees) instead of waiting in the mailbox for a
+``get`` that will never come. Each drop renews the tombstone, so a stream still
+arriving keeps it; a ``get`` of a buried key lifts it (someone wants it again).
+At most ``max_count`` tombstones are held: past it the one that lapses first goes.
+
+:class:`~zmq_omni.transport._receiver.PushReceiver` holds one under its ``_lock``;
+nothing here reads a clock (``now`` is passed in).
+
+The invariants the tests check after any sequence of calls:
+
+* ``len(tombstones) <= max_count``;
+* :meth:`Tombstones.covers` is true exactly when a tombstone of the key, or of a
+  prefix it extends by decimal digits only, was laid or renewed less than ``ttl_s``
+  ago and was neither lifted nor evicted since.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Tombstones"]
+
+
+class Tombstones:
+    """Buried keys and key prefixes, each until a time; see the module docstring.
+
+    Args:
+        ttl_s: how long a tombstone lasts after it was laid or last renewed.
+        max_count: most tombstones held (keys and prefixes together).
+    """
+
+    __slots__ = ("_max", "_prefixes", "_tombs", "_ttl", "evicted")
+
+    def __init__(self, ttl_s: float, max_count: int) -> None:
+        self._ttl = ttl_s
+        self._max = max_count
+        # (KEY or PREFIX, name) -> when it lapses; insertion order is lapse order (a renewal moves it to the end).
+        self._tombs: dict[tuple[int, str], float] = {}
+        self._prefixes = 0  # how many of them are prefixes (none: an arrival costs one lookup)
+        self.evicted = 0  # tombstones pushed out by max_count
+
+    def __len__(self) -> int:
+        return len(self._tombs)
+
+    def bury(self, now: float, *, key: str | None = None, prefix: str | None = None) -> None:
+        """Lay (or renew) a tombstone of ``key`` and/or of ``prefix`` (keys that are it + digits)."""
+        if key is not None:
+            self._lay((_KEY, key), now)
+        if prefix is not None:
+            self._lay((_PREFIX, prefix), now)
+
+    def covers(self, key: str, now: float) -> bool:
+        """True when an arrival of ``key`` is to be dropped; its tombstone is renewed then."""
+        found = self._find(key, now)
+        if found is None:
+            return False
+        self._lay(found, now)
+        return True
+
+    def lift(self, key: str) -> None:
+        """A ``get`` asks for ``key`` again: forget every tombstone covering it, lapsed or not."""
+        self._tombs.pop((_KEY, key), None)
+        if self._prefixes:
+            for end in _prefix_ends(key):
+                if self._tombs.pop((_PREFIX, key[:end]), None) is not None:
+                    self._prefixes -= 1
+
+    def lapse(self, now: float) -> int:
+        """Forget the tombstones whose time is up; how many."""
+        tombs = self._tombs
+        gone = 0
+        while tombs:
+            name = next(iter(tombs))
+            if tombs[name] > now:
+                break
+            self._remove(name)
+            gone += 1
+        return gone
+
+    def _find(self, key: str, now: float) -> tuple[int, str] | None:
+        """The live tombstone covering ``key``: the key's own, else its longest buried prefix."""
+        tombs = self._tombs
+        until = tombs.get((_KEY, key))
+        if until is not None and until > now:
+            return _KEY, key
+        if self._prefixes:
+            for end in _prefix_ends(key):
+                until = tombs.get((_PREFIX, key[:end]))
+                if until is not None and until > now:
+                    return _PREFIX, key[:end]
+        return None
+
+    def _lay(self, name: tuple[int, str], now: float) -> None:
+        if self._tombs.pop(name, None) is None and name[0] == _PREFIX:
+            self._prefixes += 1
+        self._tombs[name] = now + self._ttl
+        while len(self._tombs) > self._max:  # the first one lapses first
+            self._remove(next(iter(self._tombs)))
+            self.evicted += 1
+
+    def _remove(self, name: tuple[int, str]) -> None:
+        del self._tombs[name]
+        if name[0] == _PREFIX:
+            self._prefixes -= 1
+
+
+_KEY, _PREFIX = 0, 1
+
+
+def _prefix_ends(key: str) -> list[int]:
+    """Lengths of the prefixes ``key`` extends by digits only (longest first): ``key_matches_prefix``'s rule."""
+    ends = []
+    end = len(key)
+    while end > 0 and key[end - 1].isdigit():
+        end -= 1
+        ends.append(end)
+    return ends
