@@ -143,14 +143,19 @@ def test_cancel_mid_stream_fails_the_request_with_its_reason_and_the_stage_serve
     workers = _start(pipeline, ["collector"])
     seen = threading.Event()
 
-    def gated_producer(request_id: str, payload: dict[str, Any], is_final: bool) -> Iterator[dict[str, Any]]:
+    def gated(request_id: str, payload: dict[str, Any], is_final: bool) -> Iterator[dict[str, Any]]:
         for i, chunk in enumerate(producer(request_id, payload, is_final)):
             if i == 1 and request_id == "gone":
                 seen.wait(10)  # the rest of the stream comes after the doubler cancelled: mid-stream
             yield chunk
 
+    def gated_producer(request_id: str, payload: dict[str, Any], is_final: bool) -> Any:
+        if request_id == "at-the-end":
+            return {"x": np.zeros(4, dtype=np.int64)}  # one chunk, which is also the final one
+        return gated(request_id, payload, is_final)
+
     def doubler_that_cancels(request_id: str, payload: dict[str, Any], is_final: bool) -> dict[str, Any] | None:
-        if request_id == "gone" and "x" in payload:
+        if request_id in ("gone", "at-the-end") and "x" in payload:
             middle.cancel(request_id, "the client went away")
             seen.set()
             return None
@@ -165,6 +170,7 @@ def test_cancel_mid_stream_fails_the_request_with_its_reason_and_the_stage_serve
         with PipelineDriver.from_pipeline(pipeline) as driver:
             driver.submit("gone", {"n": 10})
             driver.submit("kept", {"n": 3})
+            driver.submit("at-the-end", {})  # its only input is final: the cancel still wins
             events = _collect(driver)
     finally:
         for worker in workers:
@@ -172,9 +178,10 @@ def test_cancel_mid_stream_fails_the_request_with_its_reason_and_the_stage_serve
     assert seen.is_set()
     assert time.monotonic() - started < 20  # in-band, far sooner than the 30 s stall
     assert events["kept"][-1].kind == "completed" and _outputs(events["kept"]) == [1, 3, 5]
-    failed = [e for e in events["gone"] if e.kind == "failed"]
-    assert len(failed) == 1 and failed[0].reason == "stage doubler: cancelled: the client went away"
-    assert middle.stats["cancelled"] == 1 and middle.stats["failed"] == 0
+    for request_id in ("gone", "at-the-end"):
+        assert [e.kind for e in events[request_id]] == ["failed"], events[request_id]
+        assert events[request_id][0].reason == "stage doubler: cancelled: the client went away"
+    assert middle.stats["cancelled"] == 2 and middle.stats["failed"] == 0
     health = middle.health()
     assert health["active_requests"] == health["running_generators"] == health["refused_draining"] == 0
     middle.cancel("unknown", "ignored")  # not served here: nothing happens

@@ -308,6 +308,15 @@ class StageWorker:
             self.stats["cancelled"] += 1
             self._fail(request_id, f"stage {self.name}: cancelled: {reason}", {}, counted=False)
 
+    def _cancelled_meanwhile(self, request_id: str) -> bool:
+        """Apply the cancellations asked for while ``fn`` ran; True when ``request_id`` was one.
+
+        A cancel from ``fn`` itself (or another thread during the call) wins over what
+        the call returned, even on the final input: its outputs are dropped.
+        """
+        self._apply_cancels()
+        return request_id not in self._active
+
     def _refuse(self, request_id: str, reason: str) -> None:
         """Tell the driver at once (an error announcement) that this stage will not serve ``request_id``.
 
@@ -347,6 +356,8 @@ class StageWorker:
             return
         try:
             out = self.fn(request_id, data, inputs.is_final)
+            if self._cancelled_meanwhile(request_id):
+                return
             if out is None or isinstance(out, (Mapping, list, tuple)):
                 items = [] if out is None else [out] if isinstance(out, Mapping) else list(out)
                 for index, item in enumerate(items):
@@ -371,6 +382,8 @@ class StageWorker:
         running = self._running[request_id]
         try:
             item = next(running.outputs, _DONE)
+            if self._cancelled_meanwhile(request_id):
+                return
             if item is not _DONE:
                 self._save(request_id, _chunk(item), False, running.trace, running.received)
                 return
