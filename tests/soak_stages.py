@@ -90,6 +90,7 @@ def main(config: str, stage: str, status_path: str) -> int:
     from zmq_omni import StageWorker
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {stage} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("zmq_omni.stages").setLevel(logging.INFO)  # admissions, restarts and cancels, for a failing run
     worker = StageWorker.from_pipeline(config, stage, fn=FUNCTIONS[stage])
     _worker = worker
     signal.signal(signal.SIGTERM, lambda signum, frame: worker.stop())
