@@ -1,6 +1,7 @@
 """The asyncio path (zmq_omni.aio) beside the threaded one, measured in one run.
 
-Run: ``python benchmarks/aio.py`` (about a minute on 2 cores; ``--quick`` for less).
+Run: ``python benchmarks/aio.py`` (about a minute on 2 cores; ``--quick`` for less, ``--only rtt``
+for the round trip alone).
 
 Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
 
@@ -16,7 +17,14 @@ Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
   tasks first, then A puts (the pattern the asyncio face is for; threaded, it
   would take N threads). Messages per second from A's first put to B's last get.
 
-Rounds alternate threaded and async; each figure is the median of its rounds.
+Rounds interleave the paths (threaded, then each loop, the order rotated every
+round so that none always runs first) so that a change in the machine's load
+hits them alike. RTT: the median and p99 of every round trip of a path, and
+"vs threaded", the median over rounds of (this round's async median / the same
+round's threaded median): a paired ratio, steadier than a ratio of pooled
+medians when the load drifts. Rates: the median of the rounds. The load average
+and the CPU count are printed before and after (the figures mean little
+without them).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -187,14 +196,21 @@ def rate(tmp: str, n: int, mode: str, loop_kind: str) -> float:
         for i in range(n):
             ok, _, _ = conn.put("a", "b", f"m{i}", payload)
             assert ok
-        done = json.loads(peer.readline())["done"]
+        done = float(json.loads(peer.readline())["done"])
         peer.finish()
     return n / (done - started)
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer messages and rounds")
+    parser.add_argument("--rounds", type=int, help="rounds of each figure (default 5; 2 with --quick)")
+    parser.add_argument("--only", choices=["rtt", "rate"], help="measure only the round trip or only the rates")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -206,39 +222,50 @@ def main() -> None:
         loops = ["asyncio", "uvloop"]
     except ImportError:
         loops = ["asyncio"]
-    rounds = 2 if args.quick else 3
-    n_rtt = 1000 if args.quick else 3000
+    rounds = args.rounds or (2 if args.quick else 5)
+    n_rtt = 1000 if args.quick else 2000
     n_rate = 10_000 if args.quick else 20_000
     started = time.perf_counter()
-    rtts: dict[str, list[float]] = {}
-    rates: dict[str, list[float]] = {}
+    print(f"before: {load()}", flush=True)
+    rtt_paths = ["threaded", *(f"async {kind}" for kind in loops)]
+    rtts: dict[str, list[list[float]]] = {name: [] for name in rtt_paths}
+    rate_paths = ["threaded, one receive thread"]
+    for kind in loops:
+        rate_paths += [f"async {kind}, one task in order", f"async {kind}, all {n_rate} waiting"]
+    rates: dict[str, list[float]] = {name: [] for name in rate_paths}
     with tempfile.TemporaryDirectory(prefix="zo-bench-") as tmp:
-        for _ in range(rounds):
-            rtts.setdefault("threaded", []).extend(rtt_threaded(tmp, n_rtt))
-            for loop_kind in loops:
-                rtts.setdefault(f"async {loop_kind}", []).extend(rtt_async(tmp, n_rtt, loop_kind))
-            rates.setdefault("threaded, one receive thread", []).append(rate(tmp, n_rate, "drain-thread", ""))
-            for loop_kind in loops:
-                rates.setdefault(f"async {loop_kind}, one task in order", []).append(
-                    rate(tmp, n_rate, "drain-async-seq", loop_kind)
-                )
-                rates.setdefault(f"async {loop_kind}, all {n_rate} waiting", []).append(
-                    rate(tmp, n_rate, "drain-async-all", loop_kind)
-                )
-    print(f"lone-message RTT ({SMALL} B payload, push mode, ipc, {rounds} x {n_rtt} round trips)")
-    base = statistics.median(rtts["threaded"])
-    print(f"{'path':<34} {'median us':>10} {'p99 us':>8} {'vs threaded':>12}")
-    for name, samples in rtts.items():
-        samples.sort()
-        median, p99 = statistics.median(samples), samples[int(len(samples) * 0.99)]
-        print(f"{name:<34} {median * 1e6:>10.1f} {p99 * 1e6:>8.1f} {median / base:>11.2f}x")
-    print(f"\nmany in flight ({n_rate} x {SMALL} B, push mode, ipc, median of {rounds} rounds)")
-    base_rate = statistics.median(rates["threaded, one receive thread"])
-    print(f"{'receiver':<34} {'msg/s':>10} {'threaded/this':>14}")
-    for name, values in rates.items():
-        value = statistics.median(values)
-        print(f"{name:<34} {value:>10,.0f} {base_rate / value:>13.2f}x")
-    print(f"\ntotal time {time.perf_counter() - started:.1f}s")
+        for i in range(rounds):
+            if args.only != "rate":
+                for name in rtt_paths[i % len(rtt_paths) :] + rtt_paths[: i % len(rtt_paths)]:
+                    kind = name.removeprefix("async ")
+                    rtts[name].append(rtt_threaded(tmp, n_rtt) if name == "threaded" else rtt_async(tmp, n_rtt, kind))
+            if args.only != "rtt":
+                for name in rate_paths[i % len(rate_paths) :] + rate_paths[: i % len(rate_paths)]:
+                    if name.startswith("threaded"):
+                        rates[name].append(rate(tmp, n_rate, "drain-thread", ""))
+                    else:
+                        kind = name.split(",")[0].removeprefix("async ")
+                        mode = "drain-async-seq" if "in order" in name else "drain-async-all"
+                        rates[name].append(rate(tmp, n_rate, mode, kind))
+    if args.only != "rate":
+        print(f"\nlone-message RTT ({SMALL} B payload, push mode, ipc, {rounds} rounds x {n_rtt} round trips)")
+        print(f"{'path':<18} {'median us':>10} {'p99 us':>8} {'vs threaded':>12}  per-round medians, us")
+        base_rounds = [statistics.median(samples) for samples in rtts["threaded"]]
+        for name, per_round in rtts.items():
+            medians = [statistics.median(samples) for samples in per_round]
+            pooled = sorted(x for samples in per_round for x in samples)
+            median, p99 = statistics.median(pooled), pooled[int(len(pooled) * 0.99)]
+            ratio = statistics.median(m / b for m, b in zip(medians, base_rounds, strict=True))
+            listed = " ".join(f"{m * 1e6:.0f}" for m in medians)
+            print(f"{name:<18} {median * 1e6:>10.1f} {p99 * 1e6:>8.1f} {ratio:>11.2f}x  {listed}")
+    if args.only != "rtt":
+        print(f"\nmany in flight ({n_rate} x {SMALL} B, push mode, ipc, median of {rounds} rounds)")
+        base_rate = statistics.median(rates["threaded, one receive thread"])
+        print(f"{'receiver':<34} {'msg/s':>10} {'threaded/this':>14}")
+        for name, values in rates.items():
+            value = statistics.median(values)
+            print(f"{name:<34} {value:>10,.0f} {base_rate / value:>13.2f}x")
+    print(f"\nafter: {load()}; total time {time.perf_counter() - started:.1f}s")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -187,3 +188,48 @@ def test_a_request_whose_final_chunk_is_never_delivered_counts_as_failed_not_com
     finally:
         worker.close()
     assert (worker.stats["completed"], worker.stats["failed"]) == (1, 1), worker.stats
+
+
+def test_a_request_whose_final_chunk_the_next_stage_dropped_as_cancelled_counts_as_failed(short_tmp: Path) -> None:
+    namespace = f"drop-{uuid.uuid4().hex}"
+    endpoint = f"ipc://{short_tmp}/vocoder.sock"
+    common = {"endpoints": {"2": endpoint}, "shm": "off", "heartbeat_s": 0.05}
+    with (
+        ZmqConnector({"stage_id": "2", "role": "receiver", **common}) as vocoder,
+        ZmqConnector({"stage_id": "1", "role": "sender", **common}) as outbound,
+    ):
+        assert vocoder.get("1", "2", "warm") is None  # binds
+        # The next stage gave the request up before its final chunk came: that chunk is dropped on arrival.
+        vocoder.cleanup_prefix("gone_1_")
+        worker = StageWorker(
+            echo,
+            stage_id="1",
+            upstream_stage_id="driver",
+            downstream_stage_id="2",
+            inbound=InProcConnector({"namespace": namespace, "stage_id": "1"}),
+            outbound=outbound,
+            stall_timeout_s=2.0,
+            retry=FAST_RETRY,
+        )
+        worker.start()
+        try:
+            with PipelineDriver(
+                first_stage_id="1",
+                last_stage_id="2",
+                inbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
+                outbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
+                stall_timeout_s=2.0,
+                request_timeout_s=10.0,
+            ) as driver:
+                driver.submit("kept", {"n": 1})
+                driver.submit("gone", {"n": 1})
+                deadline = time.monotonic() + 20
+                while worker.stats["completed"] + worker.stats["failed"] < 2 or worker.stats["failed"] < 1:
+                    assert time.monotonic() < deadline, worker.stats
+                    time.sleep(0.02)
+                got = vocoder.get_with_deadline("1", "2", "kept_1_0", None, deadline=time.monotonic() + 5)
+                assert got is not None and got[0]["meta"]["final"]
+        finally:
+            worker.close()
+    assert (worker.stats["completed"], worker.stats["failed"]) == (1, 1), worker.stats
+    assert outbound.health()["receiver_dropped_cancelled"] == 1

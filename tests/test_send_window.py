@@ -19,6 +19,7 @@ from zmq_omni.connectors.base import key_matches_prefix as key_matches
 from zmq_omni.transport._batching import STREAM_FLUSH_S, Outbox, batch_end
 from zmq_omni.transport._dedupe import SourceState
 from zmq_omni.transport._envelope import check_ranges, to_ranges
+from zmq_omni.transport._push_protocol import DROPPED_CANCELLED, DROPPED_UNCLAIMED
 from zmq_omni.transport._send_window import Out, SendWindow
 from zmq_omni.transport._tombstones import Tombstones
 
@@ -107,6 +108,42 @@ def test_silence_makes_delivered_puts_undelivered_again_once() -> None:
     assert not win.suspect and not win.unarrived
 
 
+def test_a_drop_reply_returns_its_puts_as_disposed_apart_from_consumed_ones() -> None:
+    window = _window()
+    win = window.peer("1")
+    outs = [window.admit(win, "0", f"k{i}", [b"x"], 1, None, 0.0) for i in range(4)]
+    window.mark_sent(outs, 0)
+    plain = window.apply_reply(win, "r1", -1, _ranges([0, 1, 2, 3]), _ranges([0]), None, 0, 0.1)
+    assert plain.freed == 1 and not plain.disposed
+    cancelled = window.apply_reply(win, "r1", DROPPED_CANCELLED, [], _ranges([1, 2]), None, 0, 0.2)
+    assert [o.key for o in cancelled.disposed] == ["k1", "k2"] and cancelled.freed == 2
+    unclaimed = window.apply_reply(win, "r1", DROPPED_UNCLAIMED, [], _ranges([2, 3]), None, 0, 0.3)
+    assert [o.key for o in unclaimed.disposed] == ["k3"]  # 2 left the window already: reported once
+    pong = window.apply_reply(win, "r1", 1, [], _ranges([0, 1, 2, 3]), None, 0, 0.4)  # pongs repeat drops
+    assert not pong.disposed and not pong.freed and window.count == 0
+
+
+def test_forget_releases_only_what_the_receiver_holds_and_the_rest_once_it_arrives() -> None:
+    window = _window()
+    win = window.peer("1")
+    held, sent, queued, other = (window.admit(win, "0", k, [b"x"], 1, None, 0.0) for k in ("r_1", "r_2", "r_3", "s_1"))
+    shm = window.admit(win, "0", "r_4", [], 1, b"slot", 0.0)
+    window.mark_sent([held, sent, other, shm], 0)
+    queued.queued = True  # still in the outbox: a final chunk put just before its request's cleanup
+    window.apply_reply(win, "r1", -1, _ranges([held.seq, shm.seq]), [], None, 0, 0.1)
+    released = window.forget(lambda key: key.startswith("r_"))
+    assert released == [held]  # the others are still on their way (shm: until read)
+    assert set(win.retained) == {sent.seq, queued.seq, other.seq, shm.seq} and queued.queued
+    assert queued.forgotten and sent.forgotten and shm.forgotten and not other.forgotten
+    # They keep their delivery deadline: one never confirmed is still reported failed.
+    window.mark_sent([queued], 0)
+    result = window.apply_reply(win, "r1", -1, _ranges([queued.seq, other.seq]), [], None, 0, 0.2)
+    assert result.released == [queued] and result.freed == 1 and other.seq in win.retained
+    assert [out for _, out in window.expire(0.0 + TIMEOUT)] == [sent]
+    window.apply_reply(win, "r1", -1, [], _ranges([shm.seq]), None, 0, 0.3)  # consumed: our slot may go
+    assert set(win.retained) == {other.seq}
+
+
 def test_batch_size_follows_the_receiver_and_our_cap() -> None:
     window = _window(batch_max_bytes=4096)
     win = window.peer("1")
@@ -142,7 +179,10 @@ class WindowProtocol(RuleBasedStateMachine):
         self.freed: set[int] = set()  # the sender learned it was consumed
         self.failed: list[int] = []
         self.withdrawn: set[int] = set()
-        self.forgotten: set[int] = set()
+        self.forgotten: set[int] = set()  # released after a cleanup, the receiver holding them
+        self.cleaned_up: set[int] = set()  # retained when a cleanup named their key
+        self.dropped_by_receiver: set[int] = set()
+        self.disposed: set[int] = set()  # the window reported them dropped by the receiver
         self.admitted: set[int] = set()
 
     def _new_receiver(self) -> _Receiver:
@@ -185,7 +225,12 @@ class WindowProtocol(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, 2))
     def forget(self, which: int) -> None:
-        self.forgotten.update(o.seq for o in self.window.forget(lambda key: key == f"k{which}"))
+        key = f"k{which}"
+        self.cleaned_up.update(o.seq for o in self.win.retained.values() if o.key == key)
+        released = self.window.forget(lambda k: k == key)
+        for out in released:  # a cleanup releases only what the receiver already holds
+            assert out.arrived and out.seq not in self.win.unarrived
+        self.forgotten.update(o.seq for o in released)
 
     @rule()
     def silence(self) -> None:
@@ -219,9 +264,20 @@ class WindowProtocol(RuleBasedStateMachine):
         self.receiver.source.consume(seq)
         self.consumed_everywhere.add(seq)
 
+    @precondition(lambda self: self.receiver.held)
+    @rule(data=st.data(), code=st.sampled_from([DROPPED_UNCLAIMED, DROPPED_CANCELLED]))
+    def drop(self, data: st.DataObject, code: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.receiver.held)))
+        self.receiver.held.discard(seq)
+        self.receiver.source.drop(seq, code)
+        self.dropped_by_receiver.add(seq)
+
     @rule()
     def ack(self) -> None:
-        acks = self.receiver.source.ack()
+        source = self.receiver.source
+        for code, seqs in source.drops():  # as the receiver sends them: a REPLY of their own, before the ack
+            self.replies.append((self.receiver.incarnation, code, [], seqs))
+        acks = source.ack()
         if acks is not None:
             self.replies.append((self.receiver.incarnation, -1, *acks))
 
@@ -235,7 +291,13 @@ class WindowProtocol(RuleBasedStateMachine):
         result = self.window.apply_reply(
             self.win, incarnation, ping, _ranges(arrived), _ranges(consumed), None, 0, self.now
         )
-        self.freed |= before - set(self.win.retained)
+        released = {o.seq for o in result.released}
+        assert released <= self.cleaned_up, "a put released that no cleanup asked for"
+        self.forgotten |= released
+        self.freed |= before - set(self.win.retained) - released
+        for out in result.disposed:
+            assert out.seq in self.dropped_by_receiver and out.seq not in self.disposed
+            self.disposed.add(out.seq)
         for out in result.resend:
             assert out.seq not in self.freed, "a put the receiver reported consumed was resent"
             assert out.seq in self.win.unarrived
@@ -270,15 +332,23 @@ class WindowProtocol(RuleBasedStateMachine):
             self.ping()
             while self.net:
                 self.deliver(lose=False)
+            self.ack()
             while self.replies:
                 self.reply(lose=False)
         lost = {out.seq for _, out in self.window.close()}
         assert not lost & self.freed
         reported = set(self.failed) | lost
         assert len(self.failed) == len(set(self.failed)), "a put was reported failed twice"
-        # Nothing lost is unreported: a put not reported failed, withdrawn or forgotten was consumed or is held.
+        # Nothing lost is unreported: a put not reported failed, withdrawn or released after a cleanup (the
+        # receiver held it) was consumed or is held. A cleanup cancels nothing on its way.
         for seq in self.admitted - reported - self.withdrawn - self.forgotten:
-            assert seq in self.consumed_everywhere or seq in self.receiver.held, f"put {seq} lost silently"
+            if seq in self.consumed_everywhere or seq in self.receiver.held:
+                continue
+            assert seq in self.dropped_by_receiver, f"put {seq} lost silently"
+            # Dropped unconsumed: reported disposed, unless that REPLY was lost and only its repeat
+            # as consumed (a pong) reached the sender.
+            assert seq in self.disposed or seq in self.freed, f"put {seq} dropped silently"
+        assert not self.disposed & reported, "a disposed put was also reported failed"
         assert self.window.count == len(self.win.retained)
 
 

@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from zmq_omni.adapters import default_retryable
 from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.errors import DeliveryError
 
 from .conftest import wait_until
 
@@ -90,6 +92,58 @@ def test_a_late_arrival_under_a_tombstone_is_dropped_at_once(short_tmp: Path, ho
         _put(sconn, keys[0], 9)
         got = rconn.get_with_deadline("0", "1", keys[0], None, deadline=_soon())
         assert got is not None and int(got[0]["x"][0]) == 9
+
+
+def test_a_put_the_receiver_dropped_under_a_cleanup_is_reported_failed_to_its_sender(short_tmp: Path) -> None:
+    with _edge(short_tmp, put_timeout_s=0.5) as (rconn, sconn):
+        assert rconn.get("0", "1", "warm") is None  # binds; nothing there
+        _put(sconn, "req-9_0_0")
+        assert rconn.get_with_deadline("0", "1", "req-9_0_0", None, deadline=_soon()) is not None
+        rconn.cleanup_prefix("req-9_0_")  # the receiver gives the request up
+        _put(sconn, "req-9_0_1")  # a late final chunk: put returns ok, but nobody will ever read it
+        assert wait_until(lambda: sconn.health()["receiver_dropped_cancelled"] == 1)
+        failures = sconn.drain_failures()
+        assert [(f.op, f.key, f.to_stage) for f in failures] == [("put", "req-9_0_1", "1")], failures
+        error = failures[0].error
+        assert isinstance(error, DeliveryError) and error.dropped == "cancelled" and error.key == "req-9_0_1"
+        assert "dropped it: request cancelled there" in failures[0].reason
+        assert not default_retryable(error)  # a re-put would be dropped again
+        # Cancelled downstream says nothing about the link: the sender stays healthy.
+        assert sconn.health()["status"] == "ok", sconn.health()
+
+
+def test_a_put_dropped_unclaimed_is_reported_failed_to_its_sender(short_tmp: Path) -> None:
+    with _edge(short_tmp, {"unclaimed_ttl_s": 0.3}) as (_rconn, sconn):
+        _put(sconn, "orphan")
+        assert wait_until(lambda: sconn.health()["receiver_dropped_unclaimed"] == 1, timeout=10.0)
+        failures = sconn.drain_failures()
+        assert [f.key for f in failures] == ["orphan"], failures
+        error = failures[0].error
+        assert isinstance(error, DeliveryError) and error.dropped == "unclaimed"
+        assert "unclaimed" in failures[0].reason
+
+
+def test_a_sender_cleanup_never_cancels_puts_on_their_way(short_tmp: Path) -> None:
+    # vllm-omni #6670: a final chunk put just before its request is cleaned up on the sender must still arrive.
+    common = {"endpoints": {"1": f"ipc://{short_tmp}/edge.sock"}, "shm": "off", "heartbeat_s": 0.05}
+    receiver = {"stage_id": "1", "role": "receiver", **common}
+    with ZmqConnector({"stage_id": "0", "role": "sender", **common}) as sconn:
+        with ZmqConnector(receiver) as rconn:
+            _put(sconn, "warm")  # the receiver's first REPLY says it takes batches
+            assert rconn.get_with_deadline("0", "1", "warm", None, deadline=_soon()) is not None
+        # The receiver is away: small puts wait in the sender's outbox (ZeroMQ has no peer to queue them for).
+        keys = [f"req-3_0_{i}" for i in range(5)]
+        for i, key in enumerate(keys):
+            ok, _, _ = sconn.put("0", "1", key, i)
+            assert ok
+        sconn.cleanup_prefix("req-3_0_")  # the request finished here: its puts were accepted all the same
+        assert sconn.health()["pending"] == len(keys)
+        with ZmqConnector(receiver) as rconn:
+            for i, key in enumerate(keys):
+                got = rconn.get_with_deadline("0", "1", key, None, deadline=_soon())
+                assert got is not None and got[0] == i, key
+            assert wait_until(lambda: sconn.health()["pending"] == 0)  # released once they arrived
+        assert not sconn.drain_failures()
 
 
 def test_abandon_get_drops_an_item_already_there(short_tmp: Path) -> None:

@@ -96,11 +96,19 @@ class AuthenticationError(TransportError):
 
 
 class DeliveryError(TransportError):
-    """Delivery of ``key`` could not be confirmed before its deadline."""
+    """Delivery of ``key`` could not be confirmed before its deadline, or its receiver dropped it unconsumed.
 
-    def __init__(self, message: str, *, key: str, endpoint: str | None = None) -> None:
+    ``dropped`` says why a receiver disposed of the put: ``"cancelled"`` (its
+    request was cleaned up or abandoned there), ``"unclaimed"`` (no ``get``
+    took it within the receiver's ``unclaimed_ttl_s``), or None (delivery was
+    not confirmed). A cancelled put is not worth retrying: the receiver gave
+    the request up.
+    """
+
+    def __init__(self, message: str, *, key: str, endpoint: str | None = None, dropped: str | None = None) -> None:
         super().__init__(f"{message} [key={key!r}]", endpoint=endpoint)
         self.key = key
+        self.dropped = dropped
 
 
 class ShmError(ZmqOmniError):

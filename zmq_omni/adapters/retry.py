@@ -23,6 +23,7 @@ from ..config.fields import check_known_keys, read_float, read_int
 from ..errors import (
     ClosedResourceError,
     ConfigError,
+    DeliveryError,
     MessageTooLargeError,
     TransportError,
 )
@@ -34,11 +35,16 @@ def default_retryable(exc: BaseException) -> bool:
     """Retry transport faults that a later attempt may cure.
 
     Timeouts, a peer that is gone, undelivered messages and unknown socket
-    faults are retried. A closed connector, an oversized message and anything
-    that is not a :class:`~zmq_omni.errors.TransportError` (an encode error, a
-    bug) would fail the same way again, so they are not.
+    faults are retried. A closed connector, an oversized message, a put its
+    receiver dropped because the request was cancelled there (a
+    :class:`~zmq_omni.errors.DeliveryError` with ``dropped="cancelled"``: a
+    re-put would be dropped again, in a loop) and anything that is not a
+    :class:`~zmq_omni.errors.TransportError` (an encode error, a bug) would
+    fail the same way again, so they are not.
     """
     if isinstance(exc, (ClosedResourceError, MessageTooLargeError)):
+        return False
+    if isinstance(exc, DeliveryError) and exc.dropped == "cancelled":
         return False
     return isinstance(exc, TransportError)
 

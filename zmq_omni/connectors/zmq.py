@@ -34,6 +34,7 @@ from ..config.zmq import ZmqConnectorConfig
 from ..errors import (
     ClosedResourceError,
     ConfigError,
+    DeliveryError,
     MessageTooLargeError,
     ShmError,
     TransportError,
@@ -331,7 +332,9 @@ class ZmqConnector(OmniConnectorBase):
     ) -> None:
         """Keep the failure (see the base class); a failed put also makes ``health()`` degraded for a while."""
         super()._record_failure(op, from_stage, to_stage, key, reason, error)
-        if op == "put" and not self._closed:
+        # A put its receiver dropped because it cancelled the request says nothing about the link.
+        cancelled = isinstance(error, DeliveryError) and error.dropped == "cancelled"
+        if op == "put" and not self._closed and not cancelled:
             self._put_failure = f"put of {key!r} to stage {to_stage!r} failed: {reason}"
             self._put_failed_at = time.monotonic()
 
@@ -344,8 +347,10 @@ class ZmqConnector(OmniConnectorBase):
         """Send ``data`` to ``to_stage`` under ``put_key``; ``(True, nbytes, metadata)`` once ZeroMQ has it.
 
         Push mode returns when the put is in the send window and handed to
-        ZeroMQ, not when it is acknowledged; a delivery that is never confirmed
-        is reported later through :meth:`drain_failures`. Large arrays are sent
+        ZeroMQ, not when it is acknowledged; a delivery that is never confirmed,
+        or a put its receiver dropped unconsumed (its request cancelled there, or
+        unclaimed past its ``unclaimed_ttl_s``), is reported later through
+        :meth:`drain_failures` (a ``DeliveryError``; ``dropped`` says which). Large arrays are sent
         without copying and pinned until the receiver consumed them: do not
         modify them in place after ``put`` unless ``copy_on_put`` is set, or
         the put took the same-host fast path (its bytes were copied into
@@ -662,9 +667,11 @@ class ZmqConnector(OmniConnectorBase):
         return got
 
     def cleanup(self, request_id: str) -> bool:
-        """Drop everything held for the key ``request_id`` (mailbox, unconsumed sends, unfetched payloads).
+        """Drop everything held for the key ``request_id`` (mailbox, retained sends, unfetched payloads).
 
         Push mode: a put of that key arriving within ``tombstone_ttl_s`` is dropped at once (a tombstone).
+        A push sender cancels none of its puts still on their way (vllm-omni #6670): it releases only
+        its copies of those the receiver holds; the others are released once they arrive.
         """
         key = str(request_id)
         return self._forget(lambda k: k == key, key=key) > 0
@@ -673,6 +680,7 @@ class ZmqConnector(OmniConnectorBase):
         """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many.
 
         Push mode: puts under the prefix arriving within ``tombstone_ttl_s`` are dropped at once.
+        A push sender cancels none of its puts still on their way, as with :meth:`cleanup`.
         """
         prefix = str(prefix)
         return self._forget(lambda k: key_matches_prefix(k, prefix), prefix=prefix)
@@ -695,8 +703,8 @@ class ZmqConnector(OmniConnectorBase):
         if self._server is not None:
             dropped += self._server.forget(match)
         if self._sender is not None:
-            # A push sender's copies only serve redelivery: release them, but they are not items
-            # anyone could still get, so they do not count (the receiver's cleanup counts those).
+            # A push sender's copies of delivered puts only serve redelivery: release them. Puts still
+            # on their way go on (#6670). None counts: the receiver's cleanup counts what it drops.
             self._sender.forget(match)
         return dropped
 

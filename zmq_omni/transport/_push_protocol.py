@@ -24,7 +24,10 @@ Delivery protocol (seq numbers are per sender and receiving stage):
    frees the sender's copy. Items dropped unconsumed (``unclaimed_ttl_s``, a
    tombstone, ``cleanup``) are acknowledged in a REPLY of their own whose ``n``
    says why (``DROPPED_UNCLAIMED``, ``DROPPED_CANCELLED``), then repeated as
-   consumed in pongs like any other consumption.
+   consumed in pongs like any other consumption. The sender reports each put
+   it still retains that such a REPLY names as failed (a
+   :class:`~zmq_omni.errors.DeliveryError` whose ``dropped`` says why): it
+   returned ok, but nothing will read it.
 2. Every ``heartbeat_s`` the sender sends PING ``n`` on the data DEALER, behind
    the data it already sent. The receiver flushes its acks and answers with a
    pong naming ``n`` and its incarnation id. ZeroMQ keeps per-connection

@@ -15,8 +15,14 @@ The invariants the tests check after any sequence of calls:
 * ``count``/``nbytes`` are the sums over every peer's ``retained``;
   ``unarrived`` is a subset of ``retained``, in deadline order;
 * a put the receiver reported consumed is never resent and never reported lost;
+* a put the receiver reported dropped unconsumed (a REPLY whose ping number is a
+  ``DROPPED_*`` code) is returned as ``disposed``, once, apart from the consumed ones;
 * every put that leaves the window other than by consumption, withdrawal or
-  :meth:`SendWindow.forget` is returned to the caller as failed, exactly once.
+  release after :meth:`SendWindow.forget` is returned to the caller as failed
+  (expired, lost at close, or disposed by the receiver), exactly once;
+* :meth:`SendWindow.forget` never cancels a put still on its way: it releases
+  only puts the receiver already holds; the others keep their delivery deadline
+  and are released when their arrival is confirmed.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._push_protocol import _BATCH_OVERHEAD
+from ._push_protocol import _BATCH_OVERHEAD, DROP_COUNTERS
 
 __all__ = ["Out", "PeerWindow", "ReplyOutcome", "SendWindow"]
 
@@ -35,10 +41,24 @@ class Out:
     """One put kept by the sender until its receiver consumed it.
 
     ``sent_ping`` is the number of the last PING sent before this put went out
-    (None: not handed to ZeroMQ yet); ``queued``: waiting in its peer's outbox.
+    (None: not handed to ZeroMQ yet); ``queued``: waiting in its peer's outbox;
+    ``forgotten``: its request was cleaned up here, so it is released as soon as
+    it is safe without us.
     """
 
-    __slots__ = ("arrived", "deadline", "frames", "from_stage", "key", "loc", "nbytes", "queued", "sent_ping", "seq")
+    __slots__ = (
+        "arrived",
+        "deadline",
+        "forgotten",
+        "frames",
+        "from_stage",
+        "key",
+        "loc",
+        "nbytes",
+        "queued",
+        "sent_ping",
+        "seq",
+    )
 
     def __init__(
         self, seq: int, from_stage: str, key: str, frames: list[Any], nbytes: int, deadline: float, loc: bytes | None
@@ -52,6 +72,7 @@ class Out:
         self.deadline = deadline
         self.arrived = False
         self.queued = False
+        self.forgotten = False
         self.sent_ping: int | None = None
 
 
@@ -98,7 +119,9 @@ class ReplyOutcome:
     """What applying one REPLY decided: the I/O the caller does next, and whom to wake."""
 
     resend: list[Out] = field(default_factory=list)  # unarrived puts sent before the answered ping (or a restart)
-    freed: int = 0  # puts consumed: window room for waiting puts
+    freed: int = 0  # puts that left the window (consumed, disposed or released): room for waiting puts
+    disposed: list[Out] = field(default_factory=list)  # consumed seqs of a DROPPED_* REPLY: dropped unconsumed
+    released: list[Out] = field(default_factory=list)  # forgotten puts let go now their arrival is confirmed
     arrived: bool = False  # arrivals were confirmed (wakes flush/wait_delivered)
     changed: bool = False  # a new incarnation or shm verdict (wakes reads_shm)
     restarted: bool = False  # the receiver restarted: everything unconsumed is in ``resend``
@@ -196,6 +219,9 @@ class SendWindow:
 
         A REPLY of an incarnation we saw replaced (stale) only frees what it
         reports consumed, since consumption is final whichever incarnation says it.
+        When ``ping`` is a ``DROPPED_*`` code the receiver dropped the consumed
+        seqs unconsumed: those still retained are returned in ``disposed`` (the
+        caller reports each as a failed put), not merely freed.
         """
         result = ReplyOutcome()
         win.last_heard = now
@@ -219,6 +245,7 @@ class SendWindow:
                 result.changed = True
         freed = freed_bytes = 0
         retained_pop, unarrived_pop = win.retained.pop, win.unarrived.pop
+        disposed = result.disposed if ping in DROP_COUNTERS else None
         for run in consumed:
             for seq in run:
                 out = retained_pop(seq, None)
@@ -227,6 +254,8 @@ class SendWindow:
                     out.queued = False  # still in the outbox: the next batch skips it
                     freed += 1
                     freed_bytes += out.nbytes
+                    if disposed is not None:
+                        disposed.append(out)
         self.count -= freed
         self.nbytes -= freed_bytes
         result.freed = freed
@@ -234,12 +263,22 @@ class SendWindow:
             win.advance_low()
         if stale:
             return result
+        released = result.released
         for run in arrived:
             for seq in run:
                 out = unarrived_pop(seq, None)
                 if out is not None:
                     out.arrived = True
                     result.arrived = True
+                    if out.forgotten and out.loc is None:
+                        released.append(out)
+        if released:
+            # Their request was cleaned up here: now that the receiver holds them, our copies only served
+            # a resend to a restarted receiver, which that cleanup gave up.
+            for out in released:
+                self._drop(win, out)
+            result.freed += len(released)
+            win.advance_low()
         if result.restarted:
             result.resend = [o for o in win.unarrived.values() if o.sent_ping is not None]
         elif ping >= 0:
@@ -306,10 +345,25 @@ class SendWindow:
         return lost
 
     def forget(self, match: Callable[[str], bool]) -> list[Out]:
-        """Stop retaining puts whose key matches (their request is finished); return them."""
+        """Stop retaining puts whose key matches (their request was cleaned up here); return those released now.
+
+        A cleanup never cancels a put already accepted (vllm-omni #6670: a final
+        chunk queued just before its request is cleaned up must still arrive).
+        Released now: each matching put the receiver holds (arrived, its payload
+        in the message). Every other matching put stays, marked ``forgotten``: it
+        keeps its delivery deadline and failure report, and is released when its
+        arrival is confirmed (a put in our shared memory when it is consumed,
+        since our slot must live until the receiver read it).
+        """
         dropped: list[Out] = []
         for win in self.peers.values():
-            doomed = [out for out in win.retained.values() if match(out.key)]
+            doomed = []
+            for out in win.retained.values():
+                if match(out.key):
+                    if out.arrived and out.loc is None:
+                        doomed.append(out)
+                    else:
+                        out.forgotten = True
             for out in doomed:
                 self._drop(win, out)
             dropped.extend(doomed)

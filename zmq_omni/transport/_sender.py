@@ -47,7 +47,7 @@ from ._batching import LONE_GAP_S, RETRY_MAX_S, RETRY_MIN_S, STREAM_FLUSH_S, Out
 from ._endpoints import EndpointMap
 from ._envelope import Kind, check_ranges, check_types, pack, unpack
 from ._loop import IoLoop
-from ._push_protocol import _MAX_DRAIN, DROP_COUNTERS, FailureCallback
+from ._push_protocol import _MAX_DRAIN, DROP_COUNTERS, DROPPED_CANCELLED, FailureCallback
 from ._security import Curve
 from ._send_window import Out, PeerWindow, SendWindow
 from ._shm import ShmSend
@@ -503,7 +503,11 @@ class PushSender:
         return sock
 
     def forget(self, match: Callable[[str], bool]) -> int:
-        """Stop retaining puts whose key matches (the request is finished); return how many."""
+        """Release the puts whose key matches that the receiver holds (the request was cleaned up); how many.
+
+        Puts still on their way are not cancelled (see :meth:`SendWindow.forget`): they are released
+        once their arrival is confirmed, or reported failed like any other.
+        """
         with self._lock:
             dropped = self._window.forget(match)
             if dropped:
@@ -591,6 +595,29 @@ class PushSender:
                 DeliveryError(reason, key=out.key, endpoint=peer.endpoint),
             )
 
+    def _report_disposed(self, peer: _Peer, code: int, outs: list[Out]) -> None:
+        """Count and report each put the receiver dropped unconsumed as a failed put (no lock held).
+
+        Its request gets a send failure like a delivery timeout: the put returned
+        ok, but nothing downstream will ever read it.
+        """
+        # No slot to discard: the receiver released it as it dropped the item.
+        self._counters.add(DROP_COUNTERS[code], len(outs))
+        if code == DROPPED_CANCELLED:
+            dropped, reason = "cancelled", f"stage {peer.to_stage!r} dropped it: request cancelled there"
+        else:
+            dropped = "unclaimed"
+            reason = f"stage {peer.to_stage!r} dropped it: unclaimed (no get took it within its unclaimed_ttl_s)"
+        for out in outs:
+            self._on_failure(
+                "put",
+                out.from_stage,
+                peer.to_stage,
+                out.key,
+                reason,
+                DeliveryError(reason, key=out.key, endpoint=peer.endpoint, dropped=dropped),
+            )
+
     # -- I/O thread ---------------------------------------------------------------
     def _open_ctl(self, peer: _Peer) -> None:
         if self._closed or peer.ctl_sock is not None:
@@ -651,8 +678,8 @@ class PushSender:
             if arrived and self._cv.listener is not None:
                 # Arrivals drained ZeroMQ's queue: a non-blocking put refused at the high-water mark may go now.
                 self._cv.listener()
-        if result.freed and ping in DROP_COUNTERS:  # the receiver dropped them unconsumed, and says why
-            self._counters.add(DROP_COUNTERS[ping], result.freed)
+        if result.disposed:  # the receiver dropped them unconsumed, and says why: each put failed
+            self._report_disposed(peer, ping, result.disposed)
         if result.resend:
             self._resend(peer, result.resend)
 
