@@ -138,6 +138,55 @@ def test_function_error_fails_only_that_request_and_reaches_the_driver_in_band()
     assert len(failed) == 1 and "doubler exploded" in failed[0].reason and "RuntimeError" in failed[0].reason
 
 
+def test_cancel_mid_stream_fails_the_request_with_its_reason_and_the_stage_serves_on() -> None:
+    pipeline = load_pipeline_config(_config(_inproc(), stall=30.0, timeout=30.0))
+    workers = _start(pipeline, ["collector"])
+    seen = threading.Event()
+
+    def gated(request_id: str, payload: dict[str, Any], is_final: bool) -> Iterator[dict[str, Any]]:
+        for i, chunk in enumerate(producer(request_id, payload, is_final)):
+            if i == 1 and request_id == "gone":
+                seen.wait(10)  # the rest of the stream comes after the doubler cancelled: mid-stream
+            yield chunk
+
+    def gated_producer(request_id: str, payload: dict[str, Any], is_final: bool) -> Any:
+        if request_id == "at-the-end":
+            return {"x": np.zeros(4, dtype=np.int64)}  # one chunk, which is also the final one
+        return gated(request_id, payload, is_final)
+
+    def doubler_that_cancels(request_id: str, payload: dict[str, Any], is_final: bool) -> dict[str, Any] | None:
+        if request_id in ("gone", "at-the-end") and "x" in payload:
+            middle.cancel(request_id, "the client went away")
+            seen.set()
+            return None
+        return doubler(request_id, payload, is_final)
+
+    middle = StageWorker.from_pipeline(pipeline, "doubler", fn=doubler_that_cancels)
+    for worker in (StageWorker.from_pipeline(pipeline, "producer", fn=gated_producer), middle):
+        worker.start()
+        workers.append(worker)
+    started = time.monotonic()
+    try:
+        with PipelineDriver.from_pipeline(pipeline) as driver:
+            driver.submit("gone", {"n": 10})
+            driver.submit("kept", {"n": 3})
+            driver.submit("at-the-end", {})  # its only input is final: the cancel still wins
+            events = _collect(driver)
+    finally:
+        for worker in workers:
+            worker.close()
+    assert seen.is_set()
+    assert time.monotonic() - started < 20  # in-band, far sooner than the 30 s stall
+    assert events["kept"][-1].kind == "completed" and _outputs(events["kept"]) == [1, 3, 5]
+    for request_id in ("gone", "at-the-end"):
+        assert [e.kind for e in events[request_id]] == ["failed"], events[request_id]
+        assert events[request_id][0].reason == "stage doubler: cancelled: the client went away"
+    assert middle.stats["cancelled"] == 2 and middle.stats["failed"] == 0
+    health = middle.health()
+    assert health["active_requests"] == health["running_generators"] == health["refused_draining"] == 0
+    middle.cancel("unknown", "ignored")  # not served here: nothing happens
+
+
 def test_missing_stage_fails_requests_instead_of_hanging() -> None:
     pipeline = load_pipeline_config(_config(_inproc(), stall=0.5, timeout=2.0))
     workers = _start(pipeline, ["producer", "collector"])  # no doubler: its inputs go nowhere

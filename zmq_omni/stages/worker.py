@@ -115,6 +115,8 @@ class StageWorker:
         # Refused requests whose inbound stream is read and dropped (run thread only;
         # each leaves at its final chunk or when its stall timeout fails it).
         self._refused: set[str] = set()
+        # Cancellations asked for by cancel() (any thread), applied by the run thread.
+        self._cancels: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         # Requests whose final chunk is queued but not yet put (run thread only): counted
         # completed once the chunk manager reports the put, failed on a send failure.
         self._closing: OrderedDict[str, None] = OrderedDict()
@@ -125,7 +127,15 @@ class StageWorker:
         # Run thread only (then close): a stopped downstream fails every request at once, one line per interval.
         self._downstream_warnings = WarningBurst()
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "completed": 0, "failed": 0, "refused": 0, "chunks_in": 0, "chunks_out": 0}
+        self.stats = {
+            "requests": 0,
+            "completed": 0,
+            "failed": 0,
+            "cancelled": 0,
+            "refused": 0,
+            "chunks_in": 0,
+            "chunks_out": 0,
+        }
 
     @classmethod
     def from_pipeline(
@@ -181,6 +191,7 @@ class StageWorker:
         logger.info("stage %s (%s) running", self.name, self.stage_id)
         while not self._stop.is_set() and not self._link.stop_event.is_set() and not chunks.stop_event.is_set():
             self._admit()
+            self._apply_cancels()
             for request_id in list(self._active):
                 if request_id in self._running:
                     continue  # the previous inputs' generator goes first, to keep the order
@@ -203,6 +214,18 @@ class StageWorker:
         if self._thread is None:
             self._thread = threading.Thread(target=self.run, name=f"stage-{self.name}", daemon=True)
             self._thread.start()
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Cancel ``request_id`` at this stage, mid-stream (safe from any thread, ``fn`` included).
+
+        The run thread applies it on its next pass: the stage stops receiving
+        the request (what its upstream still sends for it is dropped by the
+        transport), drops its unsent outputs, and ends its stream downstream
+        with ``reason`` (``"stage <name>: cancelled: <reason>"``), so the driver
+        fails the request with that reason. Counted in ``stats["cancelled"]``.
+        A request this stage is not serving (unknown or already ended) is ignored.
+        """
+        self._cancels.put((request_id, reason))
 
     def stop(self) -> None:
         """Ask :meth:`run` to return (safe from a signal handler or another thread)."""
@@ -244,6 +267,8 @@ class StageWorker:
             "stage": self.name,
             "stage_id": self.stage_id,
             "active_requests": len(self._active),
+            "running_generators": len(self._running),
+            "refused_draining": len(self._refused),
             "closing_requests": len(self._closing),
             **self.stats,
             "chunks": self._link.chunks.health(),
@@ -270,6 +295,27 @@ class StageWorker:
                 continue
             self._active[request_id] = time.time()
             self.stats["requests"] += 1
+
+    def _apply_cancels(self) -> None:
+        while True:
+            try:
+                request_id, reason = self._cancels.get_nowait()
+            except queue.Empty:
+                return
+            if request_id not in self._active:
+                continue
+            logger.info("stage %s: cancelling request %s: %s", self.name, request_id, reason)
+            self.stats["cancelled"] += 1
+            self._fail(request_id, f"stage {self.name}: cancelled: {reason}", {}, counted=False)
+
+    def _cancelled_meanwhile(self, request_id: str) -> bool:
+        """Apply the cancellations asked for while ``fn`` ran; True when ``request_id`` was one.
+
+        A cancel from ``fn`` itself (or another thread during the call) wins over what
+        the call returned, even on the final input: its outputs are dropped.
+        """
+        self._apply_cancels()
+        return request_id not in self._active
 
     def _refuse(self, request_id: str, reason: str) -> None:
         """Tell the driver at once (an error announcement) that this stage will not serve ``request_id``.
@@ -310,6 +356,8 @@ class StageWorker:
             return
         try:
             out = self.fn(request_id, data, inputs.is_final)
+            if self._cancelled_meanwhile(request_id):
+                return
             if out is None or isinstance(out, (Mapping, list, tuple)):
                 items = [] if out is None else [out] if isinstance(out, Mapping) else list(out)
                 for index, item in enumerate(items):
@@ -334,6 +382,8 @@ class StageWorker:
         running = self._running[request_id]
         try:
             item = next(running.outputs, _DONE)
+            if self._cancelled_meanwhile(request_id):
+                return
             if item is not _DONE:
                 self._save(request_id, _chunk(item), False, running.trace, running.received)
                 return
@@ -359,19 +409,23 @@ class StageWorker:
         self._link.chunks.save_async(request_id, chunk, is_final=final)
         self.stats["chunks_out"] += 1
 
-    def _fail(self, request_id: str, reason: str, trace: dict[str, Any]) -> None:
-        """Forward the failure downstream in-band and stop receiving for the request."""
+    def _fail(self, request_id: str, reason: str, trace: dict[str, Any], *, counted: bool = True) -> None:
+        """Forward the failure downstream in-band and stop receiving for the request.
+
+        ``counted``: count it in ``stats["failed"]`` (a cancellation is counted apart).
+        """
         reason = name_stages(reason, self._stage_names)
         with contextlib.suppress(ValueError):  # the final chunk was already queued
             self._save(request_id, {ERROR_KEY: reason}, True, trace, time.time())
         self._link.chunks.cancel(request_id)  # the queued error chunk still goes through (#6670)
-        self._finish(request_id, failed=True)
+        self._finish(request_id, failed=True, counted=counted)
 
-    def _finish(self, request_id: str, *, failed: bool) -> None:
+    def _finish(self, request_id: str, *, failed: bool, counted: bool = True) -> None:
         self._running.pop(request_id, None)
         if self._active.pop(request_id, None) is not None:
             if failed:
-                self.stats["failed"] += 1
+                if counted:
+                    self.stats["failed"] += 1
             else:
                 # Its final chunk is only queued: completed once it is put (_count_sent).
                 self._closing[request_id] = None
