@@ -9,7 +9,7 @@ sender's low-water mark, a pull server answering many fetches, and
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zmq_omni.adapters import default_retryable
+from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, default_retryable
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import DeliveryError
 
@@ -189,6 +189,50 @@ def test_dropped_items_release_their_shared_memory_slots(short_tmp: Path, shm_di
 
         assert wait_until(settled, timeout=5.0), (rconn.health(), sconn.health())
         assert wait_until(lambda: sconn.health()["shm_slots_ready"] + sconn.health()["shm_slots_leased"] == 0)
+
+
+class _CancelBeforeGet(ZmqConnector):
+    """A receiver whose next get of ``race_key`` first runs ``race`` (a cancel landing just before the get)."""
+
+    race_key = ""
+    race: Callable[[], None] | None = None
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        race, self.race = (self.race, None) if get_key == self.race_key else (None, self.race)
+        if race is not None:
+            race()
+        return super().get(from_stage, to_stage, get_key, metadata)
+
+
+def test_a_stream_cancelled_while_the_receive_worker_gets_it_stays_buried(short_tmp: Path) -> None:
+    # The receive worker picked chunk 1's key, the stage cancelled the request (tombstones laid),
+    # then the worker's get of that key lifted them: the later chunks must still be dropped as
+    # cancelled at once, not left waiting unclaimed for unclaimed_ttl_s (the soak's steady-run failure).
+    common = {"endpoints": {"1": f"ipc://{short_tmp}/edge.sock"}, "shm": "off", "heartbeat_s": 0.05}
+    request = "req-5"
+    with ExitStack() as stack:
+        rconn = _CancelBeforeGet({"stage_id": "1", "role": "receiver", **common})
+        stack.enter_context(rconn)
+        sconn = ZmqConnector({"stage_id": "0", "role": "sender", **common})
+        stack.enter_context(sconn)
+        receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", stall_timeout_s=30.0), rconn)
+        stack.callback(receiver.shutdown)
+        sender = OmniChunkManager(ChunkManagerConfig(stage_id="0", stall_timeout_s=30.0), sconn)
+        stack.callback(sender.shutdown)
+        rconn.race_key = f"{request}_0_1"
+        rconn.race = lambda: receiver.cancel(request)
+        receiver.load_async(request)
+        sender.save_async(request, {"x": np.array([0])})
+        assert wait_until(lambda: rconn.race is None)  # the worker went for chunk 1: cancelled, then its get ran
+        assert receiver.pending_state()["receiving"] == 0
+        for i in range(1, 5):  # what the upstream still sends for it (raw puts: the receiver drops them unread)
+            _put(sconn, f"{request}_0_{i}", i)
+        assert wait_until(lambda: rconn.health()["dropped_late"] == 4)
+        assert rconn.health()["mailbox"] == 0
+        assert wait_until(lambda: sconn.health()["receiver_dropped_cancelled"] == 4)
+        assert sconn.health()["receiver_dropped_unclaimed"] == 0
 
 
 # -- 2. a pong never exceeds what the sender accepts ----------------------------------------------------------------

@@ -444,6 +444,7 @@ class OmniTransferAdapterBase(ABC):
             if got is not None:
                 self.counters.add("gets")
                 self._recv_commit(target, got[0])
+            self._recv_after_get(target)
 
     def _kick_recv(self) -> None:
         """Wake the receive worker for new work (call with ``self._lock`` held)."""
@@ -561,6 +562,13 @@ class OmniTransferAdapterBase(ABC):
     @abstractmethod
     def _recv_commit(self, target: RecvTarget, obj: Any) -> bool:
         """Take the object received for ``target``; False when its stream has stopped."""
+
+    def _recv_after_get(self, target: RecvTarget) -> None:
+        """Called after every blocking get of ``target`` (whether it returned an object or not).
+
+        A get lifts the connector's tombstones of its key; a subclass whose stream
+        of that key was given up while the get ran lays them again here.
+        """
 
     @abstractmethod
     def _request_id_for_key(self, key: str, op: str) -> str | None:

@@ -710,6 +710,7 @@ class OmniChunkManager(OmniTransferAdapterBase):
             while not self.stop_event.is_set():
                 key = f"{state.prefix}{state.next_chunk_id}"
                 got = self.connector.get(str(upstream), self.stage_id, key)
+                self._recv_after_get(RecvTarget(str(upstream), self.stage_id, key))
                 if got is None:
                     break
                 self.counters.add("gets")
@@ -777,6 +778,24 @@ class OmniChunkManager(OmniTransferAdapterBase):
             # Drop anything a retried put may have left behind for this stream.
             self.connector.cleanup_prefix(state.prefix)
         return not final
+
+    def _recv_after_get(self, target: RecvTarget) -> None:
+        """Bury the stream of ``target`` again when it was given up while the get of ``target`` ran.
+
+        A get lifts the connector's tombstones covering its key (someone wants
+        it again). A cancel, release or failure that gave the stream up between
+        this worker choosing the key and its get returning laid those
+        tombstones first, so the get lifted them: the stream's later chunks
+        would then wait unclaimed in the connector until its
+        ``unclaimed_ttl_s`` instead of being dropped as cancelled.
+        """
+        prefix = target.key.rstrip("0123456789")
+        with self._lock:
+            request_id = self._recv_owner.get(prefix)
+            state = self._recv.get(request_id) if request_id is not None else None
+            if state is not None and state.prefix == prefix:
+                return  # still receiving (or ended normally: its final chunk's cleanup buries it)
+        self._give_up_stream(prefix, int(target.key[len(prefix) :] or 0))
 
     def _fail_receiving_locked(self, state: _RecvState, reason: str) -> None:
         self._drop_recv_locked(state.request_id)
