@@ -25,6 +25,7 @@ import numpy as np
 
 from zmq_omni import StageWorker
 from zmq_omni.adapters import ChunkInputs, ChunkManagerConfig, OmniChunkManager
+from zmq_omni.connectors import OmniConnectorBase
 from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.stages import PipelineDriver
@@ -145,32 +146,43 @@ def echo(request_id: str, payload: dict[str, Any], is_final: bool) -> dict[str, 
     return {"y": np.ones(4)}
 
 
-def test_a_request_whose_final_chunk_is_never_delivered_counts_as_failed_not_completed() -> None:
-    namespace = f"count-{uuid.uuid4().hex}"
-    outbound = FlakyConnector({"namespace": namespace, "stage_id": "1"})
-    # The final chunk "goes out" (the put returns True), then the connector reports it undelivered,
-    # as a push connector does for a put the next stage never confirmed.
-    outbound.lost.add("lost_1_0")
+def echo_worker(namespace: str, outbound: OmniConnectorBase, *, downstream: str) -> StageWorker:
+    """Stage "1" running ``echo``, fed by the driver in ``namespace``, sending through ``outbound``; started."""
     worker = StageWorker(
         echo,
         stage_id="1",
         upstream_stage_id="driver",
-        downstream_stage_id="driver",
+        downstream_stage_id=downstream,
         inbound=InProcConnector({"namespace": namespace, "stage_id": "1"}),
         outbound=outbound,
         stall_timeout_s=2.0,
         retry=FAST_RETRY,
     )
     worker.start()
+    return worker
+
+
+def inproc_driver(namespace: str, *, last_stage_id: str) -> PipelineDriver:
+    """A driver of stage "1" in ``namespace`` that hears back from ``last_stage_id``."""
+    return PipelineDriver(
+        first_stage_id="1",
+        last_stage_id=last_stage_id,
+        inbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
+        outbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
+        stall_timeout_s=2.0,
+        request_timeout_s=10.0,
+    )
+
+
+def test_a_request_whose_final_chunk_is_never_delivered_counts_as_failed_not_completed() -> None:
+    namespace = f"count-{uuid.uuid4().hex}"
+    outbound = FlakyConnector({"namespace": namespace, "stage_id": "1"})
+    # The final chunk "goes out" (the put returns True), then the connector reports it undelivered,
+    # as a push connector does for a put the next stage never confirmed.
+    outbound.lost.add("lost_1_0")
+    worker = echo_worker(namespace, outbound, downstream="driver")
     try:
-        with PipelineDriver(
-            first_stage_id="1",
-            last_stage_id="1",
-            inbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
-            outbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
-            stall_timeout_s=2.0,
-            request_timeout_s=10.0,
-        ) as driver:
+        with inproc_driver(namespace, last_stage_id="1") as driver:
             driver.submit("ok", {"n": 1})
             driver.submit("lost", {"n": 1})
             outcome: dict[str, str] = {}
@@ -201,26 +213,9 @@ def test_a_request_whose_final_chunk_the_next_stage_dropped_as_cancelled_counts_
         assert vocoder.get("1", "2", "warm") is None  # binds
         # The next stage gave the request up before its final chunk came: that chunk is dropped on arrival.
         vocoder.cleanup_prefix("gone_1_")
-        worker = StageWorker(
-            echo,
-            stage_id="1",
-            upstream_stage_id="driver",
-            downstream_stage_id="2",
-            inbound=InProcConnector({"namespace": namespace, "stage_id": "1"}),
-            outbound=outbound,
-            stall_timeout_s=2.0,
-            retry=FAST_RETRY,
-        )
-        worker.start()
+        worker = echo_worker(namespace, outbound, downstream="2")
         try:
-            with PipelineDriver(
-                first_stage_id="1",
-                last_stage_id="2",
-                inbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
-                outbound={"name": "InProcConnector", "extra": {"namespace": namespace}},
-                stall_timeout_s=2.0,
-                request_timeout_s=10.0,
-            ) as driver:
+            with inproc_driver(namespace, last_stage_id="2") as driver:
                 driver.submit("kept", {"n": 1})
                 driver.submit("gone", {"n": 1})
                 deadline = time.monotonic() + 20
