@@ -48,7 +48,9 @@ STAGES = (("thinker", "0"), ("talker", "1"), ("vocoder", "2"))
 #: the kill round drained): measured noise is 0-2.1 MiB (allocator and pool warm-up of a process moving 16 KiB
 #: chunks). With the CI sizes (320 steady requests) it catches a leak of about 40 KiB or more per request, and
 #: a queue or mailbox that keeps growing (today's dead edge grows the thinker by ~20 MiB).
-RSS_GROWTH_BOUND_KIB = 8 * 1024
+#: Plus what the window may hold in flight at a stage (1,024 puts of ~16 KiB: the allocator's high-water
+#: mark can rise by that much whenever a round fills it further than before).
+RSS_GROWTH_BOUND_KIB = 8 * 1024 + 16 * 1024
 
 
 @dataclass(frozen=True)
