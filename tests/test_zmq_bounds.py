@@ -131,6 +131,8 @@ def test_a_sender_cleanup_never_cancels_puts_on_their_way(short_tmp: Path) -> No
         with ZmqConnector(receiver) as rconn:
             _put(sconn, "warm")  # the receiver's first REPLY says it takes batches
             assert rconn.get_with_deadline("0", "1", "warm", None, deadline=_soon()) is not None
+            # Its consumption acknowledged before the receiver goes (a loaded machine can be slower than close).
+            assert wait_until(lambda: sconn.health()["pending"] == 0)
         # The receiver is away: small puts wait in the sender's outbox (ZeroMQ has no peer to queue them for).
         keys = [f"req-3_0_{i}" for i in range(5)]
         for i, key in enumerate(keys):
