@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.ports import reserve_port
+from tests.stage_procs import stop_and_show
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("thinker", "talker", "vocoder")
@@ -99,17 +99,7 @@ def test_the_base_install_runs_stage_and_drive_from_yaml(tmp_path: Path) -> None
             check=False,
         )
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for name, proc in procs.items():  # shown by pytest when the test fails
-            print(f"--- stage {name} (exit {proc.returncode}) ---\n{logs[name].read_text(errors='replace')}")
+        stop_and_show(procs, logs)
         if drive is not None:
             print(f"--- drive (exit {drive.returncode}) ---\n{drive.stdout}{drive.stderr}")
     assert drive is not None and drive.returncode == 0, drive

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.ports import reserve_port
+from tests.stage_procs import stop_and_show
 from zmq_omni import PipelineDriver, StageWorker, create_connector, load_pipeline_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -86,18 +86,7 @@ def test_embedded_stage_example_serves_as_the_talker(short_tmp: Path) -> None:
             check=False,
         )
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        # Shown by pytest when the test fails: every process's whole output.
-        for name, proc in procs.items():
-            print(f"--- {name} (exit {proc.returncode}) ---\n{logs[name].read_text(errors='replace')}")
+        stop_and_show(procs, logs)  # every process's whole output, shown when the test fails
         if drive is not None:
             print(f"--- drive (exit {drive.returncode}) ---\n{drive.stdout}{drive.stderr}")
     assert drive.returncode == 0, drive.stdout + drive.stderr
