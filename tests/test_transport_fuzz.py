@@ -217,7 +217,25 @@ def _reply_header(draw: st.DrawFn, kind: Kind) -> list[Any]:
 def fake_peer(zmq_ctx: zmq.Context[Any]) -> tuple[zmq.Socket[bytes], str]:
     """A ROUTER on a random loopback port, standing in for a connector's peer, and its endpoint."""
     sock = zmq_ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer raises (see send_to) instead of a silent drop
     return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def send_to(router: zmq.Socket[bytes], frames: list[bytes], timeout_s: float = 10.0) -> None:
+    """Send ``frames`` (the peer's identity first) once that peer has connected.
+
+    A connector's sockets connect on their own schedule, late under load; a ROUTER without
+    ROUTER_MANDATORY would drop what it sends before then, and the test would wait for an answer in vain.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            router.send_multipart(frames)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def test_push_sender_survives_mutated_replies(
@@ -240,11 +258,11 @@ def test_push_sender_survives_mutated_replies(
         assert sender.put("0", "1", f"m{marker[0]}", {"n": marker[0]})[0]
         current = incarnation(marker[0] - 1).encode()
         for frames in replies:
-            fake.send_multipart([control, frames[0].replace(CURRENT.encode(), current), *frames[1:]])
+            send_to(fake, [control, frames[0].replace(CURRENT.encode(), current), *frames[1:]])
         # Control messages are handled in order: once this ack of every put so far is, so were the replies
         # above. Its incarnation is new, so the next example's replies have a known current one to be from.
         ack = pack(Kind.REPLY, (incarnation(marker[0]), -1, [], [[0, marker[0]]], False, 1000))
-        fake.send_multipart([control, ack])
+        send_to(fake, [control, ack])
         assert wait_until(lambda: sender.health()["pending"] == 0, 5), sender.health()
         while fake.poll(0):
             fake.recv_multipart()  # what the sender sent meanwhile (puts, resends, pings)
