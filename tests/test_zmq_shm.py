@@ -263,7 +263,11 @@ def test_kill_9_of_the_receiver_then_reap_and_expiry_leave_nothing(short_tmp: Pa
         assert ours(shm_dir)
         # A fresh receiver works with the same sender.
         out = SPAWN.Queue()
-        proc = start(receiver_proc, rcfg, ["fresh"], out)
+        bound = SPAWN.Event()
+        proc = start(receiver_proc, rcfg, ["fresh"], out, 0.0, bound)
+        # Put once it is bound: a handle queued for a receiver still starting (seconds under load)
+        # could outlive shm_ttl_s (2 s here) and be reclaimed before it is opened.
+        assert bound.wait(60)
         data[:] = 9
         assert sender.put("0", "1", "fresh", {"data": data})[0]
         result = out.get(timeout=60)

@@ -9,13 +9,25 @@ Threads and locks:
 
 * **application threads** run :meth:`PushReceiver.take`, ``take_by``, ``forget``,
   ``stats``, ``generation``, ``wait_for_change`` and ``close``;
-* the connector's **I/O thread** runs the handlers and owns the ROUTER, every
-  ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_arrivals``
-  and ``_now``: no lock, no other thread touches them;
+* the ROUTER, every ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``,
+  ``_arrivals``, ``_now`` and ``_read_poller`` belong to whoever holds ``_owner``:
+  the connector's **I/O thread** while it runs a handler, or a **reading getter**
+  (below); nobody else touches them;
 * ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``, ``_taken`` and
   ``_dropped_taken`` (consumed and dropped seqs handed to the I/O thread), the
   tombstones ``_tombs``, ``_generation``, ``_batches_received``, ``_gets``,
   ``_bytes_received``, ``_dropped``, ``_flush_armed`` and ``_closed``.
+
+A lone get reads the socket itself. Handing each message from the I/O thread
+to a waiting thread costs two thread wake-ups and a GIL hand-over, about as
+much again as ZeroMQ's whole round trip; so a ``take_by`` that finds nothing
+and nobody handling the socket takes ``_owner`` and becomes the **reading
+getter**: the I/O thread stops watching the socket (``_unwatch``) and the getter
+polls it and runs the same handler until its item arrives, then gives it back
+(``_watch``). Other getters wait on ``_cv`` as before, fed by the reading one.
+What the I/O thread must do meanwhile (the ack flush, expiring sources) it
+leaves in ``_owed`` and signals on the ``_recall`` eventfd, which the reading
+getter polls beside the socket; ``close`` signals it too.
 
 Nothing unclaimed lives forever: an item no ``get`` took within ``unclaimed_ttl_s``
 is dropped, and ``forget`` with a key or prefix (``cleanup``, ``cleanup_prefix``,
@@ -28,9 +40,12 @@ its shared-memory slot is released.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -54,6 +69,8 @@ log = logging.getLogger("zmq_omni.transport")
 
 _ACK_DELAY_S = 0.005  # acks wait this long to be batched: one REPLY covers hundreds of puts under load
 _ACK_BATCH = 1024  # ...or until this many are pending
+# A socket a getter read stays with the getters (no I/O thread wake-up per get) until none read it this long.
+_RECLAIM_S = _ACK_DELAY_S
 _MAX_SID = 64
 _DATA_TYPES = (str, int, int, str, str, str)
 _LOC_TYPES = (type(None), bytes)
@@ -123,7 +140,7 @@ class PushReceiver:
         self._dropped = {"unclaimed": 0, "late": 0, "cleanup": 0}
         self._arrivals: list[tuple[tuple[str, str, str], _Item]] = []  # decoded this drain, stored at its end
         self._generation = 0  # bumped under _cv whenever items arrive (wait_for_change)
-        # Called on the I/O thread with the addresses of each drain's arrivals, after they are in the mailbox.
+        # Called by the socket's owner with the addresses of each drain's arrivals, after they are in the mailbox.
         self.on_arrivals: Callable[[list[tuple[str, str, str]]], None] | None = None
         self._batches_received = 0
         self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
@@ -136,6 +153,10 @@ class PushReceiver:
         self._gets = 0
         self._bytes_received = 0
         self._closed = False
+        # The socket's owner (see the module docstring): the I/O thread in a handler, or the reading getter.
+        self._owner = threading.Lock()
+        self._owed: deque[Callable[[], None]] = deque()  # I/O-thread work left to the reading getter
+        self._recall = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # "run _owed" (and close)
         self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
         if curve is not None:
             curve.make_server(self._sock)
@@ -144,9 +165,20 @@ class PushReceiver:
             self.endpoint = bind(self._sock, bind_endpoint)
         except BaseException:
             close_socket(self._sock)
+            os.close(self._recall)
             raise
-        loop.add_reader(self._sock, self._on_readable)
-        loop.every(max(1.0, source_ttl_s / 10), self._expire_sources)
+        self._read_poller = zmq.Poller()  # the reading getter's: the socket and the recall signal
+        self._read_poller.register(self._sock, zmq.POLLIN)
+        self._read_poller.register(self._recall, zmq.POLLIN)
+        self._recall_poller = zmq.Poller()  # ...before the I/O thread confirmed it stopped polling the socket
+        self._recall_poller.register(self._recall, zmq.POLLIN)
+        self._io_watching = True  # the I/O thread polls the socket (written there, under _owner or for its holder)
+        self._reclaim_armed = False  # I/O thread: _reclaim is scheduled
+        self._last_read = 0.0  # when the last reading getter gave the socket back
+        self._waiting = 0  # getters waiting on _cv (under _lock)
+        self._watchers = 0  # wait_for_change callers waiting (under _lock)
+        loop.add_reader(self._sock, self._on_readable_io)
+        loop.every(max(1.0, source_ttl_s / 10), self._owned(self._expire_sources))
         loop.every(min(1.0, unclaimed_ttl_s / 4, tombstone_ttl_s / 4), self._expire_unclaimed)
         loop.on_stop(self._shutdown)
 
@@ -158,6 +190,11 @@ class PushReceiver:
             ShmError: the item's shared-memory payload expired or was withdrawn (the item is gone).
             DecodeError: the shared-memory payload is not a valid encoding.
         """
+        if not self._io_watching and self._owner.acquire(False):
+            try:  # a getter borrowed the socket and nobody reads it now: take in what is queued
+                self._on_readable()
+            finally:
+                self._release_owner()
         with self._lock:
             if self._tombs:
                 self._tombs.lift(key)
@@ -168,7 +205,11 @@ class PushReceiver:
         return (item.obj, item.nbytes) if item.loc is None else self._open(item)
 
     def take_by(self, from_stage: str, to_stage: str, key: str, deadline: float) -> tuple[Any, int] | None:
-        """Like :meth:`take`, waiting on a condition until ``time.monotonic() >= deadline``."""
+        """Like :meth:`take`, waiting until ``time.monotonic() >= deadline``.
+
+        It waits on a condition, or, when nobody handles the socket, reads it itself
+        (the reading getter of the module docstring).
+        """
         slot = (from_stage, to_stage, key)
         with self._lock:
             if self._tombs:
@@ -178,10 +219,66 @@ class PushReceiver:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
                     return None
-                self._cv.wait(remaining)
+                # Non-blocking under _lock: the I/O thread takes _owner first, then _lock.
+                if self._owner.acquire(False):
+                    break
+                self._waiting += 1
+                try:
+                    self._cv.wait(remaining)
+                finally:
+                    self._waiting -= 1
                 item = self._box.pop(slot, None)
-            self._ack_taken(item)
+            else:
+                self._ack_taken(item)
+        if item is None:  # we hold _owner: read until our item comes
+            item = self._read_for(slot, deadline)
+            if item is None:
+                return None
         return (item.obj, item.nbytes) if item.loc is None else self._open(item)
+
+    def _read_for(self, slot: tuple[str, str, str], deadline: float) -> _Item | None:
+        """Be the reading getter until ``slot`` arrives or ``deadline`` passes (holds ``_owner``, releases it).
+
+        The socket is touched only once the I/O thread no longer polls it: ZeroMQ sockets
+        are not thread-safe, and a poll reads the socket's state as a recv does.
+        """
+        sock, recall = self._sock, self._recall
+        if self._io_watching:
+            self._loop.call_soon(self._unwatch)
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                poller = self._recall_poller if self._io_watching else self._read_poller
+                # Capped: an infinite deadline waits in 60 s slices (close and owed work wake it at once).
+                for ready, _ in poller.poll(int(min(remaining, 60.0) * 1000) + 1):
+                    if ready is sock:
+                        self._on_readable()
+                    elif ready == recall:
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(recall)
+                        while self._owed:
+                            self._owed.popleft()()
+                with self._lock:
+                    item = self._box.pop(slot, None)
+                    if item is not None:
+                        self._ack_taken(item)
+                        return item
+                    if self._closed:
+                        return None
+        finally:
+            self._last_read = time.monotonic()
+            self._release_owner()
+            if self._watchers or self.on_arrivals is not None:
+                self._loop.call_soon(self._rewatch_soon)  # someone else waits for arrivals: the I/O thread reads now
+
+    def _release_owner(self) -> None:
+        """Release ``_owner``; while the I/O thread does not watch the socket, let a waiting getter read it."""
+        self._owner.release()
+        if self._waiting and not self._io_watching:
+            with self._lock:
+                self._cv.notify_all()
 
     def _open(self, item: _Item) -> tuple[Any, int]:
         """Decode the payload of an item whose ``loc`` names a shared-memory slot."""
@@ -268,11 +365,17 @@ class PushReceiver:
         """
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._generation == generation and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cv.wait(remaining)
+            self._watchers += 1
+            try:
+                while self._generation == generation and not self._closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    if not self._io_watching:  # a getter borrowed the socket: have the I/O thread read again
+                        self._loop.call_soon(self._rewatch_soon)
+                    self._cv.wait(remaining)
+            finally:
+                self._watchers -= 1
             return self._generation
 
     def close(self) -> None:
@@ -280,9 +383,97 @@ class PushReceiver:
         with self._lock:
             self._closed = True
             self._cv.notify_all()
+            self._signal_recall()
+
+    def _signal_recall(self) -> None:
+        """Wake the reading getter, if any (it then runs ``_owed`` and sees ``_closed``)."""
+        if self._recall >= 0:  # closed (-1) by _shutdown, on the I/O thread under _lock
+            os.eventfd_write(self._recall, 1)
 
     # -- I/O thread ---------------------------------------------------------------
+    def _owned(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` run on the I/O thread as the socket's owner, or left to the reading getter holding it."""
+
+        def run() -> None:
+            if self._owner.acquire(False):
+                try:
+                    fn()
+                finally:
+                    self._release_owner()
+            else:
+                self._owed.append(fn)
+                self._signal_recall()
+
+        return run
+
+    def _on_readable_io(self) -> None:
+        if self._owner.acquire(False):
+            try:
+                self._on_readable()
+            finally:
+                self._owner.release()
+        else:  # a getter reads it now (its _unwatch is on its way): stop watching rather than spin
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        """Stop polling the socket: the getter holding ``_owner`` reads it once this is seen."""
+        if self._io_watching:
+            self._loop.remove_reader(self._sock)
+            self._io_watching = False
+            self._signal_recall()
+        if not self._reclaim_armed:
+            self._reclaim_armed = True
+            self._loop.call_later(_RECLAIM_S, self._reclaim)
+
+    def _rewatch_soon(self) -> None:
+        self._rewatch()
+
+    def _rewatch(self) -> bool:
+        """Watch the socket again if nobody reads it, running what was left for a reader; True if watched."""
+        if self._io_watching or self._sock.closed:
+            return True
+        if not self._owner.acquire(False):
+            return False  # a getter reads it; _reclaim checks again
+        try:
+            if self._flush_armed:  # armed by a getter: its acks go now
+                self._flush_all()
+            self._loop.add_reader(self._sock, self._on_readable_io)
+            self._io_watching = True
+            while self._owed:
+                self._owed.popleft()()
+        finally:
+            self._owner.release()
+        return True
+
+    def _reclaim(self) -> None:
+        """While getters borrow the socket: flush their acks, and take it back once none read it for ``_RECLAIM_S``.
+
+        Between a getter giving the socket back and the next one taking it, nobody reads it:
+        this bounds how long acks, pongs and arrivals nobody waits for can sit in ZeroMQ's queue.
+        """
+        self._reclaim_armed = False
+        if self._io_watching:
+            return
+        if self._owner.acquire(False):
+            try:
+                if self._flush_armed:
+                    self._flush_all()
+                if time.monotonic() - self._last_read >= _RECLAIM_S:
+                    self._loop.add_reader(self._sock, self._on_readable_io)
+                    self._io_watching = True
+                    while self._owed:
+                        self._owed.popleft()()
+                    return
+            finally:
+                self._release_owner()
+        elif self._flush_armed:
+            self._owed.append(self._flush_all)
+            self._signal_recall()
+        self._reclaim_armed = True
+        self._loop.call_later(_RECLAIM_S, self._reclaim)
+
     def _on_readable(self) -> None:
+        """Drain the socket (holds ``_owner``: on the I/O thread or the reading getter)."""
         sock, max_frames = self._sock, self._max_frames
         self._now = time.monotonic()
         rejected = 0
@@ -487,10 +678,15 @@ class PushReceiver:
             if self._flush_armed:
                 return
             self._flush_armed = True
-        self._schedule_flush()
+        if self._loop.in_loop():
+            self._schedule_flush()
+        # else: the reading getter; _reclaim, due while getters borrow the socket, flushes (no wake-up here)
 
     def _schedule_flush(self) -> None:
-        self._loop.call_later(_ACK_DELAY_S, self._flush_all)
+        self._loop.call_later(_ACK_DELAY_S, self._owned_flush)
+
+    def _owned_flush(self) -> None:
+        self._owned(self._flush_all)()
 
     def _flush_all(self) -> None:
         self._pending_acks = 0
@@ -593,6 +789,23 @@ class PushReceiver:
             del self._sources[sid]
 
     def _shutdown(self) -> None:
+        with self._lock:  # no getter starts reading from now on
+            self._closed = True
+            self._cv.notify_all()
+            self._signal_recall()
+        # The reading getter, if any, saw the recall and is giving the socket back.
+        if not self._owner.acquire(timeout=1.0):
+            log.warning("a getter on %s did not give its socket back at close", self.endpoint)
+            return
+        try:
+            self._close_owned()
+        finally:
+            self._owner.release()
+            with self._lock:
+                os.close(self._recall)
+                self._recall = -1
+
+    def _close_owned(self) -> None:
         # Last chance to tell senders what was consumed, so a reopened receiver gets no duplicates:
         # repeat every consumption not yet confirmed, since early acks may have found no route.
         self._flush_taken()
