@@ -467,6 +467,7 @@ class ZmqConnector(OmniConnectorBase):
         """
         if self._receiver is not None:
             self._receiver.on_arrivals = self._notify_watches
+            self._receiver.watch_soon()  # arrivals reach the watches without waiting for a get
         for part in (self._sender, self._server):
             if part is not None:
                 part.on_window_change(self._notify_room)

@@ -192,7 +192,8 @@ class PushReceiver:
         """
         if not self._io_watching and self._owner.acquire(False):
             try:  # a getter borrowed the socket and nobody reads it now: take in what is queued
-                self._on_readable()
+                if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    self._on_readable()
             finally:
                 self._release_owner()
         with self._lock:
@@ -425,6 +426,10 @@ class PushReceiver:
             self._reclaim_armed = True
             self._loop.call_later(_RECLAIM_S, self._reclaim)
 
+    def watch_soon(self) -> None:
+        """Have the I/O thread read the socket again if getters borrowed it (any thread; for a new arrivals hook)."""
+        self._loop.call_soon(self._rewatch_soon)
+
     def _rewatch_soon(self) -> None:
         self._rewatch()
 
@@ -474,7 +479,7 @@ class PushReceiver:
 
     def _on_readable(self) -> None:
         """Drain the socket (holds ``_owner``: on the I/O thread or the reading getter)."""
-        sock, max_frames = self._sock, self._max_frames
+        sock, max_frames, events = self._sock, self._max_frames, self._sock.get
         self._now = time.monotonic()
         rejected = 0
         for _ in range(_MAX_DRAIN):
@@ -505,6 +510,9 @@ class PushReceiver:
                 rejected += 1
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rejected a message on %s: %s", self.endpoint, exc)
+            # Asking is a third of the cost of the zmq.Again a recv on an empty socket raises (2.5 vs 7.8 us).
+            if not events(zmq.EVENTS) & zmq.POLLIN:
+                break
         if rejected:
             self._counters.add("rejected_frames", rejected)
         # The wake-up before the acknowledgements: arming the ack timer is a flag, sending acks is I/O.
