@@ -22,12 +22,16 @@ A lone get reads the socket itself. Handing each message from the I/O thread
 to a waiting thread costs two thread wake-ups and a GIL hand-over, about as
 much again as ZeroMQ's whole round trip; so a ``take_by`` that finds nothing
 and nobody handling the socket takes ``_owner`` and becomes the **reading
-getter**: the I/O thread stops watching the socket (``_unwatch``) and the getter
-polls it and runs the same handler until its item arrives, then gives it back
-(``_watch``). Other getters wait on ``_cv`` as before, fed by the reading one.
-What the I/O thread must do meanwhile (the ack flush, expiring sources) it
-leaves in ``_owed`` and signals on the ``_recall`` eventfd, which the reading
-getter polls beside the socket; ``close`` signals it too.
+getter**: the I/O thread stops watching the socket (``_unwatch``, confirmed
+before the getter touches it) and the getter polls it and runs the same
+handler until its item arrives. Other getters wait on ``_cv`` as before, fed by
+the reading one. The socket stays with the getters when one leaves (the next
+takes it without waking the I/O thread); the I/O thread takes it back
+(``_rewatch``) once nobody read it for ``_RECLAIM_S`` (``_reclaim``), or at once
+when a ``wait_for_change`` or an arrivals hook needs it. What the I/O thread
+must do meanwhile (the ack flush, expiring sources) it leaves in ``_owed`` and
+signals on the ``_recall`` eventfd, which the reading getter polls beside the
+socket; ``close`` signals it too.
 
 Nothing unclaimed lives forever: an item no ``get`` took within ``unclaimed_ttl_s``
 is dropped, and ``forget`` with a key or prefix (``cleanup``, ``cleanup_prefix``,
