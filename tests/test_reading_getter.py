@@ -22,9 +22,10 @@ from .conftest import wait_until
 
 
 @contextmanager
-def _edge(short_tmp: Path, **sender: Any) -> Iterator[tuple[ZmqConnector, ZmqConnector]]:
+def _edge(short_tmp: Path, heartbeat_s: float = 0.05, **sender: Any) -> Iterator[tuple[ZmqConnector, ZmqConnector]]:
     """A push receiver (stage 1) and a sender (stage 0) over ipc, both closed at the end."""
-    common = {"endpoints": {"1": f"ipc://{short_tmp}/edge.sock"}, "shm": "off", "heartbeat_s": 0.05}
+    common = {"endpoints": {"1": f"ipc://{short_tmp}/edge.sock"}, "shm": "off", "heartbeat_s": heartbeat_s}
+    common["peer_timeout_s"] = max(3.0, 2 * heartbeat_s)
     with ExitStack() as stack:
         receiver = stack.enter_context(ZmqConnector({"stage_id": "1", "role": "receiver", **common}))
         sender_conn = stack.enter_context(ZmqConnector({"stage_id": "0", "role": "sender", **common, **sender}))
@@ -53,7 +54,11 @@ def _reading(receiver: ZmqConnector) -> bool:
 def test_consumptions_are_acknowledged_while_a_getter_waits_for_something_else(short_tmp: Path) -> None:
     # A window of 4 puts: 40 puts go through only if the consumptions of the first ones are
     # acknowledged, which the reading getter (waiting for a key that never comes) must do for the I/O thread.
-    with _edge(short_tmp, max_unacked=4, put_timeout_s=10.0) as (receiver, sender):
+    # Heartbeats an hour apart: their pongs, which repeat consumptions, must not be what frees the window.
+    with _edge(short_tmp, heartbeat_s=3600.0, max_unacked=4, put_timeout_s=10.0) as (
+        receiver,
+        sender,
+    ):
         waiter = _Getter(receiver, "never", 60.0)
         waiter.start()
         assert wait_until(lambda: _reading(receiver), 10)
