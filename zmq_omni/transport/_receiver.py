@@ -263,8 +263,7 @@ class PushReceiver:
                     elif ready == recall:
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(recall)
-                        while self._owed:
-                            self._owed.popleft()()
+                        self._run_owed()
                 with self._lock:
                     item = self._box.pop(slot, None)
                     if item is not None:
@@ -276,7 +275,7 @@ class PushReceiver:
             self._last_read = time.monotonic()
             self._release_owner()
             if self._watchers or self.on_arrivals is not None:
-                self._loop.call_soon(self._rewatch_soon)  # someone else waits for arrivals: the I/O thread reads now
+                self._loop.call_soon(self._rewatch)  # someone else waits for arrivals: the I/O thread reads now
 
     def _release_owner(self) -> None:
         """Release ``_owner``; while the I/O thread does not watch the socket, let a waiting getter read it."""
@@ -377,7 +376,7 @@ class PushReceiver:
                     if remaining <= 0:
                         break
                     if not self._io_watching:  # a getter borrowed the socket: have the I/O thread read again
-                        self._loop.call_soon(self._rewatch_soon)
+                        self._loop.call_soon(self._rewatch)
                     self._cv.wait(remaining)
             finally:
                 self._watchers -= 1
@@ -432,27 +431,29 @@ class PushReceiver:
 
     def watch_soon(self) -> None:
         """Have the I/O thread read the socket again if getters borrowed it (any thread; for a new arrivals hook)."""
-        self._loop.call_soon(self._rewatch_soon)
+        self._loop.call_soon(self._rewatch)
 
-    def _rewatch_soon(self) -> None:
-        self._rewatch()
-
-    def _rewatch(self) -> bool:
-        """Watch the socket again if nobody reads it, running what was left for a reader; True if watched."""
-        if self._io_watching or self._sock.closed:
-            return True
-        if not self._owner.acquire(False):
-            return False  # a getter reads it; _reclaim checks again
+    def _rewatch(self) -> None:
+        """Watch the socket again unless a getter reads it (then ``_reclaim`` checks again)."""
+        if self._io_watching or self._sock.closed or not self._owner.acquire(False):
+            return
         try:
             if self._flush_armed:  # armed by a getter: its acks go now
                 self._flush_all()
-            self._loop.add_reader(self._sock, self._on_readable_io)
-            self._io_watching = True
-            while self._owed:
-                self._owed.popleft()()
+            self._resume_watching()
         finally:
             self._owner.release()
-        return True
+
+    def _resume_watching(self) -> None:
+        """Poll the socket on the I/O thread again and do what was left for a reader (holds ``_owner``)."""
+        self._loop.add_reader(self._sock, self._on_readable_io)
+        self._io_watching = True
+        self._run_owed()
+
+    def _run_owed(self) -> None:
+        """Do the I/O thread's work left while a getter held the socket (holds ``_owner``)."""
+        while self._owed:
+            self._owed.popleft()()
 
     def _reclaim(self) -> None:
         """While getters borrow the socket: flush their acks, and take it back once none read it for ``_RECLAIM_S``.
@@ -468,10 +469,7 @@ class PushReceiver:
                 if self._flush_armed:
                     self._flush_all()
                 if time.monotonic() - self._last_read >= _RECLAIM_S:
-                    self._loop.add_reader(self._sock, self._on_readable_io)
-                    self._io_watching = True
-                    while self._owed:
-                        self._owed.popleft()()
+                    self._resume_watching()
                     return
             finally:
                 self._release_owner()

@@ -586,15 +586,7 @@ class PushSender:
         self._discard([out for _, out in lost])
         for peer, out in lost:
             self._counters.add("delivery_failures")
-            reason = why(peer)
-            self._on_failure(
-                "put",
-                out.from_stage,
-                peer.to_stage,
-                out.key,
-                reason,
-                DeliveryError(reason, key=out.key, endpoint=peer.endpoint),
-            )
+            self._fail_puts(peer, [out], why(peer))
 
     def _report_disposed(self, peer: _Peer, code: int, outs: list[Out]) -> None:
         """Count and report each put the receiver dropped unconsumed as a failed put (no lock held).
@@ -609,15 +601,13 @@ class PushSender:
         else:
             dropped = "unclaimed"
             reason = f"stage {peer.to_stage!r} dropped it: unclaimed (no get took it within its unclaimed_ttl_s)"
+        self._fail_puts(peer, outs, reason, dropped)
+
+    def _fail_puts(self, peer: _Peer, outs: list[Out], reason: str, dropped: str | None = None) -> None:
+        """Report each of ``outs`` to ``peer`` as a failed put with a DeliveryError (no lock held)."""
         for out in outs:
-            self._on_failure(
-                "put",
-                out.from_stage,
-                peer.to_stage,
-                out.key,
-                reason,
-                DeliveryError(reason, key=out.key, endpoint=peer.endpoint, dropped=dropped),
-            )
+            error = DeliveryError(reason, key=out.key, endpoint=peer.endpoint, dropped=dropped)
+            self._on_failure("put", out.from_stage, peer.to_stage, out.key, reason, error)
 
     # -- I/O thread ---------------------------------------------------------------
     def _open_ctl(self, peer: _Peer) -> None:
