@@ -9,6 +9,12 @@ How a waiting call wakes (nothing polls, no thread waits for it):
   non-blocking ``connector.get`` for the waiters of those addresses only, and
   resolves their futures. Thousands of waiting gets are thousands of futures
   in a dict, and one file descriptor.
+* **get, ZeroMQ push mode, while gets wait** -- the loop also reads the
+  receiver's socket itself (a :class:`~zmq_omni.connectors.base.LoopReader`,
+  see :mod:`zmq_omni.transport._loop_reader`): ZeroMQ's descriptor is polled
+  by the loop, and what a pump reads reaches the waiters in the same callback,
+  without the I/O thread's hand-over (two thread wake-ups per message). The
+  watch stays registered: whatever the I/O thread still reads arrives by it.
 * **get, ZeroMQ pull mode** -- items never arrive by themselves there: each get
   sends a FETCH that the sender parks until the put (a long poll) on one
   DEALER per sender endpoint (a :class:`~zmq_omni.transport.FetchChannel`),
@@ -46,7 +52,7 @@ from typing import Any
 
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, create_connector
-from ..connectors.base import MAX_WAIT_S, ArrivalWatch, Slot
+from ..connectors.base import MAX_WAIT_S, ArrivalWatch, LoopReadable, LoopReader, Slot
 
 __all__ = ["AsyncConnector"]
 
@@ -126,6 +132,10 @@ class AsyncConnector:
         # payload and the FETCH would go unanswered). 5,000 waiting gets on one sender are ten DEALERs.
         self._channels: dict[str, list[_Channel]] = {}
         self._per_channel = max(1, int(getattr(getattr(connector, "config", None), "hwm", 1000)) // 2)
+        # The receiver's socket read on this loop while gets wait (push mode): see _read_lent.
+        self._readable = isinstance(connector, LoopReadable) and not self._pull
+        self._reader: LoopReader | None = None
+        self._reading = False  # the reader's descriptor is registered with the loop
         watch = connector.watch_arrivals()
         if watch is None:
             raise TypeError(f"{type(connector).__name__} offers no wake-up hook (watch_arrivals() returned None)")
@@ -297,6 +307,8 @@ class AsyncConnector:
             fetch_s = float(getattr(getattr(self.connector, "config", None), "fetch_timeout_s", 5.0))
             expiry = max(deadline, loop.time() + fetch_s) if timeout == 0 else deadline
         timer = None if expiry is None else loop.call_at(expiry, self._get_timed_out, waiter)
+        if self._readable and not self._reading:
+            self._read_lent(loop)
         try:
             if self._pull:
                 self._fetch(waiter, deadline)
@@ -371,6 +383,17 @@ class AsyncConnector:
         if self.closed:
             self._wake_all()
             return
+        if self._reader is not None and self._gets:
+            if not self._reading:  # the I/O thread confirmed it lent the socket (an empty notice), or took it back
+                self._read_lent(self._loop)
+            self._pump()
+        if arrived is None or arrived:
+            self._arrived(arrived)
+        if room and self._puts:
+            self._serve_puts()
+
+    def _arrived(self, arrived: list[Slot] | None) -> None:
+        """Resolve the waiters of the addresses that ``arrived`` (None: of every address)."""
         if not self._pull and self._gets:
             gets = self._gets
             slots = list(gets) if arrived is None else [slot for slot in dict.fromkeys(arrived) if slot in gets]
@@ -389,8 +412,40 @@ class AsyncConnector:
                     waiter.fut.set_result(got)
                 if not waiters:
                     gets.pop(slot, None)
-        if room and self._puts:
-            self._serve_puts()
+
+    def _read_lent(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Poll the receiver's socket on this loop and ask for it (a get is about to wait)."""
+        if self._reader is None:
+            assert isinstance(self.connector, LoopReadable)
+            self._reader = self.connector.loop_reader()
+            if self._reader is None:  # not bound yet: the watch alone (asked again by the next waiting get)
+                return
+        if loop is None:
+            return
+        loop.add_reader(self._reader.fileno(), self._pump)
+        self._reading = True
+        self._reader.lend()
+
+    def _pump(self) -> None:
+        """Read the lent socket on this thread; what it reads resolves its waiters before this returns."""
+        reader, watch = self._reader, self._watch
+        if reader is None or watch is None:
+            return
+        watch.deliver_inline(self._arrived)
+        try:
+            more = reader.pump()
+        finally:
+            watch.deliver_inline(None)
+        if more is None:  # the I/O thread reads it now (or it closed): its arrivals come by the watch
+            self._stop_reading()
+        elif not more and self._loop is not None:  # a flood: read on after the loop's other callbacks
+            self._loop.call_soon(self._pump)
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            if self._reader is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._reader.fileno())
 
     def _wake_all(self) -> None:
         """Closed: every waiting get gets None, every waiting put fails (as a put on a closed connector)."""
@@ -518,6 +573,9 @@ class AsyncConnector:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        self._stop_reading()
+        if self._reader is not None:
+            self._reader.close()
         watch, self._watch = self._watch, None
         if watch is not None:
             if loop is not None:
@@ -543,6 +601,8 @@ class AsyncConnector:
             watch, self._watch = self._watch, None
             if watch is not None:
                 watch.close()
+            if self._reader is not None:
+                self._reader.close()
 
     def __repr__(self) -> str:
         return f"<AsyncConnector {getattr(self, 'connector', None)!r}>"

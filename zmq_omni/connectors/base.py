@@ -29,6 +29,8 @@ __all__ = [
     "ArrivalWatch",
     "FailureSource",
     "Flushable",
+    "LoopReadable",
+    "LoopReader",
     "OmniConnectorBase",
     "Slot",
     "TransferFailure",
@@ -144,6 +146,39 @@ class FailureSource(Protocol):
         ...
 
 
+class LoopReader(Protocol):
+    """A connector's receiving socket, read on an event loop's own thread (see :class:`LoopReadable`)."""
+
+    def fileno(self) -> int:
+        """A descriptor to poll for reading: it signals a change of the socket while it is lent."""
+        ...
+
+    def lend(self) -> None:
+        """Ask for the socket: its I/O thread stops reading it and then notifies the watches (an empty notice)."""
+        ...
+
+    def pump(self, rounds: int = 1) -> bool | None:
+        """Read what is queued: True when done, False when more is queued (call again), None when not lent."""
+        ...
+
+    def close(self) -> None:
+        """Release the descriptor. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class LoopReadable(Protocol):
+    """A connector whose receiving socket an event loop may read itself (optional feature, ``zmq_omni.aio``).
+
+    Handing each message from an I/O thread to the loop thread costs two thread
+    wake-ups; a loop with gets waiting reads the socket on its own thread instead.
+    """
+
+    def loop_reader(self) -> LoopReader | None:
+        """A new reader for the calling loop (its to close), or None when nothing arrives by itself here."""
+        ...
+
+
 @runtime_checkable
 class WakeupSource(Protocol):
     """A connector that says when something arrived, so a receive loop can sleep until then (optional feature).
@@ -210,6 +245,8 @@ class ArrivalWatch:
         self._room = False
         self._signalled = False
         self._closed = False
+        self._inline: Callable[[list[Slot]], None] | None = None
+        self._inline_thread = 0
         if hasattr(os, "eventfd"):
             self._rfd = self._wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         else:  # not Linux: a pipe does the same
@@ -228,8 +265,13 @@ class ArrivalWatch:
     def notify(self, slots: Iterable[Slot] | None = None) -> None:
         """Note that ``slots`` arrived (None: anything may have changed) and make the descriptor readable.
 
-        Any thread; never blocks.
+        Any thread; never blocks. On the watcher's thread, while it delivers inline
+        (:meth:`deliver_inline`), addresses go straight to its handler instead.
         """
+        inline = self._inline
+        if inline is not None and slots is not None and threading.get_ident() == self._inline_thread:
+            inline(slots if isinstance(slots, list) else list(slots))
+            return
         with self._lock:
             if self._closed:
                 return
@@ -241,6 +283,16 @@ class ArrivalWatch:
                     self._anything = True
                     self._slots = []
             self._signal()
+
+    def deliver_inline(self, handler: Callable[[list[Slot]], None] | None) -> None:
+        """Until called with None, hand addresses notified on this thread straight to ``handler``.
+
+        The watcher's thread only: arrivals it reads itself (a :class:`LoopReadable`
+        connector's reader, pumped on the event loop) reach its waiters at once,
+        without a round through the descriptor. Other threads' notices still write it.
+        """
+        self._inline = handler
+        self._inline_thread = threading.get_ident()
 
     def notify_room(self) -> None:
         """Note that room may have freed in the put window, and make the descriptor readable. Any thread."""

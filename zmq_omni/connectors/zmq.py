@@ -46,6 +46,7 @@ from ..transport import (
     EndpointMap,
     FetchChannel,
     IoLoop,
+    LoopReader,
     PullClient,
     PullServer,
     PushReceiver,
@@ -449,6 +450,16 @@ class ZmqConnector(OmniConnectorBase):
             self._counters.add("shm_puts")
             self._shm_degraded = False
         return loc
+
+    def loop_reader(self) -> LoopReader | None:
+        """A reader of the push receiver's socket for the calling event loop (``zmq_omni.aio``); the caller closes it.
+
+        None in pull mode (items come back on fetch channels) and before the receiver is bound.
+        """
+        receiver = self._receiver
+        if receiver is None or self._closed:
+            return None
+        return LoopReader(receiver)
 
     def watch_arrivals(self) -> ArrivalWatch:
         """A watch notified when items reach the push receiver's mailbox, when window room frees, and at close.

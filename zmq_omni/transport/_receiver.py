@@ -76,6 +76,9 @@ _ACK_BATCH = 1024  # ...or until this many are pending
 # A socket a getter read stays with the getters (no I/O thread wake-up per get) until none read it this long.
 _RECLAIM_S = _ACK_DELAY_S
 _MAX_SID = 64
+# Plain ints: ``sock.get(zmq.EVENTS) & zmq.POLLIN`` goes through enum.IntFlag, ~1 us a test on the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 _DATA_TYPES = (str, int, int, str, str, str)
 _LOC_TYPES = (type(None), bytes)
 _PING_TYPES = (str, int, int)
@@ -181,6 +184,8 @@ class PushReceiver:
         self._last_read = 0.0  # when the last reading getter gave the socket back
         self._waiting = 0  # getters waiting on _cv (under _lock)
         self._watchers = 0  # wait_for_change callers waiting (under _lock)
+        self._loop_readers = 0  # open LoopReaders (event loops that may read the lent socket)
+        self.fd = self._sock.getsockopt(zmq.FD)  # ZeroMQ's descriptor: readable when the socket's state changed
         loop.add_reader(self._sock, self._on_readable_io)
         loop.every(max(1.0, source_ttl_s / 10), self._owned(self._expire_sources))
         loop.every(min(1.0, unclaimed_ttl_s / 4, tombstone_ttl_s / 4), self._expire_unclaimed)
@@ -196,8 +201,10 @@ class PushReceiver:
         """
         if not self._io_watching and self._owner.acquire(False):
             try:  # a getter borrowed the socket and nobody reads it now: take in what is queued
-                if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                if self._sock.get(_EVENTS) & _POLLIN:
                     self._on_readable()
+                    if self._loop_readers:
+                        self._settle_for_loops()
             finally:
                 self._release_owner()
         with self._lock:
@@ -283,6 +290,64 @@ class PushReceiver:
         if self._waiting and not self._io_watching:
             with self._lock:
                 self._cv.notify_all()
+
+    # -- an event loop as the reading getter (LoopReader) ----------------------------------
+    def add_loop_reader(self, delta: int) -> None:
+        """Count an event loop that reads this socket through :meth:`pump` (+1) or no longer does (-1)."""
+        with self._lock:
+            self._loop_readers += delta
+
+    def lend_to_loop(self) -> None:
+        """Have the I/O thread stop watching the socket, so that :meth:`pump` reads it (any thread).
+
+        The I/O thread then wakes the loops (an empty arrivals notice); it takes the
+        socket back once nobody read it for ``_RECLAIM_S``, as from a reading getter.
+        """
+        if self._io_watching:
+            self._loop.call_soon(self._unwatch)
+
+    def pump(self, rounds: int = 1) -> bool | None:
+        """Read the socket on an event loop's thread, as a reading getter would, without blocking.
+
+        For a loop that polls :attr:`fd` (a dup of it) after :meth:`lend_to_loop`.
+        The arrivals reach the mailbox and the arrivals hook on this thread.
+
+        Returns:
+            True: read all that was queued; False: stopped after ``rounds`` drains with
+            more queued (call again soon); None: the socket is not the loop's now (the
+            I/O thread watches it, another getter reads it, or it is closed): stop polling
+            :attr:`fd` until the next :meth:`lend_to_loop`.
+        """
+        if self._io_watching or not self._owner.acquire(False):
+            return None
+        try:
+            if self._io_watching or self._closed:
+                return None
+            self._run_owed()
+            settled = self._settle(rounds)
+            self._last_read = time.monotonic()
+            return settled
+        finally:
+            self._release_owner()
+
+    def _settle(self, rounds: int) -> bool:
+        """Read until ZeroMQ holds nothing for us, at most ``rounds`` drains (holds ``_owner``); True if it did.
+
+        ZeroMQ's descriptor signals a change, not a state: whoever uses the socket while
+        an event loop polls that descriptor (a read, an ack sent) may consume the signal
+        of a message that arrived meanwhile. So nobody leaves a message queued behind
+        its back: each user reads until ``ZMQ_EVENTS`` says empty.
+        """
+        events = self._sock.get
+        for _ in range(rounds):
+            if not events(_EVENTS) & _POLLIN or self._on_readable():
+                return True
+        return not events(_EVENTS) & _POLLIN
+
+    def _settle_for_loops(self) -> None:
+        """:meth:`_settle` a lent socket, then wake the loops if a flood is still queued (holds ``_owner``)."""
+        if not self._settle(1) and self._loop_readers:
+            self._wake_loops()
 
     def _open(self, item: _Item) -> tuple[Any, int]:
         """Decode the payload of an item whose ``loc`` names a shared-memory slot."""
@@ -390,9 +455,17 @@ class PushReceiver:
             self._signal_recall()
 
     def _signal_recall(self) -> None:
-        """Wake the reading getter, if any (it then runs ``_owed`` and sees ``_closed``)."""
+        """Wake the reading getter, if any, and the event loops reading (they run ``_owed`` and see ``_closed``)."""
         if self._recall >= 0:  # closed (-1) by _shutdown, on the I/O thread under _lock
             os.eventfd_write(self._recall, 1)
+        if self._loop_readers:
+            self._wake_loops()
+
+    def _wake_loops(self) -> None:
+        """Have the event loops reading this socket call :meth:`pump` (an arrivals notice naming nothing)."""
+        hook = self.on_arrivals
+        if hook is not None:
+            hook([])
 
     # -- I/O thread ---------------------------------------------------------------
     def _owned(self, fn: Callable[[], None]) -> Callable[[], None]:
@@ -402,6 +475,8 @@ class PushReceiver:
             if self._owner.acquire(False):
                 try:
                     fn()
+                    if self._loop_readers and not self._io_watching:
+                        self._settle_for_loops()  # fn may have used up the descriptor's signal
                 finally:
                     self._release_owner()
             else:
@@ -471,6 +546,8 @@ class PushReceiver:
                 if time.monotonic() - self._last_read >= _RECLAIM_S:
                     self._resume_watching()
                     return
+                if self._loop_readers:
+                    self._settle_for_loops()  # the flush may have used up the descriptor's signal
             finally:
                 self._release_owner()
         elif self._flush_armed:
@@ -479,14 +556,21 @@ class PushReceiver:
         self._reclaim_armed = True
         self._loop.call_later(_RECLAIM_S, self._reclaim)
 
-    def _on_readable(self) -> None:
-        """Drain the socket (holds ``_owner``: on the I/O thread or the reading getter)."""
+    def _on_readable(self) -> bool:
+        """Drain the socket (holds ``_owner``: on the I/O thread or a reading getter).
+
+        Returns:
+            True when it left ZeroMQ's queue empty and did not use the socket after
+            seeing so (:meth:`_settle` needs no further look).
+        """
         sock, max_frames, events = self._sock, self._max_frames, self._sock.get
         self._now = time.monotonic()
         rejected = 0
+        emptied = False
         for _ in range(_MAX_DRAIN):
             message = recv_routed(sock, max_frames)
             if message is None:
+                emptied = True
                 break
             self._pending_acks += 1
             identity, frames, ok = message
@@ -513,7 +597,8 @@ class PushReceiver:
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("rejected a message on %s: %s", self.endpoint, exc)
             # Asking is a third of the cost of the zmq.Again a recv on an empty socket raises (2.5 vs 7.8 us).
-            if not events(zmq.EVENTS) & zmq.POLLIN:
+            if not events(_EVENTS) & _POLLIN:
+                emptied = True
                 break
         if rejected:
             self._counters.add("rejected_frames", rejected)
@@ -524,6 +609,8 @@ class PushReceiver:
             self._store_arrivals()
         if self._pending_acks >= _ACK_BATCH:
             self._flush_all()
+            return False
+        return emptied
 
     def _store_arrivals(self) -> None:
         """Put this drain's items in the mailbox: one lock, one notify, for every message and batch."""

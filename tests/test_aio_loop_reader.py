@@ -1,0 +1,232 @@
+"""The event loop as the reading getter: awaited gets read the push receiver's socket on the loop's thread (issue 15).
+
+While gets wait, ``AsyncConnector`` borrows the receiver's socket from its I/O
+thread and reads it on the loop (``zmq_omni.transport._loop_reader``); the I/O
+thread takes it back once nobody read it for a few milliseconds. These tests
+watch on which thread messages are decoded (a registered type's decode
+function runs on the reading thread), and check that nothing is lost or
+stuck as the socket goes back and forth, beside threaded getters, with
+acknowledgements owed, and at close. Real sockets over ipc, in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack, asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from zmq_omni.aio import AsyncConnector
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.wire import register_type, unregister_type
+
+LOOPS = [pytest.param(("asyncio", {}), id="asyncio"), pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")]
+
+
+@pytest.fixture(params=LOOPS)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+class Traced:
+    """A payload whose decoding notes the thread that read it off the socket."""
+
+    readers: ClassVar[list[str]] = []
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    @classmethod
+    def decode(cls, value: int) -> Traced:
+        cls.readers.append(threading.current_thread().name)
+        return cls(value)
+
+
+@pytest.fixture
+def traced() -> Iterator[list[str]]:
+    name = register_type(Traced, name="test.Traced", encode=lambda t: t.value, decode=Traced.decode)
+    Traced.readers = []
+    try:
+        yield Traced.readers
+    finally:
+        unregister_type(name)
+
+
+@contextmanager
+def _edge(short_tmp: Path, **sender: Any) -> Iterator[tuple[ZmqConnector, ZmqConnector]]:
+    """A push receiver (stage 1) and a sender (stage 0) over ipc, both closed at the end."""
+    common = {"endpoints": {"1": f"ipc://{short_tmp}/edge.sock"}, "shm": "off"}
+    with ExitStack() as stack:
+        receiver = stack.enter_context(ZmqConnector({"stage_id": "1", "role": "receiver", **common}))
+        sender_conn = stack.enter_context(ZmqConnector({"stage_id": "0", "role": "sender", **common, **sender}))
+        yield receiver, sender_conn
+
+
+@asynccontextmanager
+async def _async_edge(short_tmp: Path, **sender: Any) -> AsyncIterator[tuple[AsyncConnector, ZmqConnector]]:
+    with _edge(short_tmp, **sender) as (receiver, sender_conn):
+        async with AsyncConnector(receiver, close_connector=False) as conn:
+            yield conn, sender_conn
+
+
+async def _put_when_waiting(conn: AsyncConnector, sender: ZmqConnector, key: str, value: Any) -> Any:
+    """Start a get of ``key``, put it once the get waits, and return what the get returned."""
+    task = asyncio.create_task(conn.get("0", "1", key, timeout=30))
+    while conn.health()["aio_gets_waiting"] < 1:
+        await asyncio.sleep(0)
+    ok, _, _ = sender.put("0", "1", key, value)
+    assert ok, sender.drain_failures()
+    got = await task
+    assert got is not None, f"{key} never arrived"
+    return got[0]
+
+
+@pytest.mark.anyio
+async def test_a_waiting_get_is_fed_by_the_loop_reading_the_socket(short_tmp: Path, traced: list[str]) -> None:
+    loop_thread = threading.current_thread().name
+    async with _async_edge(short_tmp) as (conn, sender):
+        for i in range(50):
+            got = await _put_when_waiting(conn, sender, f"k{i}", Traced(i))
+            assert isinstance(got, Traced) and got.value == i
+    # The first get's item may still reach the I/O thread (the socket is lent a moment later); then the loop reads.
+    assert traced.count(loop_thread) >= 45, traced
+
+
+@pytest.mark.anyio
+async def test_the_socket_goes_back_to_the_io_thread_when_no_get_waits_and_returns(
+    short_tmp: Path, traced: list[str]
+) -> None:
+    loop_thread = threading.current_thread().name
+    async with _async_edge(short_tmp) as (conn, sender):
+        for cycle in range(3):
+            for i in range(10):  # gets waiting: the loop reads
+                got = await _put_when_waiting(conn, sender, f"c{cycle}-{i}", Traced(i))
+                assert got.value == i
+            # No get waits: after a few idle milliseconds the I/O thread reads again. Puts keep coming
+            # until one is read there (the machine may be slow to run the I/O thread's timer).
+            before = len(traced)
+            deadline = time.monotonic() + 20
+            n = 0
+            while all(t == loop_thread for t in traced[before:]):
+                assert time.monotonic() < deadline, f"the I/O thread never read again: {traced[before:]}"
+                await asyncio.sleep(0.02)
+                ok, _, _ = sender.put("0", "1", f"idle{cycle}-{n}", Traced(-n))
+                assert ok, sender.drain_failures()
+                n += 1
+                await asyncio.sleep(0.02)
+            # Everything put meanwhile is in the mailbox, whoever read it.
+            for j in range(n):
+                got = await conn.get("0", "1", f"idle{cycle}-{j}", timeout=10)
+                assert got is not None and got[0].value == -j
+    assert loop_thread in traced and any(t != loop_thread for t in traced)
+
+
+@pytest.mark.anyio
+async def test_consumptions_are_acknowledged_while_the_loop_reads(short_tmp: Path) -> None:
+    # A window of 4 puts and heartbeats an hour apart: 40 puts go through only if the I/O thread
+    # acknowledges the consumptions while the loop holds the socket (a get waits all along).
+    async with _async_edge(short_tmp, max_unacked=4, put_timeout_s=10.0, heartbeat_s=3600.0, peer_timeout_s=7200.0) as (
+        conn,
+        sender,
+    ):
+        never = asyncio.create_task(conn.get("0", "1", "never", timeout=60))
+        for i in range(40):
+            got = await _put_when_waiting(conn, sender, f"k{i}", {"i": i})
+            assert got == {"i": i}
+        assert not never.done()
+        assert sender.flush(10.0)
+        never.cancel()
+
+
+@pytest.mark.anyio
+async def test_threaded_getters_and_awaited_gets_share_one_receiver(short_tmp: Path) -> None:
+    n = 200
+    async with _async_edge(short_tmp) as (conn, sender):
+        receiver = conn.connector
+        threaded: dict[str, Any] = {}
+
+        def take_in_a_thread() -> None:
+            for i in range(n):
+                got = receiver.get_with_deadline("0", "1", f"t{i}", deadline=time.monotonic() + 60)
+                threaded[f"t{i}"] = None if got is None else got[0]
+
+        worker = threading.Thread(target=take_in_a_thread, daemon=True)
+        worker.start()
+        awaited = [asyncio.create_task(conn.get("0", "1", f"a{i}", timeout=60)) for i in range(n)]
+
+        def put_both() -> None:
+            for i in range(n):
+                for key in (f"a{i}", f"t{i}"):
+                    ok, _, _ = sender.put("0", "1", key, {"k": key})
+                    assert ok, sender.drain_failures()
+                if i % 16 == 0:
+                    time.sleep(0.002)  # now and then idle: the socket changes hands
+
+        await asyncio.to_thread(put_both)
+        results = await asyncio.gather(*awaited)
+        await asyncio.to_thread(worker.join, 60)
+        assert not worker.is_alive()
+    assert [r and r[0] for r in results] == [{"k": f"a{i}"} for i in range(n)]
+    assert threaded == {f"t{i}": {"k": f"t{i}"} for i in range(n)}
+
+
+@pytest.mark.anyio
+async def test_a_flood_is_read_in_turns_without_starving_the_loop(short_tmp: Path) -> None:
+    # More than one drain's worth (512) arrives while gets wait: the loop reads it in turns,
+    # and a ticker task runs between them.
+    n = 3000
+    async with _async_edge(short_tmp, max_unacked=n) as (conn, sender):
+        tasks = [asyncio.create_task(conn.get("0", "1", f"f{i}", timeout=60)) for i in range(n)]
+        while conn.health()["aio_gets_waiting"] < n:
+            await asyncio.sleep(0.001)
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def tick() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+
+        def put_all() -> None:
+            for i in range(n):
+                ok, _, _ = sender.put("0", "1", f"f{i}", i)
+                assert ok, sender.drain_failures()
+
+        await asyncio.to_thread(put_all)
+        results = await asyncio.gather(*tasks)
+        stop.set()
+        await ticker
+    assert [r and r[0] for r in results] == list(range(n))
+    assert ticks > 0
+
+
+@pytest.mark.anyio
+async def test_aclose_releases_the_loop_readers_descriptor(short_tmp: Path) -> None:
+    with _edge(short_tmp) as (receiver, sender):
+        sender.put("0", "1", "warm", 0)  # the sender's sockets open at its first put
+        assert receiver.get_with_deadline("0", "1", "warm", deadline=time.monotonic() + 10) is not None
+        fds_before = set(os.listdir("/proc/self/fd"))
+        conn = AsyncConnector(receiver, close_connector=False)
+        assert await _put_when_waiting(conn, sender, "k", {"v": 1}) == {"v": 1}
+        part = receiver._receiver
+        assert part is not None and part._loop_readers == 1  # this loop polled the socket
+        waiting = asyncio.create_task(conn.get("0", "1", "never"))
+        while conn.health()["aio_gets_waiting"] < 1:
+            await asyncio.sleep(0)
+        await conn.aclose()
+        assert await waiting is None
+        assert part._loop_readers == 0
+        assert set(os.listdir("/proc/self/fd")) <= fds_before
+        # The receiver goes on without the loop: a threaded get is served.
+        sender.put("0", "1", "after", {"v": 2})
+        got = receiver.get_with_deadline("0", "1", "after", deadline=time.monotonic() + 10)
+        assert got is not None and got[0] == {"v": 2}

@@ -1,0 +1,60 @@
+"""A push receiver's socket read on an event loop's own thread: the reading getter of ``zmq_omni.aio``.
+
+An awaited get that waits would otherwise be fed by the I/O thread: it reads
+the message, stores it, writes the watch's eventfd, and the loop thread wakes
+and takes the GIL: two thread wake-ups per message, which a lone round trip
+pays at each end. A loop with gets waiting instead borrows the socket, as a
+threaded reading getter does (see :mod:`~zmq_omni.transport._receiver`):
+
+* :meth:`LoopReader.lend` asks the I/O thread to stop watching the socket; it
+  confirms with an empty arrivals notice (the loop's watch wakes);
+* the loop polls :meth:`LoopReader.fileno`, a duplicate of ZeroMQ's descriptor,
+  and calls :meth:`LoopReader.pump` when it is readable: the receiver's handler
+  runs on the loop thread under the socket's owner lock, and the arrivals hook
+  hands the addresses to the loop's waiters directly
+  (:meth:`~zmq_omni.connectors.base.ArrivalWatch.deliver_inline`);
+* the I/O thread takes the socket back once nobody read it for a few
+  milliseconds; the next pump then answers None and the loop stops polling.
+
+The descriptor is a duplicate so that its number stays the loop's until
+:meth:`LoopReader.close`, whatever the socket's own lifetime: a number the
+loop still polls is never reused by another file.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ._receiver import PushReceiver
+
+__all__ = ["LoopReader"]
+
+
+class LoopReader:
+    """One event loop's hold on a push receiver's socket (loop thread only, but ``close``)."""
+
+    def __init__(self, receiver: PushReceiver) -> None:
+        self._receiver = receiver
+        self._fd = os.dup(receiver.fd)
+        receiver.add_loop_reader(1)
+
+    def fileno(self) -> int:
+        """A descriptor to poll for reading while the socket is lent (-1 once closed)."""
+        return self._fd
+
+    def lend(self) -> None:
+        """Ask the I/O thread for the socket (it confirms with an empty arrivals notice)."""
+        self._receiver.lend_to_loop()
+
+    def pump(self, rounds: int = 1) -> bool | None:
+        """Read what is queued: True when done, False when more is queued, None when the socket is not lent."""
+        if self._fd < 0:
+            return None
+        return self._receiver.pump(rounds)
+
+    def close(self) -> None:
+        """Release the descriptor and stop counting as a reader. Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._receiver.add_loop_reader(-1)
