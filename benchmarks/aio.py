@@ -17,6 +17,11 @@ Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
   tasks first, then A puts (the pattern the asyncio face is for; threaded, it
   would take N threads). Messages per second from A's first put to B's last get.
 
+For scale, the same lone round trip over raw pyzmq (PAIR sockets, ``ipc://``,
+the 200 bytes as one frame) with blocking ``recv`` on both ends, and on an
+asyncio loop at both ends (``add_reader`` on ``ZMQ_FD``): what the event loop
+itself adds to a round trip, with no connector at all.
+
 Rounds interleave the paths (threaded, then each loop, the order rotated every
 round so that none always runs first) so that a change in the machine's load
 hits them alike. RTT: the median and p99 of every round trip of a path, and
@@ -62,6 +67,9 @@ def child(mode: str, endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     from zmq_omni.aio import AsyncConnector
     from zmq_omni.connectors.zmq import ZmqConnector
 
+    if mode.startswith("raw-"):
+        raw_echo(mode, endpoints["b"], n)
+        return
     conn = ZmqConnector(config("b", endpoints))
     print("ready", flush=True)
     sys.stdin.readline()
@@ -103,6 +111,91 @@ def child(mode: str, endpoints: dict[str, str], n: int, loop_kind: str) -> None:
         loop.run_until_complete(main())
         loop.close()
     sys.stdin.readline()
+
+
+def raw_echo(mode: str, endpoint: str, n: int) -> None:
+    """Raw pyzmq: send back each of ``n`` frames, blocking or on an asyncio loop."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.bind(endpoint)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    if mode == "raw-block":
+        for _ in range(n):
+            sock.send(sock.recv())
+    else:
+        asyncio.run(raw_async_echo(sock, n))
+    sys.stdin.readline()
+    sock.close(linger=1000)
+    ctx.term()
+
+
+async def raw_recv(sock: Any, readable: asyncio.Event) -> bytes:
+    """Receive on an asyncio loop the way zmq.asyncio does: ZMQ_FD readable, then ``ZMQ_EVENTS``."""
+    import zmq
+
+    while True:
+        try:
+            frame: bytes = sock.recv(zmq.NOBLOCK)
+            return frame
+        except zmq.Again:
+            readable.clear()
+            await readable.wait()
+
+
+def raw_watch(sock: Any) -> asyncio.Event:
+    import zmq
+
+    readable = asyncio.Event()
+
+    def on_fd() -> None:
+        if sock.get(zmq.EVENTS) & zmq.POLLIN:
+            readable.set()
+
+    asyncio.get_running_loop().add_reader(sock.get(zmq.FD), on_fd)
+    return readable
+
+
+async def raw_async_echo(sock: Any, n: int) -> None:
+    readable = raw_watch(sock)
+    for _ in range(n):
+        sock.send(await raw_recv(sock, readable))
+
+
+def rtt_raw(tmp: str, n: int, mode: str) -> list[float]:
+    import zmq
+
+    endpoints = {"b": f"ipc://{tmp}/raw.sock"}
+    peer = Peer(mode, endpoints, n, "")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(endpoints["b"])
+    peer.go()
+    payload = b"\0" * SMALL
+    samples: list[float] = []
+    if mode == "raw-block":
+        for _ in range(n):
+            started = time.perf_counter()
+            sock.send(payload)
+            sock.recv()
+            samples.append(time.perf_counter() - started)
+    else:
+
+        async def main() -> None:
+            readable = raw_watch(sock)
+            for _ in range(n):
+                started = time.perf_counter()
+                sock.send(payload)
+                await raw_recv(sock, readable)
+                samples.append(time.perf_counter() - started)
+
+        asyncio.run(main())
+    peer.finish()
+    sock.close(linger=0)
+    ctx.term()
+    return samples
 
 
 # -- the driver (A) ----------------------------------------------------------------------------
@@ -227,7 +320,7 @@ def main() -> None:
     n_rate = 10_000 if args.quick else 20_000
     started = time.perf_counter()
     print(f"before: {load()}", flush=True)
-    rtt_paths = ["threaded", *(f"async {kind}" for kind in loops)]
+    rtt_paths = ["threaded", *(f"async {kind}" for kind in loops), "raw pyzmq, blocking", "raw pyzmq, asyncio"]
     rtts: dict[str, list[list[float]]] = {name: [] for name in rtt_paths}
     rate_paths = ["threaded, one receive thread"]
     for kind in loops:
@@ -237,8 +330,12 @@ def main() -> None:
         for i in range(rounds):
             if args.only != "rate":
                 for name in rtt_paths[i % len(rtt_paths) :] + rtt_paths[: i % len(rtt_paths)]:
-                    kind = name.removeprefix("async ")
-                    rtts[name].append(rtt_threaded(tmp, n_rtt) if name == "threaded" else rtt_async(tmp, n_rtt, kind))
+                    if name == "threaded":
+                        rtts[name].append(rtt_threaded(tmp, n_rtt))
+                    elif name.startswith("raw"):
+                        rtts[name].append(rtt_raw(tmp, n_rtt, "raw-block" if "blocking" in name else "raw-async"))
+                    else:
+                        rtts[name].append(rtt_async(tmp, n_rtt, name.removeprefix("async ")))
             if args.only != "rtt":
                 for name in rate_paths[i % len(rate_paths) :] + rate_paths[: i % len(rate_paths)]:
                     if name.startswith("threaded"):
@@ -249,15 +346,18 @@ def main() -> None:
                         rates[name].append(rate(tmp, n_rate, mode, kind))
     if args.only != "rate":
         print(f"\nlone-message RTT ({SMALL} B payload, push mode, ipc, {rounds} rounds x {n_rtt} round trips)")
-        print(f"{'path':<18} {'median us':>10} {'p99 us':>8} {'vs threaded':>12}  per-round medians, us")
+        print(f"{'path':<20} {'median us':>10} {'p99 us':>8} {'vs threaded':>12}  per-round medians, us")
+        print("(the raw pyzmq rows: 'vs threaded' is against raw pyzmq, blocking)")
         base_rounds = [statistics.median(samples) for samples in rtts["threaded"]]
+        raw_rounds = [statistics.median(samples) for samples in rtts["raw pyzmq, blocking"]]
         for name, per_round in rtts.items():
             medians = [statistics.median(samples) for samples in per_round]
             pooled = sorted(x for samples in per_round for x in samples)
             median, p99 = statistics.median(pooled), pooled[int(len(pooled) * 0.99)]
-            ratio = statistics.median(m / b for m, b in zip(medians, base_rounds, strict=True))
+            base = raw_rounds if name.startswith("raw") else base_rounds
+            ratio = statistics.median(m / b for m, b in zip(medians, base, strict=True))
             listed = " ".join(f"{m * 1e6:.0f}" for m in medians)
-            print(f"{name:<18} {median * 1e6:>10.1f} {p99 * 1e6:>8.1f} {ratio:>11.2f}x  {listed}")
+            print(f"{name:<20} {median * 1e6:>10.1f} {p99 * 1e6:>8.1f} {ratio:>11.2f}x  {listed}")
     if args.only != "rtt":
         print(f"\nmany in flight ({n_rate} x {SMALL} B, push mode, ipc, median of {rounds} rounds)")
         base_rate = statistics.median(rates["threaded, one receive thread"])
