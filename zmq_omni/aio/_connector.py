@@ -53,6 +53,7 @@ from typing import Any
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, create_connector
 from ..connectors.base import MAX_WAIT_S, ArrivalWatch, LoopReadable, LoopReader, Slot
+from ._expiry import Deadlines
 
 __all__ = ["AsyncConnector"]
 
@@ -136,6 +137,7 @@ class AsyncConnector:
         self._readable = isinstance(connector, LoopReadable) and not self._pull
         self._reader: LoopReader | None = None
         self._reading = False  # the reader's descriptor is registered with the loop
+        self._expiries: Deadlines[_GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
         watch = connector.watch_arrivals()
         if watch is None:
             raise TypeError(f"{type(connector).__name__} offers no wake-up hook (watch_arrivals() returned None)")
@@ -300,13 +302,16 @@ class AsyncConnector:
         deadline = None if timeout is None else loop.time() + min(max(timeout, 0.0), MAX_WAIT_S)
         slot = (str(from_stage), str(to_stage), str(get_key))
         waiter = _GetWaiter(loop.create_future(), slot, metadata)
-        self._gets.setdefault(slot, deque()).append(waiter)
+        waiters = self._gets.get(slot)
+        if waiters is None:
+            waiters = self._gets[slot] = deque()
+        waiters.append(waiter)
         expiry = deadline
         if self._pull and deadline is not None:
             # A pull-mode look is a round trip (as the blocking get's): give its answer time to come back.
             fetch_s = float(getattr(getattr(self.connector, "config", None), "fetch_timeout_s", 5.0))
             expiry = max(deadline, loop.time() + fetch_s) if timeout == 0 else deadline
-        timer = None if expiry is None else loop.call_at(expiry, self._get_timed_out, waiter)
+        timer = None if expiry is None else self._expiries.add(loop, expiry, waiter)
         if self._readable and not self._reading:
             self._read_lent(loop)
         try:
@@ -321,7 +326,7 @@ class AsyncConnector:
             raise
         finally:
             if timer is not None:
-                timer.cancel()
+                self._expiries.discard(timer)
             if not waiter.fut.done():
                 waiter.fut.cancel()
             self._forget_waiter(waiter)
@@ -576,6 +581,7 @@ class AsyncConnector:
         self._stop_reading()
         if self._reader is not None:
             self._reader.close()
+        self._expiries.close()
         watch, self._watch = self._watch, None
         if watch is not None:
             if loop is not None:
