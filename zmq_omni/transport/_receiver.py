@@ -199,22 +199,30 @@ class PushReceiver:
             ShmError: the item's shared-memory payload expired or was withdrawn (the item is gone).
             DecodeError: the shared-memory payload is not a valid encoding.
         """
-        if not self._io_watching and self._owner.acquire(False):
+        slot = (from_stage, to_stage, key)
+        item = self._pop(slot, key)
+        if item is None and not self._io_watching and self._owner.acquire(False):
             try:  # a getter borrowed the socket and nobody reads it now: take in what is queued
                 if self._sock.get(_EVENTS) & _POLLIN:
                     self._on_readable()
                     if self._loop_readers:
                         self._settle_for_loops()
+                    item = self._pop(slot, key)
             finally:
                 self._release_owner()
+        if item is None:
+            return None
+        return (item.obj, item.nbytes) if item.loc is None else self._open(item)
+
+    def _pop(self, slot: tuple[str, str, str], key: str) -> _Item | None:
+        """Take ``slot``'s item out of the mailbox (its consumption acknowledged), or None."""
         with self._lock:
             if self._tombs:
                 self._tombs.lift(key)
-            item = self._box.pop((from_stage, to_stage, key), None)
-            if item is None:
-                return None
-            self._ack_taken(item)
-        return (item.obj, item.nbytes) if item.loc is None else self._open(item)
+            item = self._box.pop(slot, None)
+            if item is not None:
+                self._ack_taken(item)
+        return item
 
     def take_by(self, from_stage: str, to_stage: str, key: str, deadline: float) -> tuple[Any, int] | None:
         """Like :meth:`take`, waiting until ``time.monotonic() >= deadline``.
