@@ -272,7 +272,7 @@ class PushReceiver:
                     return None
                 poller = self._recall_poller if self._io_watching else self._read_poller
                 # Capped: an infinite deadline waits in 60 s slices (close and owed work wake it at once).
-                for ready, _ in poller.poll(int(min(remaining, 60.0) * 1000) + 1):
+                for ready, _ in zmq.zmq_poll(poller.sockets, int(min(remaining, 60.0) * 1000) + 1):
                     if ready is sock:
                         self._on_readable()
                     elif ready == recall:
@@ -611,20 +611,28 @@ class PushReceiver:
         if rejected:
             self._counters.add("rejected_frames", rejected)
         # The wake-up before the acknowledgements: arming the ack timer is a flag, sending acks is I/O.
-        if self._pending_acks < _ACK_BATCH:
-            self._arm_flush()
+        arm = self._pending_acks < _ACK_BATCH
         if self._arrivals:
-            self._store_arrivals()
+            self._store_arrivals(arm)
+        elif arm:
+            self._arm_flush()
         if self._pending_acks >= _ACK_BATCH:
             self._flush_all()
             return False
         return emptied
 
-    def _store_arrivals(self) -> None:
-        """Put this drain's items in the mailbox: one lock, one notify, for every message and batch."""
+    def _store_arrivals(self, arm: bool) -> None:
+        """Put this drain's items in the mailbox: one lock, one notify, for every message and batch.
+
+        With ``arm``, the ack flush is armed under the same lock (as :meth:`_arm_flush`
+        does): a getter that takes an item then never wakes the I/O thread for it.
+        """
         arrivals, self._arrivals = self._arrivals, []
         replaced: list[_Item] = []
+        schedule = False
         with self._lock:
+            if arm and not self._flush_armed:
+                self._flush_armed = schedule = True
             if self._tombs:
                 arrivals = self._drop_buried(arrivals, replaced)
             box = self._box
@@ -635,7 +643,10 @@ class PushReceiver:
                     self._taken.append((old.sid, old.seq))
                     replaced.append(old)
             self._generation += 1
-            self._cv.notify_all()
+            if self._waiting or self._watchers:
+                self._cv.notify_all()
+        if schedule and self._loop.in_loop():
+            self._schedule_flush()  # else a reading getter: _reclaim, due while getters borrow the socket, flushes
         if replaced:
             self._discard(replaced)
         if self.on_arrivals is not None and arrivals:
