@@ -230,3 +230,21 @@ async def test_aclose_releases_the_loop_readers_descriptor(short_tmp: Path) -> N
         sender.put("0", "1", "after", {"v": 2})
         got = receiver.get_with_deadline("0", "1", "after", deadline=time.monotonic() + 10)
         assert got is not None and got[0] == {"v": 2}
+
+
+@pytest.mark.anyio
+async def test_a_failing_pump_leaves_the_socket_to_the_io_thread(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A bug in the loop's read must not cost deliveries nor spin the loop: it is logged once and
+    # the I/O thread reads the socket again, feeding the waiters through the watch.
+    from zmq_omni.transport import LoopReader
+
+    def broken(self: LoopReader, rounds: int = 1) -> bool | None:
+        raise RuntimeError("a bug in the pump")
+
+    monkeypatch.setattr(LoopReader, "pump", broken)
+    async with _async_edge(short_tmp) as (conn, sender):
+        for i in range(20):
+            assert await _put_when_waiting(conn, sender, f"k{i}", {"i": i}) == {"i": i}
+    assert sum("reading the connector's socket on the event loop failed" in r.message for r in caplog.records) == 1

@@ -388,7 +388,7 @@ class AsyncConnector:
         if self.closed:
             self._wake_all()
             return
-        if self._reader is not None and self._gets:
+        if self._readable and self._reader is not None and self._gets:
             if not self._reading:  # the I/O thread confirmed it lent the socket (an empty notice), or took it back
                 self._read_lent(self._loop)
             self._pump()
@@ -439,6 +439,10 @@ class AsyncConnector:
         watch.deliver_inline(self._arrived)
         try:
             more = reader.pump()
+        except Exception:  # a bug: leave the socket to the I/O thread rather than fail on every wake-up
+            log.exception("reading the connector's socket on the event loop failed; the I/O thread reads it now")
+            self._readable = False
+            more = None
         finally:
             watch.deliver_inline(None)
         if more is None:  # the I/O thread reads it now (or it closed): its arrivals come by the watch
