@@ -175,7 +175,7 @@ class LoopReadable(Protocol):
     """
 
     def loop_reader(self) -> LoopReader | None:
-        """A new reader for the calling loop (its to close), or None when nothing arrives by itself here."""
+        """A new reader for the calling loop (the caller closes it), or None when nothing arrives by itself here."""
         ...
 
 
