@@ -203,10 +203,9 @@ class PushReceiver:
         item = self._pop(slot, key)
         if item is None and not self._io_watching and self._owner.acquire(False):
             try:  # a getter borrowed the socket and nobody reads it now: take in what is queued
-                if self._sock.get(_EVENTS) & _POLLIN:
-                    self._on_readable()
-                    if self._loop_readers:
-                        self._settle_for_loops()
+                generation = self._generation
+                self._settle_for_loops()
+                if self._generation != generation:
                     item = self._pop(slot, key)
             finally:
                 self._release_owner()
@@ -645,8 +644,8 @@ class PushReceiver:
             self._generation += 1
             if self._waiting or self._watchers:
                 self._cv.notify_all()
-        if schedule and self._loop.in_loop():
-            self._schedule_flush()  # else a reading getter: _reclaim, due while getters borrow the socket, flushes
+        if schedule:
+            self._flush_was_armed()
         if replaced:
             self._discard(replaced)
         if self.on_arrivals is not None and arrivals:
@@ -794,9 +793,13 @@ class PushReceiver:
             if self._flush_armed:
                 return
             self._flush_armed = True
+        self._flush_was_armed()
+
+    def _flush_was_armed(self) -> None:
+        """Schedule the ack flush just armed, on the I/O thread; a getter or loop reading leaves it to ``_reclaim``."""
         if self._loop.in_loop():
             self._schedule_flush()
-        # else: the reading getter; _reclaim, due while getters borrow the socket, flushes (no wake-up here)
+        # else: _reclaim, due while getters borrow the socket, flushes (no wake-up here)
 
     def _schedule_flush(self) -> None:
         self._loop.call_later(_ACK_DELAY_S, self._owned_flush)
