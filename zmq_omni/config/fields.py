@@ -103,9 +103,15 @@ _MAX_NUMBER = 1e9  # seconds: 31 years
 
 
 def read_float(
-    data: Mapping[str, Any], key: str, default: Any = _MISSING, path: str = "", *, minimum: float | None = None
+    data: Mapping[str, Any],
+    key: str,
+    default: Any = _MISSING,
+    path: str = "",
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
 ) -> Any:
-    """Read a finite number as float, optionally with a lower bound."""
+    """Read a finite number as float, optionally with bounds."""
     value = _read(data, key, default, path)
     if value is default:
         return value
@@ -117,6 +123,8 @@ def read_float(
         raise ConfigError(f"config key {_where(path, key)!r} must be a finite number up to 1e9, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(f"config key {_where(path, key)!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"config key {_where(path, key)!r} must be <= {maximum}, got {value}")
     return float(value)
 
 

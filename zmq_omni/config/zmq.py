@@ -82,6 +82,10 @@ class ZmqConnectorConfig:
             (push: arrival at the receiver; pull: fetched) before it reports them
             as failed; 0 (the default) closes at once. ``flush()`` waits on demand.
         heartbeat_s: interval of sender pings (which drive resends).
+        ack_delay_s: push mode: longest a receiver holds acknowledgements back to batch
+            them (a sender whose window is full or whose ``flush()`` waits asks for them
+            at once); also how long after a receiver was killed a consumed item can be
+            delivered again by its restarted successor.
         peer_timeout_s: silence after which a receiver is presumed gone.
         max_unacked: most puts held unconsumed by a sender (the window).
         max_unacked_bytes: most payload bytes held unconsumed by a sender.
@@ -143,6 +147,7 @@ class ZmqConnectorConfig:
     delivery_timeout_s: float = 30.0
     close_timeout_s: float = 0.0
     heartbeat_s: float = 0.5
+    ack_delay_s: float = 0.02
     peer_timeout_s: float = 3.0
     max_unacked: int = 10_000
     max_unacked_bytes: int = 1 << 30
@@ -222,6 +227,7 @@ class ZmqConnectorConfig:
             delivery_timeout_s=read_float(extra, "delivery_timeout_s", 30.0, _PATH, minimum=0.001),
             close_timeout_s=read_float(extra, "close_timeout_s", 0.0, _PATH, minimum=0.0),
             heartbeat_s=read_float(extra, "heartbeat_s", 0.5, _PATH, minimum=0.01),
+            ack_delay_s=read_float(extra, "ack_delay_s", 0.02, _PATH, minimum=0.001, maximum=10.0),
             peer_timeout_s=read_float(extra, "peer_timeout_s", 3.0, _PATH, minimum=0.01),
             max_unacked=read_int(extra, "max_unacked", 10_000, _PATH, minimum=1),
             max_unacked_bytes=read_int(extra, "max_unacked_bytes", 1 << 30, _PATH, minimum=1),

@@ -148,7 +148,9 @@ class ZmqConnector(OmniConnectorBase):
         if cfg.malloc_tuning and receives:
             tune_malloc()  # before the context's I/O threads first allocate
         self.endpoint: str | None = None
-        loop = self._loop = IoLoop(f"zmq-omni-{cfg.stage_id}")
+        # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
+        own_context = self._curve is not None and self._curve.allowed_clients is not None
+        loop = self._loop = IoLoop(f"zmq-omni-{cfg.stage_id}", private_context=own_context)
         self._closed = False
         try:
             if fast_path and receives:
@@ -249,6 +251,7 @@ class ZmqConnector(OmniConnectorBase):
                     source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
                     counters=self._counters,
                     unclaimed_ttl_s=cfg.unclaimed_ttl_s,
+                    ack_delay_s=cfg.ack_delay_s,
                     tombstone_ttl_s=cfg.tombstone_ttl_s,
                     max_tombstones=cfg.max_tombstones,
                     health=self.health,

@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from ._sockets import new_context
+from ._sockets import release_context, use_context
 
 __all__ = ["IoLoop"]
 
@@ -39,9 +39,10 @@ class _Periodic:
 class IoLoop:
     """A poller thread with thread-safe wake-ups, deferred calls and periodic timers."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, private_context: bool = False) -> None:
         self._name = name
-        self.ctx = new_context()
+        # The process's shared context, or one of its own (for a ZAP authenticator, which serves a whole context).
+        self.ctx = use_context(private=private_context)
         self._poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[], None]] = {}
         self._calls: deque[Callable[[], None]] = deque()
@@ -103,8 +104,9 @@ class IoLoop:
                 os.close(self._wake_fd)
             for fn in self._on_term:
                 self._guard(fn)
-            # Every socket is closed by now; term() waits at most their linger for last acks to leave.
-            self.ctx.destroy()
+            # Every socket of ours is closed by now; the last user's term() waits at most
+            # their linger for last acks to leave.
+            release_context(self.ctx)
         return not alive
 
     # -- loop thread (or before start) ---------------------------------------

@@ -32,7 +32,7 @@ from ._router import recv_routed
 from ._security import Curve, watch_refusals
 from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
-from ._sockets import bind, close_socket, make_socket
+from ._sockets import bind, close_bound, close_socket, make_socket
 
 __all__ = ["PullServer"]
 
@@ -126,6 +126,7 @@ class PullServer:
             close_socket(self._sock)
             raise
         self.endpoint = advertised or bound
+        self._bound = bound
         loop.add_reader(self._sock, self._on_readable)
         loop.every(min(1.0, ttl_s / 4), self._expire)
         loop.on_stop(self._shutdown)
@@ -405,7 +406,7 @@ class PullServer:
             time.sleep(_SEND_CHECK_S)
             with self._cv:
                 leaving = self._still_leaving()
-        close_socket(self._sock)
+        close_bound(self._sock, self._bound)
         self._report_lost(
             [entry.slot for entry in leaving],
             "delivery_failures",

@@ -9,14 +9,14 @@ Threads and locks:
 
 * **application threads** run :meth:`PushReceiver.take`, ``take_by``, ``forget``,
   ``stats``, ``generation``, ``wait_for_change`` and ``close``;
-* the ROUTER, every ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``,
+* the ROUTER, every ``SourceState`` (``_sources``), ``_dirty``, ``_pending_acks``, ``_pending_bytes``,
   ``_arrivals``, ``_now`` and ``_read_poller`` belong to whoever holds ``_owner``:
   the connector's **I/O thread** while it runs a handler, or a **reading getter**
   (below); nobody else touches them;
 * ``_lock`` (under the condition ``_cv``) guards the mailbox ``_box``, ``_taken`` and
   ``_dropped_taken`` (consumed and dropped seqs handed to the I/O thread), the
   tombstones ``_tombs``, ``_generation``, ``_batches_received``, ``_gets``,
-  ``_bytes_received``, ``_dropped``, ``_flush_armed`` and ``_closed``.
+  ``_bytes_received``, ``_dropped``, ``_flush_armed``, ``_flush_due`` and ``_closed``.
 
 A lone get reads the socket itself. Handing each message from the I/O thread
 to a waiting thread costs two thread wake-ups and a GIL hand-over, about as
@@ -27,7 +27,7 @@ before the getter touches it) and the getter polls it and runs the same
 handler until its item arrives. Other getters wait on ``_cv`` as before, fed by
 the reading one. The socket stays with the getters when one leaves (the next
 takes it without waking the I/O thread); the I/O thread takes it back
-(``_rewatch``) once nobody read it for ``_RECLAIM_S`` (``_reclaim``), or at once
+(``_rewatch``) once nobody read it for ``_reclaim_s`` (``_reclaim``), or at once
 when a ``wait_for_change`` or an arrivals hook needs it. What the I/O thread
 must do meanwhile (the ack flush, expiring sources) it leaves in ``_owed`` and
 signals on the ``_recall`` eventfd, which the reading getter polls beside the
@@ -64,17 +64,29 @@ from ._push_protocol import _MAX_DRAIN, DROPPED_CANCELLED, DROPPED_UNCLAIMED
 from ._router import recv_routed
 from ._security import Curve, watch_refusals
 from ._shm import ShmReceive
-from ._sockets import bind, close_socket, make_socket
+from ._sockets import bind, close_bound, close_socket, make_socket
 from ._tombstones import Tombstones
 
-__all__ = ["PushReceiver"]
+__all__ = ["DEFAULT_ACK_DELAY_S", "PushReceiver"]
 
 log = logging.getLogger("zmq_omni.transport")
 
-_ACK_DELAY_S = 0.005  # acks wait this long to be batched: one REPLY covers hundreds of puts under load
+# Acks wait ``ack_delay_s`` (default 20 ms) to be batched: one REPLY covers hundreds of puts under
+# load, and a lone message stream pays for one REPLY (a wake-up of the sender's I/O thread) per
+# 20 ms rather than per 5 ms (a lone round trip between two stages was ~15% shorter:
+# docs/benchmarks.md). A sender that needs its acks sooner (window full, flush() waiting) pings,
+# and a PING is answered at once.
+DEFAULT_ACK_DELAY_S = 0.02
 _ACK_BATCH = 1024  # ...or until this many are pending
-# A socket a getter read stays with the getters (no I/O thread wake-up per get) until none read it this long.
-_RECLAIM_S = _ACK_DELAY_S
+# ...or until this many payload bytes arrived: a sender keeps each put until it is acknowledged, and
+# a stream of large payloads acknowledged every 20 ms keeps a dozen of them alive at each end (their
+# buffers cold again by the time they are reused: a lone 1 MiB round trip was ~15% longer). Checked
+# once the arrivals are handed over (I/O thread) or before a reading getter waits again, so the
+# REPLY is never sent between a message's arrival and its get returning.
+_ACK_BYTES = 2 << 20
+# A socket a getter read stays with the getters (no I/O thread wake-up per get) until none read it this
+# long (or ack_delay_s, if shorter); it also bounds how long a PING asking for acks waits unread.
+_RECLAIM_S = 0.02
 _MAX_SID = 64
 # Plain ints: ``sock.get(zmq.EVENTS) & zmq.POLLIN`` goes through enum.IntFlag, ~1 us a test on the hot path.
 _EVENTS = int(zmq.EVENTS)
@@ -122,6 +134,7 @@ class PushReceiver:
         source_ttl_s: float,
         counters: Counters,
         unclaimed_ttl_s: float = 300.0,
+        ack_delay_s: float = DEFAULT_ACK_DELAY_S,
         tombstone_ttl_s: float = 60.0,
         max_tombstones: int = 65536,
         health: Callable[[], dict[str, Any]],
@@ -137,6 +150,8 @@ class PushReceiver:
         self._max_frames = max_frames
         self._source_ttl = source_ttl_s
         self._unclaimed_ttl = unclaimed_ttl_s
+        self._ack_delay = ack_delay_s
+        self._reclaim_s = min(ack_delay_s, _RECLAIM_S)
         self._counters = counters
         self._health = health
         # A plain Lock under the condition: ``with self._lock`` costs a C call, a Condition's two Python ones.
@@ -155,8 +170,10 @@ class PushReceiver:
         self._sources: dict[str, SourceState] = {}
         self._dirty: set[str] = set()
         self._pending_acks = 0
+        self._pending_bytes = 0
         self._now = time.monotonic()
         self._flush_armed = False
+        self._flush_due = 0.0  # time.monotonic() when the armed flush is due
         self._gets = 0
         self._bytes_received = 0
         self._closed = False
@@ -269,7 +286,12 @@ class PushReceiver:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                poller = self._recall_poller if self._io_watching else self._read_poller
+                if self._io_watching:
+                    poller = self._recall_poller
+                else:
+                    poller = self._read_poller
+                    if self._pending_bytes >= _ACK_BYTES:
+                        self._flush_all()
                 # Capped: an infinite deadline waits in 60 s slices (close and owed work wake it at once).
                 for ready, _ in zmq.zmq_poll(poller.sockets, int(min(remaining, 60.0) * 1000) + 1):
                     if ready is sock:
@@ -308,7 +330,7 @@ class PushReceiver:
         """Have the I/O thread stop watching the socket, so that :meth:`pump` reads it (any thread).
 
         The I/O thread then wakes the loops (an empty arrivals notice); it takes the
-        socket back once nobody read it for ``_RECLAIM_S``, as from a reading getter.
+        socket back once nobody read it for ``_reclaim_s``, as from a reading getter.
         """
         if self._io_watching:
             self._loop.call_soon(self._unwatch)
@@ -332,6 +354,9 @@ class PushReceiver:
                 return None
             self._run_owed()
             settled = self._settle(rounds)
+            if self._pending_bytes >= _ACK_BYTES:
+                self._flush_all()
+                settled = self._settle(rounds)  # the REPLY may have used up the descriptor's signal
             self._last_read = time.monotonic()
             return settled
         finally:
@@ -397,6 +422,7 @@ class PushReceiver:
         # I/O thread only when none is armed (not on a lone message's critical path).
         if not self._flush_armed:
             self._flush_armed = True
+            self._flush_due = time.monotonic() + self._ack_delay
             self._loop.call_soon(self._schedule_flush)
 
     def _ack_dropped(self, item: _Item, code: int) -> None:
@@ -404,6 +430,7 @@ class PushReceiver:
         self._dropped_taken.append((item.sid, item.seq, code))
         if not self._flush_armed:
             self._flush_armed = True
+            self._flush_due = time.monotonic() + self._ack_delay
             self._loop.call_soon(self._schedule_flush)
 
     def stats(self) -> dict[str, Any]:
@@ -496,6 +523,8 @@ class PushReceiver:
         if self._owner.acquire(False):
             try:
                 self._on_readable()
+                if self._pending_bytes >= _ACK_BYTES:
+                    self._flush_all()
             finally:
                 self._owner.release()
         else:  # a getter reads it now (its _unwatch is on its way): stop watching rather than spin
@@ -509,7 +538,7 @@ class PushReceiver:
             self._signal_recall()
         if not self._reclaim_armed:
             self._reclaim_armed = True
-            self._loop.call_later(_RECLAIM_S, self._reclaim)
+            self._loop.call_later(self._reclaim_s, self._reclaim)
 
     def watch_soon(self) -> None:
         """Have the I/O thread read the socket again if getters borrowed it (any thread; for a new arrivals hook)."""
@@ -538,7 +567,7 @@ class PushReceiver:
             self._owed.popleft()()
 
     def _reclaim(self) -> None:
-        """While getters borrow the socket: flush their acks, and take it back once none read it for ``_RECLAIM_S``.
+        """While getters borrow the socket: flush their acks, and take it back once none read it for ``_reclaim_s``.
 
         Between a getter giving the socket back and the next one taking it, nobody reads it:
         this bounds how long acks, pongs and arrivals nobody waits for can sit in ZeroMQ's queue.
@@ -546,22 +575,27 @@ class PushReceiver:
         self._reclaim_armed = False
         if self._io_watching:
             return
+        now = time.monotonic()
+        flush_due = self._flush_armed and now >= self._flush_due
         if self._owner.acquire(False):
             try:
-                if self._flush_armed:
+                if flush_due:
                     self._flush_all()
-                if time.monotonic() - self._last_read >= _RECLAIM_S:
+                if now - self._last_read >= self._reclaim_s:
                     self._resume_watching()
                     return
                 if self._loop_readers:
                     self._settle_for_loops()  # the flush may have used up the descriptor's signal
             finally:
                 self._release_owner()
-        elif self._flush_armed:
+        elif flush_due:
             self._owed.append(self._flush_all)
             self._signal_recall()
         self._reclaim_armed = True
-        self._loop.call_later(_RECLAIM_S, self._reclaim)
+        next_check = self._reclaim_s
+        if self._flush_armed and not flush_due:  # the next beat is the flush's due time, if sooner
+            next_check = min(next_check, max(0.001, self._flush_due - now))
+        self._loop.call_later(next_check, self._reclaim)
 
     def _on_readable(self) -> bool:
         """Drain the socket (holds ``_owner``: on the I/O thread or a reading getter).
@@ -615,7 +649,7 @@ class PushReceiver:
             self._store_arrivals(arm)
         elif arm:
             self._arm_flush()
-        if self._pending_acks >= _ACK_BATCH:
+        if not arm:
             self._flush_all()
             return False
         return emptied
@@ -632,6 +666,7 @@ class PushReceiver:
         with self._lock:
             if arm and not self._flush_armed:
                 self._flush_armed = schedule = True
+                self._flush_due = self._now + self._ack_delay
             if self._tombs:
                 arrivals = self._drop_buried(arrivals, replaced)
             box = self._box
@@ -743,6 +778,7 @@ class PushReceiver:
         else:
             parts = [payload]
         source = self._sources.get(sid) or self._source(sid)
+        self._pending_bytes += size
         if self._admit(source, sid, low, seq):
             item = _new_item(_Item, (self._decode(parts), size, sid, seq, None, self._now))
             self._store(source, (from_stage, to_stage, key), item)
@@ -758,6 +794,7 @@ class PushReceiver:
         size = self._shm.size(loc)
         if size > self._max_message:
             raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+        self._pending_bytes += size
         # A duplicate handle is never opened: the first arrival's item holds it.
         if self._admit(source, sid, low, seq):
             self._store(source, (from_stage, to_stage, key), _Item(None, size, sid, seq, loc, self._now))
@@ -793,6 +830,7 @@ class PushReceiver:
             if self._flush_armed:
                 return
             self._flush_armed = True
+            self._flush_due = self._now + self._ack_delay
         self._flush_was_armed()
 
     def _flush_was_armed(self) -> None:
@@ -802,13 +840,13 @@ class PushReceiver:
         # else: _reclaim, due while getters borrow the socket, flushes (no wake-up here)
 
     def _schedule_flush(self) -> None:
-        self._loop.call_later(_ACK_DELAY_S, self._owned_flush)
+        self._loop.call_later(self._ack_delay, self._owned_flush)
 
     def _owned_flush(self) -> None:
         self._owned(self._flush_all)()
 
     def _flush_all(self) -> None:
-        self._pending_acks = 0
+        self._pending_acks = self._pending_bytes = 0
         self._flush_taken(disarm=True)
         self._flush_acks()
 
@@ -933,4 +971,4 @@ class PushReceiver:
             if last is not None:
                 self._send_reply(source, -1, *last)
         self._loop.remove_reader(self._sock)
-        close_socket(self._sock, linger_ms=200)
+        close_bound(self._sock, self.endpoint, linger_ms=200)

@@ -65,6 +65,12 @@ log = logging.getLogger("zmq_omni.transport")
 _REPLY_TYPES = (str, int, list, list)
 _VERDICT_TYPES = (type(None), bool)
 _SEND_SLICE_S = 0.05  # a blocked send re-checks close() this often
+# Receivers acknowledge lazily (ack_delay_s, 20 ms: no ack traffic beside a lone message). A sender
+# that needs acks sooner, its window full or a flush() waiting, pings its receivers, which answer at
+# once; and again after 2, 4, 8 ... ms (at most every 100 ms) while the need lasts, since a pong
+# may have left just before the consumption that would have freed the window.
+_ACK_REQUEST_S = 0.002
+_ACK_REQUEST_MAX_S = 0.1
 # While a stream is on, the I/O thread re-checks the outbox on its next turn rather than after
 # STREAM_FLUSH_S: zmq_poll counts whole milliseconds, so a 200 us timer would hold a queued put
 # for up to 1 ms (a p99 latency of ~1.3 ms instead of ~0.5 ms for a put->get round trip).
@@ -146,6 +152,8 @@ class PushSender:
         self._batches_sent = 0  # _lock
         self._delivery_waiters = 0  # _lock: threads in wait_delivered(); arrivals wake them
         self._high_since: float | None = None  # _lock: since when the window is nearly full (read at each beat)
+        self._acks_wanted = False  # _lock: the I/O thread is asking the receivers for acks (_ask_for_acks)
+        self._room_wanted = 0  # _lock: the size of the last put that found the window full
         self._closed = False  # _lock (read without it as a hint)
         loop.every(heartbeat_s, self._heartbeat)
         loop.every(min(0.05, heartbeat_s), self._expire)
@@ -195,6 +203,7 @@ class PushSender:
         with self._lock:
             peer = self._peers.get(to_stage) or self._peer(to_stage)
             if window.full(nbytes):
+                self._request_acks(nbytes)
                 if not block and not self._closed:
                     raise WouldBlock
                 now = self._wait_for_room(peer, nbytes, deadline)
@@ -248,6 +257,31 @@ class PushSender:
                 log.warning("sending to %s failed: %s", peer.endpoint, exc)
         finally:
             self._release(peer)
+
+    def _request_acks(self, nbytes: int) -> None:
+        """Have the receivers answer now with what arrived and was consumed (caller holds ``_lock``).
+
+        ``nbytes``: the size of a put that found the window full (0 for a waiting ``flush()``).
+        """
+        if nbytes:
+            self._room_wanted = nbytes
+        if not self._acks_wanted and not self._closed:
+            self._acks_wanted = True
+            self._loop.call_soon(self._ask_for_acks)
+
+    def _ask_for_acks(self, delay: float = _ACK_REQUEST_S) -> None:
+        """Ping every receiver, and again after ``delay`` (doubling) while the window stays full or a flush waits."""
+        with self._lock:
+            window = self._window
+            wanted = window.full(self._room_wanted) or (self._delivery_waiters > 0 and window.undelivered() > 0)
+            if not wanted or self._closed:
+                self._acks_wanted = False
+                return
+            peers = list(self._peers.values())
+        for peer in peers:
+            self._ping(peer)
+        again = min(2 * delay, _ACK_REQUEST_MAX_S)
+        self._loop.call_later(delay, lambda: self._ask_for_acks(again))
 
     def _wait_for_room(self, peer: _Peer, nbytes: int, deadline: float) -> float:
         """Wait (caller holds ``_cv``) until the window admits ``nbytes``; the time then."""
@@ -558,6 +592,8 @@ class PushSender:
         with self._lock:
             self._delivery_waiters += 1
             try:
+                if window.undelivered():
+                    self._request_acks(0)
                 while not self._closed and window.undelivered():
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -741,6 +777,7 @@ class PushSender:
             self._ping(peer)
 
     def _ping(self, peer: _Peer) -> None:
+        """Send ``peer`` a PING now, or have the put thread holding its socket send it (I/O thread)."""
         with self._lock:
             if not peer.data_lock.acquire(False):
                 # A put thread holds the socket: it pings as it lets go (see _release).

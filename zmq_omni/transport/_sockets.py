@@ -5,9 +5,18 @@ libzmq allocates every received message with ``malloc``. glibc serves a
 page of every large message and streams at ~1.4 GB/s although memcpy runs at
 10+ GB/s. :func:`tune_malloc` keeps large blocks on the heap (no mmap, no trim,
 one arena) so freed message memory is reused without faults. It must run
-before libzmq's I/O threads first allocate, so each connector creates its own
-context after the tuning (and terminates it at close, which is also what
-flushes its last acknowledgements within their linger).
+before libzmq's I/O threads first allocate, so the first connector of a
+process creates the context after the tuning.
+
+The connectors of one process share one context (:func:`use_context`), as
+ZeroMQ intends: one I/O thread then carries a stage's inbound and outbound
+messages. With a context per connector, a message in and the answer out woke
+two I/O threads, each asleep since the last message, and a lone round trip
+between two stages cost about a fifth more (``docs/benchmarks.md``). The last
+connector to let go terminates it, which also flushes the last
+acknowledgements within their linger; a connector that installs a ZAP
+authenticator (a CURVE allow-list) gets a context of its own, since an
+authenticator answers for every socket of its context.
 """
 
 from __future__ import annotations
@@ -15,18 +24,30 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import ipaddress
 import logging
 import os
 import socket
 import stat
 import threading
+import time
 from typing import Any
 
 import zmq
 
 from ..errors import TransportError, from_zmq_error
 
-__all__ = ["bind", "close_socket", "make_socket", "new_context", "refuse_live_ipc", "tune_malloc"]
+__all__ = [
+    "bind",
+    "close_bound",
+    "close_socket",
+    "make_socket",
+    "new_context",
+    "refuse_live_ipc",
+    "release_context",
+    "tune_malloc",
+    "use_context",
+]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -38,6 +59,11 @@ _M_ARENA_MAX = -8
 _lock = threading.Lock()
 _tuned: bool | None = None
 _contexts_made = 0
+# The process's shared context, how many users hold it, and the process that made it (a forked
+# child must never use its parent's context: it makes its own).
+_shared: zmq.Context[Any] | None = None
+_shared_users = 0
+_shared_pid = 0
 
 
 def tune_malloc() -> bool:
@@ -73,6 +99,36 @@ def new_context() -> zmq.Context[Any]:
     with _lock:
         _contexts_made += 1
     return zmq.Context(io_threads=1)
+
+
+def use_context(*, private: bool = False) -> zmq.Context[Any]:
+    """The process's shared context (a new one with ``private``); hand it back with :func:`release_context`."""
+    global _shared, _shared_users, _shared_pid, _contexts_made
+    if private:
+        return new_context()
+    with _lock:
+        if _shared is None or _shared_pid != os.getpid():
+            _shared, _shared_users, _shared_pid = zmq.Context(io_threads=1), 0, os.getpid()
+            _contexts_made += 1
+        _shared_users += 1
+        return _shared
+
+
+def release_context(ctx: zmq.Context[Any]) -> None:
+    """Let go of a context from :func:`use_context` once every socket made on it is closed.
+
+    A private context is terminated at once; the shared one when its last user lets
+    go. Termination waits, at most each socket's linger, for what they still send.
+    """
+    global _shared, _shared_users
+    with _lock:
+        if ctx is _shared and _shared_pid == os.getpid():
+            _shared_users -= 1
+            if _shared_users > 0:
+                return
+            _shared = None
+    # Outside the lock: a last ack may take its linger to leave, and other connectors may start meanwhile.
+    ctx.destroy()
 
 
 def make_socket(
@@ -162,3 +218,60 @@ def close_socket(sock: Any, linger_ms: int = 0) -> None:
         return
     with contextlib.suppress(zmq.ZMQError):  # closed twice or after context teardown: nothing to release
         sock.close(linger=linger_ms)
+
+
+def close_bound(sock: Any, endpoint: str | None, *, linger_ms: int = 0, wait_s: float = 1.0) -> None:
+    """Close a bound socket, then wait (at most ``wait_s``) until nothing listens on ``endpoint`` any more.
+
+    ``zmq_close`` only hands the socket to libzmq, whose I/O thread closes the
+    listener a moment later. On the shared context nothing else waits for that
+    (a context of one's own was terminated at close, which did), so a stage that
+    closes its receiver and opens a new one on the same endpoint would find its
+    old listener still there.
+    """
+    close_socket(sock, linger_ms=linger_ms)
+    if endpoint is None:
+        return
+    deadline = time.monotonic() + wait_s
+    while _listened(endpoint) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _listened(endpoint: str) -> bool:
+    """True while something accepts connections on ``endpoint`` (ipc path or TCP port); False when unsure."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if not path or path.startswith("@"):
+            return False
+        try:
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                return False
+        except OSError:  # unlinked: libzmq removes the file as the listener closes
+            return False
+        family: int = socket.AF_UNIX
+        address: Any = path
+    elif endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        host = host.strip("[]")
+        if not port.isdigit():
+            return False
+        if host in ("*", "0.0.0.0", "", "localhost"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        try:  # an address of this host: a name is never looked up (nor anything off the host probed)
+            family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        except ValueError:
+            return False
+        address = (host, int(port))
+    else:
+        return False
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.settimeout(0.1)
+    try:
+        probe.connect(address)
+    except OSError:
+        return False  # refused (or unreachable): nothing of ours listens there
+    finally:
+        probe.close()
+    return True

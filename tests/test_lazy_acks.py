@@ -1,0 +1,187 @@
+"""Lazy acknowledgements, prompt when asked, and one ZeroMQ context per process (issue 14).
+
+A receiver holds its acknowledgements back for ``ack_delay_s`` (20 ms by
+default) so that a stream of lone messages does not wake the sender's I/O
+thread every few messages; a sender that needs them sooner (its window full,
+a ``flush()`` waiting) pings, and a ping is answered at once. These tests set
+``ack_delay_s`` far beyond their timeouts, so they pass only through the
+prompt path: a sender that waited for the lazy acks would time out. Real
+sockets over ipc, in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zmq_omni.aio import AsyncConnector
+from zmq_omni.config import ZmqConnectorConfig
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.errors import ConfigError
+
+from .conftest import wait_until
+
+# Lazier than every timeout below: only an ack the sender asked for can arrive in time.
+_LAZY = 10.0
+
+
+@contextmanager
+def _edge(short_tmp: Path, **sender: Any) -> Iterator[tuple[ZmqConnector, ZmqConnector]]:
+    """A lazy-acking push receiver (stage 1) and a sender (stage 0) with heartbeats an hour apart."""
+    common = {
+        "endpoints": {"1": f"ipc://{short_tmp}/edge.sock"},
+        "shm": "off",
+        "heartbeat_s": 3600.0,
+        "peer_timeout_s": 7200.0,
+    }
+    with ExitStack() as stack:
+        lazy = {"stage_id": "1", "role": "receiver", "ack_delay_s": _LAZY, **common}
+        receiver = stack.enter_context(ZmqConnector(lazy))
+        sender_conn = stack.enter_context(ZmqConnector({"stage_id": "0", "role": "sender", **common, **sender}))
+        yield receiver, sender_conn
+
+
+def _unconfirmed(sender: ZmqConnector) -> int:
+    """Puts the sender still keeps (not yet acknowledged as consumed)."""
+    part = sender._sender
+    assert part is not None
+    with part._lock:
+        return part._window.count
+
+
+def test_acks_are_lazy_and_flush_asks_for_them(short_tmp: Path) -> None:
+    with _edge(short_tmp) as (receiver, sender):
+        assert sender.put("0", "1", "k", {"i": 1})[0]
+        got = receiver.get_with_deadline("0", "1", "k", deadline=time.monotonic() + 10)
+        assert got is not None and got[0] == {"i": 1}
+        # Nothing asked for the acks yet, and they are 10 s away: the sender still keeps the put.
+        time.sleep(0.3)
+        assert _unconfirmed(sender) == 1
+        # flush() pings the receiver, which answers at once with the arrival and the consumption.
+        assert sender.flush(5.0)
+        assert wait_until(lambda: _unconfirmed(sender) == 0, 5)
+
+
+def test_flush_after_the_getters_left_is_answered(short_tmp: Path) -> None:
+    # The socket stays with the getters after the last get; the I/O thread takes it back within
+    # 20 ms, whatever ack_delay_s says, so the ping that flush() sends is read.
+    with _edge(short_tmp) as (receiver, sender):
+        for i in range(5):
+            assert sender.put("0", "1", f"k{i}", i)[0]
+            assert receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 10) is not None
+        time.sleep(0.2)
+        assert sender.flush(5.0)
+
+
+def test_a_full_window_asks_for_acks(short_tmp: Path) -> None:
+    # A window of 2 and 30 puts, each put waiting at most 5 s: they go through only if the
+    # puts that find the window full get it freed by asking, not after ack_delay_s (10 s).
+    keys = [f"k{i}" for i in range(30)]
+    got: list[Any] = []
+
+    with _edge(short_tmp, max_unacked=2, put_timeout_s=5.0) as (receiver, sender):
+
+        def consume() -> None:
+            for key in keys:
+                item = receiver.get_with_deadline("0", "1", key, deadline=time.monotonic() + 20)
+                got.append(None if item is None else item[0])
+
+        consumer = threading.Thread(target=consume, daemon=True)
+        consumer.start()
+        for i, key in enumerate(keys):
+            ok, _, _ = sender.put("0", "1", key, {"i": i})
+            assert ok, sender.drain_failures()
+        consumer.join(30)
+        assert not consumer.is_alive()
+        assert got == [{"i": i} for i in range(30)]
+        assert sender.drain_failures() == []
+
+
+def test_an_awaited_put_on_a_full_window_asks_for_acks(short_tmp: Path) -> None:
+    # The non-blocking put behind AsyncConnector.put asks too, before it reports "no room".
+    with _edge(short_tmp, max_unacked=2, put_timeout_s=5.0) as (receiver, sender):
+
+        async def run() -> list[Any]:
+            async with AsyncConnector(receiver) as rx, AsyncConnector(sender) as tx:
+
+                async def consume() -> list[Any]:
+                    out = []
+                    for i in range(20):
+                        item = await rx.get("0", "1", f"k{i}", timeout=20)
+                        out.append(None if item is None else item[0])
+                    return out
+
+                consumer = asyncio.ensure_future(consume())
+                for i in range(20):
+                    ok, _, _ = await asyncio.wait_for(tx.put("0", "1", f"k{i}", i), 5)
+                    assert ok
+                return await asyncio.wait_for(consumer, 30)
+
+        assert asyncio.run(run()) == list(range(20))
+
+
+def test_large_payloads_are_acknowledged_every_few_mib(short_tmp: Path) -> None:
+    # A sender keeps each put until it is acknowledged; 1 MiB puts are acknowledged after 2 MiB of
+    # them arrived, so the sender stops keeping them long before ack_delay_s.
+    payload = np.zeros(1 << 20, dtype=np.uint8)
+    with _edge(short_tmp) as (receiver, sender):
+        for i in range(4):
+            assert sender.put("0", "1", f"k{i}", payload)[0]
+            got = receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 10)
+            assert got is not None and got[0].nbytes == payload.nbytes
+        # The acks of the first puts went with the arrival of the later ones (no ping: heartbeats
+        # are an hour apart and nobody flushes).
+        assert wait_until(lambda: _unconfirmed(sender) <= 2, 5)
+
+
+def test_ack_delay_s_is_a_config_key() -> None:
+    assert ZmqConnectorConfig.from_dict({}).ack_delay_s == 0.02
+    assert ZmqConnectorConfig.from_dict({"ack_delay_s": 0.005}).ack_delay_s == 0.005
+    for bad in (0, -1, 11, "soon", True):
+        with pytest.raises(ConfigError, match="ack_delay_s"):
+            ZmqConnectorConfig.from_dict({"ack_delay_s": bad})
+
+
+def test_connectors_of_a_process_share_one_context(short_tmp: Path) -> None:
+    with _edge(short_tmp) as (receiver, sender):
+        assert receiver._loop is not None and sender._loop is not None
+        ctx = receiver._loop.ctx
+        assert sender._loop.ctx is ctx
+        receiver.close()  # the other connector's context stays open, and it still works
+        assert not ctx.closed
+        assert sender.put("0", "1", "k", 1)[0]
+    assert ctx.closed  # the last one to close terminated it
+
+
+def test_a_connector_with_an_allow_list_has_a_context_of_its_own(short_tmp: Path) -> None:
+    import zmq
+
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, _ = zmq.curve_keypair()
+    endpoint = f"ipc://{short_tmp}/curve.sock"
+    guarded = ZmqConnector(
+        {
+            "stage_id": "1",
+            "role": "receiver",
+            "endpoints": {"1": endpoint},
+            "shm": "off",
+            "curve_secret_key": server_secret.decode(),
+            "curve_public_key": server_public.decode(),
+            "curve_allowed_clients": [client_public.decode()],
+        }
+    )
+    plain = ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"2": f"ipc://{short_tmp}/x.sock"}})
+    try:
+        assert guarded._loop is not None and plain._loop is not None
+        assert guarded._loop.ctx is not plain._loop.ctx
+    finally:
+        guarded.close()
+        plain.close()
