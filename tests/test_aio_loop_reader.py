@@ -214,6 +214,9 @@ async def test_aclose_releases_the_loop_readers_descriptor(short_tmp: Path) -> N
     with _edge(short_tmp) as (receiver, sender):
         sender.put("0", "1", "warm", 0)  # the sender's sockets open at its first put
         assert receiver.get_with_deadline("0", "1", "warm", deadline=time.monotonic() + 10) is not None
+        # ...and connect a moment later: once a REPLY confirmed the put, its control socket's connection
+        # (a descriptor at each end) exists too (under load it could come after the count below).
+        assert sender.flush(10.0)
         fds_before = set(os.listdir("/proc/self/fd"))
         conn = AsyncConnector(receiver, close_connector=False)
         assert await _put_when_waiting(conn, sender, "k", {"v": 1}) == {"v": 1}
