@@ -11,7 +11,8 @@ Threads and locks:
 * **put threads** run :meth:`PushSender.send` (and ``reads_shm``, ``forget``,
   ``stats``, ``wait_delivered``, ``close``);
 * the connector's **I/O thread** runs the handlers (``_on_ctl``, ``_on_flush``,
-  ``_heartbeat``, ``_expire``, ``_close_sockets``) and owns every control socket;
+  ``_heartbeat``, ``_expire``, ``_ask_for_acks``, ``_close_sockets``) and owns every
+  control socket;
 * ``PushSender._lock`` (under the condition ``_cv``) guards the window and every
   object in it, every peer's ``Outbox`` (save ``retry_s``), ``ping_owed``,
   ``close_pending``, the counters and ``_closed``;
