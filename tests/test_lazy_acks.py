@@ -34,7 +34,7 @@ _LAZY = 10.0
 
 
 @contextmanager
-def _edge(short_tmp: Path, **sender: Any) -> Iterator[tuple[ZmqConnector, ZmqConnector]]:
+def _edge(short_tmp: Path, ack_delay_s: float = _LAZY, **sender: Any) -> Iterator[tuple[ZmqConnector, ZmqConnector]]:
     """A lazy-acking push receiver (stage 1) and a sender (stage 0) with heartbeats an hour apart."""
     common = {
         "endpoints": {"1": f"ipc://{short_tmp}/edge.sock"},
@@ -43,7 +43,7 @@ def _edge(short_tmp: Path, **sender: Any) -> Iterator[tuple[ZmqConnector, ZmqCon
         "peer_timeout_s": 7200.0,
     }
     with ExitStack() as stack:
-        lazy = {"stage_id": "1", "role": "receiver", "ack_delay_s": _LAZY, **common}
+        lazy = {"stage_id": "1", "role": "receiver", "ack_delay_s": ack_delay_s, **common}
         receiver = stack.enter_context(ZmqConnector(lazy))
         sender_conn = stack.enter_context(ZmqConnector({"stage_id": "0", "role": "sender", **common, **sender}))
         yield receiver, sender_conn
@@ -79,6 +79,16 @@ def test_flush_after_the_getters_left_is_answered(short_tmp: Path) -> None:
             assert receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 10) is not None
         time.sleep(0.2)
         assert sender.flush(5.0)
+
+
+def test_acks_armed_by_a_getter_go_out_after_the_socket_went_back(short_tmp: Path) -> None:
+    # A getter reads the socket and arms the ack flush; 20 ms after it left, the I/O thread takes
+    # the socket back, before the flush is due (ack_delay_s 0.5 s): the flush must still go out
+    # then, on the I/O thread's timer, with nobody asking (heartbeats an hour apart, no flush()).
+    with _edge(short_tmp, ack_delay_s=0.5) as (receiver, sender):
+        assert sender.put("0", "1", "k", 1)[0]
+        assert receiver.get_with_deadline("0", "1", "k", deadline=time.monotonic() + 10) is not None
+        assert wait_until(lambda: _unconfirmed(sender) == 0, 10)
 
 
 def test_a_full_window_asks_for_acks(short_tmp: Path) -> None:

@@ -582,6 +582,8 @@ class PushReceiver:
                 if flush_due:
                     self._flush_all()
                 if now - self._last_read >= self._reclaim_s:
+                    if self._flush_armed:  # armed by a getter and not due yet: the I/O thread's timer sends it
+                        self._loop.call_later(self._flush_due - now, self._owned_flush)
                     self._resume_watching()
                     return
                 if self._loop_readers:
