@@ -73,9 +73,9 @@ log = logging.getLogger("zmq_omni.transport")
 
 # Acks wait ``ack_delay_s`` (default 20 ms) to be batched: one REPLY covers hundreds of puts under
 # load, and a lone message stream pays for one REPLY (a wake-up of the sender's I/O thread) per
-# 20 ms rather than per 5 ms (a lone round trip between two stages was ~15% shorter:
-# docs/benchmarks.md). A sender that needs its acks sooner (window full, flush() waiting) pings,
-# and a PING is answered at once.
+# 20 ms rather than per 5 ms (with the shared context, a lone round trip between two stages was
+# 15-20 % shorter than before both: docs/benchmarks.md). A sender that needs its acks sooner
+# (window full, flush() waiting) pings, and a PING is answered at once.
 DEFAULT_ACK_DELAY_S = 0.02
 _ACK_BATCH = 1024  # ...or until this many are pending
 # ...or until this many payload bytes arrived: a sender keeps each put until it is acknowledged, and

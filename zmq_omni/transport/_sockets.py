@@ -12,7 +12,7 @@ The connectors of one process share one context (:func:`use_context`), as
 ZeroMQ intends: one I/O thread then carries a stage's inbound and outbound
 messages. With a context per connector, a message in and the answer out woke
 two I/O threads, each asleep since the last message, and a lone round trip
-between two stages cost about a fifth more (``docs/benchmarks.md``). The last
+between two stages took 6-15 % longer (``docs/benchmarks.md``). The last
 connector to let go terminates it, which also flushes the last
 acknowledgements within their linger; a connector that installs a ZAP
 authenticator (a CURVE allow-list) gets a context of its own, since an
