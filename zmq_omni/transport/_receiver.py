@@ -290,8 +290,7 @@ class PushReceiver:
                     poller = self._recall_poller
                 else:
                     poller = self._read_poller
-                    if self._pending_bytes >= _ACK_BYTES:
-                        self._flush_all()
+                    self._flush_if_heavy()
                 # Capped: an infinite deadline waits in 60 s slices (close and owed work wake it at once).
                 for ready, _ in zmq.zmq_poll(poller.sockets, int(min(remaining, 60.0) * 1000) + 1):
                     if ready is sock:
@@ -354,8 +353,7 @@ class PushReceiver:
                 return None
             self._run_owed()
             settled = self._settle(rounds)
-            if self._pending_bytes >= _ACK_BYTES:
-                self._flush_all()
+            if self._flush_if_heavy():
                 settled = self._settle(rounds)  # the REPLY may have used up the descriptor's signal
             self._last_read = time.monotonic()
             return settled
@@ -421,17 +419,19 @@ class PushReceiver:
         # The flush armed when the item arrived usually carries this consumption too: a get wakes the
         # I/O thread only when none is armed (not on a lone message's critical path).
         if not self._flush_armed:
-            self._flush_armed = True
-            self._flush_due = time.monotonic() + self._ack_delay
-            self._loop.call_soon(self._schedule_flush)
+            self._arm_from_app()
 
     def _ack_dropped(self, item: _Item, code: int) -> None:
         """Hand ``item``'s disposal (``code`` says why) to the I/O thread: the sender's window frees (holds ``_cv``)."""
         self._dropped_taken.append((item.sid, item.seq, code))
         if not self._flush_armed:
-            self._flush_armed = True
-            self._flush_due = time.monotonic() + self._ack_delay
-            self._loop.call_soon(self._schedule_flush)
+            self._arm_from_app()
+
+    def _arm_from_app(self) -> None:
+        """Arm the ack flush from an application thread and have the I/O thread time it (holds ``_cv``)."""
+        self._flush_armed = True
+        self._flush_due = time.monotonic() + self._ack_delay
+        self._loop.call_soon(self._schedule_flush)
 
     def stats(self) -> dict[str, Any]:
         """Gets, bytes taken, items waiting for ``get``, BATCH messages taken in, and what was dropped unclaimed.
@@ -523,8 +523,7 @@ class PushReceiver:
         if self._owner.acquire(False):
             try:
                 self._on_readable()
-                if self._pending_bytes >= _ACK_BYTES:
-                    self._flush_all()
+                self._flush_if_heavy()
             finally:
                 self._owner.release()
         else:  # a getter reads it now (its _unwatch is on its way): stop watching rather than spin
@@ -846,6 +845,13 @@ class PushReceiver:
 
     def _owned_flush(self) -> None:
         self._owned(self._flush_all)()
+
+    def _flush_if_heavy(self) -> bool:
+        """Send the acks now if ``_ACK_BYTES`` of payload await them (holds ``_owner``); True if it did."""
+        if self._pending_bytes < _ACK_BYTES:
+            return False
+        self._flush_all()
+        return True
 
     def _flush_all(self) -> None:
         self._pending_acks = self._pending_bytes = 0

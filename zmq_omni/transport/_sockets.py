@@ -95,21 +95,24 @@ def tune_malloc() -> bool:
 
 def new_context() -> zmq.Context[Any]:
     """A fresh context with one I/O thread (its owner terminates it)."""
-    global _contexts_made
     with _lock:
-        _contexts_made += 1
+        return _make_context()
+
+
+def _make_context() -> zmq.Context[Any]:
+    global _contexts_made
+    _contexts_made += 1  # caller holds _lock
     return zmq.Context(io_threads=1)
 
 
 def use_context(*, private: bool = False) -> zmq.Context[Any]:
     """The process's shared context (a new one with ``private``); hand it back with :func:`release_context`."""
-    global _shared, _shared_users, _shared_pid, _contexts_made
+    global _shared, _shared_users, _shared_pid
     if private:
         return new_context()
     with _lock:
         if _shared is None or _shared_pid != os.getpid():
-            _shared, _shared_users, _shared_pid = zmq.Context(io_threads=1), 0, os.getpid()
-            _contexts_made += 1
+            _shared, _shared_users, _shared_pid = _make_context(), 0, os.getpid()
         _shared_users += 1
         return _shared
 
@@ -189,27 +192,12 @@ def refuse_live_ipc(endpoint: str) -> None:
     Raises:
         TransportError: naming the endpoint, when a listener answers there.
     """
-    path = endpoint[len("ipc://") :]
-    if not path or path.startswith("@") or path == "*":
-        return
-    try:
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            return
-    except OSError:  # absent (the common case) or unreadable: libzmq reports what it finds
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except OSError:
-        return  # refused or gone: a stale file of a process that exited
-    finally:
-        probe.close()
-    raise TransportError(
-        f"bind failed: another process is listening on {endpoint} (give each receiving stage, replica and rank "
-        "its own endpoint)",
-        endpoint=endpoint,
-    )
+    if _listened(endpoint, timeout_s=1.0):
+        raise TransportError(
+            f"bind failed: another process is listening on {endpoint} (give each receiving stage, replica and rank "
+            "its own endpoint)",
+            endpoint=endpoint,
+        )
 
 
 def close_socket(sock: Any, linger_ms: int = 0) -> None:
@@ -233,20 +221,24 @@ def close_bound(sock: Any, endpoint: str | None, *, linger_ms: int = 0, wait_s: 
     if endpoint is None:
         return
     deadline = time.monotonic() + wait_s
-    while _listened(endpoint) and time.monotonic() < deadline:
+    while _listened(endpoint, timeout_s=0.1) and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
-def _listened(endpoint: str) -> bool:
-    """True while something accepts connections on ``endpoint`` (ipc path or TCP port); False when unsure."""
+def _listened(endpoint: str, *, timeout_s: float) -> bool:
+    """True while something accepts connections on ``endpoint`` (ipc path or TCP port); False when unsure.
+
+    A connect probe tells a live listener (accepts) from a stale socket file or a
+    closed port (refused). Abstract ipc endpoints (``ipc://@name``) are not probed.
+    """
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
-        if not path or path.startswith("@"):
+        if not path or path.startswith("@") or path == "*":
             return False
         try:
             if not stat.S_ISSOCK(os.stat(path).st_mode):
                 return False
-        except OSError:  # unlinked: libzmq removes the file as the listener closes
+        except OSError:  # absent (libzmq unlinks the file as its listener closes) or unreadable
             return False
         family: int = socket.AF_UNIX
         address: Any = path
@@ -267,11 +259,11 @@ def _listened(endpoint: str) -> bool:
     else:
         return False
     probe = socket.socket(family, socket.SOCK_STREAM)
-    probe.settimeout(0.1)
+    probe.settimeout(timeout_s)
     try:
         probe.connect(address)
     except OSError:
-        return False  # refused (or unreachable): nothing of ours listens there
+        return False  # refused or unreachable: nothing listens there (a stale file of a process that exited)
     finally:
         probe.close()
     return True
