@@ -16,6 +16,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from zmq_omni.connectors.zmq import ZmqConnector
 
 from .conftest import wait_until
@@ -139,3 +141,30 @@ def test_many_getters_on_many_threads_receive_everything_once(short_tmp: Path) -
         assert threading.active_count() == threads_before
         assert sender.flush(10.0)
         assert receiver.health()["mailbox"] == 0
+
+
+def test_a_reading_getter_stops_at_its_item_and_the_io_thread_reads_what_queued_behind_it(short_tmp: Path) -> None:
+    # The reading getter's drain stops once its own DATA is in (it does not ask ZeroMQ whether more is
+    # queued, a call on every lone message's path); what queued behind must still reach the mailbox
+    # once the getter leaves, read by the I/O thread, and be acknowledged. Driven by hand, as a
+    # getter holding the socket would, so that all three puts are queued in ZeroMQ before the read.
+    with _edge(short_tmp, heartbeat_s=3600.0) as (receiver, sender):
+        part = receiver._receiver
+        assert part is not None
+        assert part._owner.acquire(timeout=10)
+        try:
+            part._loop.call_soon(part._unwatch)
+            assert wait_until(lambda: not part._io_watching, 10)
+            for key in ("a", "b", "c"):
+                assert sender.put("0", "1", key, {"k": key})[0]
+            assert wait_until(lambda: part._sock.get(zmq.EVENTS) & zmq.POLLIN, 10)
+            time.sleep(0.3)  # the rest of the puts reach ZeroMQ's queue too
+            part._on_readable(("0", "1", "a"))
+            assert receiver.health()["mailbox"] == 1  # only "a": "b" and "c" wait in ZeroMQ's queue
+        finally:
+            part._release_owner()
+        assert wait_until(lambda: receiver.health()["mailbox"] == 3, 10)  # the I/O thread took the rest in
+        for key in ("a", "b", "c"):
+            got = receiver.get("0", "1", key)
+            assert got is not None and got[0] == {"k": key}
+        assert sender.flush(10.0)

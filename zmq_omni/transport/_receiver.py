@@ -294,7 +294,8 @@ class PushReceiver:
                 # Capped: an infinite deadline waits in 60 s slices (close and owed work wake it at once).
                 for ready, _ in zmq.zmq_poll(poller.sockets, int(min(remaining, 60.0) * 1000) + 1):
                     if ready is sock:
-                        self._on_readable()
+                        # Event loops poll ZeroMQ's edge-triggered descriptor: for them, read until empty.
+                        self._on_readable(None if self._loop_readers else slot)
                     elif ready == recall:
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(recall)
@@ -598,8 +599,14 @@ class PushReceiver:
             next_check = min(next_check, max(0.001, self._flush_due - now))
         self._loop.call_later(next_check, self._reclaim)
 
-    def _on_readable(self) -> bool:
+    def _on_readable(self, want: tuple[str, str, str] | None = None) -> bool:
         """Drain the socket (holds ``_owner``: on the I/O thread or a reading getter).
+
+        A reading getter passes the slot it waits for as ``want``: the drain stops once a DATA
+        of that key is in, without asking ZeroMQ whether more is queued (``ZMQ_EVENTS``, about
+        1 us a call, on every lone message's critical path). What stays queued is read by
+        the next getter's poll or by the I/O thread, both level-triggered (``zmq_poll``);
+        a getter passes None while event loops poll the edge-triggered descriptor.
 
         Returns:
             True when it left ZeroMQ's queue empty and did not use the socket after
@@ -609,6 +616,7 @@ class PushReceiver:
         self._now = time.monotonic()
         rejected = 0
         emptied = False
+        want_key = None if want is None else want[2]
         for _ in range(_MAX_DRAIN):
             message = recv_routed(sock, max_frames)
             if message is None:
@@ -627,6 +635,8 @@ class PushReceiver:
                     if type(header[6]) not in _LOC_TYPES:
                         raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
                     self._on_data(header, payload, frames)
+                    if header[5] == want_key:
+                        break  # (most likely) the getter's item: it looks now; the ack decision below still runs
                 elif kind is Kind.PING:
                     check_types(header[:3], _PING_TYPES, "PING")
                     self._on_ping(header[0], header[1], header[2], header[3] if len(header) > 3 else None)

@@ -21,13 +21,17 @@ def recv_routed(sock: Any, max_frames: int) -> tuple[bytes, list[Any], bool] | N
         identity = sock.recv(zmq.NOBLOCK)
     except zmq.Again:
         return None
-    # A routed message always has a frame after the identity; getsockopt is cheaper than .rcvmore.
-    frames: list[Any] = [sock.recv()]
+    # A routed message always has a frame after the identity. Received as a Frame, whose ``more``
+    # is read from the message itself: ``getsockopt(RCVMORE)`` is a call into ZeroMQ (~0.4 us more).
+    head = sock.recv(copy=False)
+    frames: list[Any] = [head.bytes]
     ok = True
-    while sock.getsockopt(zmq.RCVMORE):
+    more = head.more
+    while more:
+        frame = sock.recv(copy=False)
+        more = frame.more
         if len(frames) > max_frames:
-            sock.recv(copy=False)
             ok = False
         else:
-            frames.append(sock.recv(copy=False))
+            frames.append(frame)
     return identity, frames, ok
