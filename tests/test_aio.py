@@ -398,6 +398,42 @@ async def test_timeouts_return_none(short_tmp: Path, kind: str) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", ALL_KINDS)
+async def test_a_get_given_its_puts_metadata_waits_on_the_loop(short_tmp: Path, kind: str) -> None:
+    # vllm-omni hands a stage the metadata that the put returned. Given it, a push receiver's blocking
+    # get waits up to metadata_get_timeout_s (10 s) for that put: an awaited get must wait on the
+    # loop instead (other tasks run), keep its own timeout, and still take the item when it comes.
+    async with pair(kind, short_tmp) as (put_side, get_side, edge):
+        ok, _, meta = await put_side.put(*edge, "a", {"v": 0})
+        assert ok and meta is not None
+        assert await get_side.get(*edge, "a", meta, timeout=10) is not None
+        announced = {**meta, "key": "b"}  # what a put of "b" returns, before that put is made
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            started = time.monotonic()
+            assert await get_side.get(*edge, "b", announced, timeout=0.3) is None
+            assert time.monotonic() - started < 5.0, "the get's timeout was not kept"
+            assert ticks >= 3, "the event loop was blocked while the get waited"
+            waiting = asyncio.create_task(get_side.get(*edge, "b", announced, timeout=30))
+            await asyncio.sleep(0.05)
+            await put_side.put(*edge, "b", {"v": 1})
+            got = await waiting
+            assert got is not None and got[0] == {"v": 1}
+        finally:
+            ticker.cancel()
+        drain = getattr(get_side.connector, "drain_failures", None)
+        assert drain is None or not drain(), "an awaited get's own timeout is not a connector failure"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ALL_KINDS)
 async def test_aclose_wakes_every_waiter_with_none(short_tmp: Path, kind: str) -> None:
     async with pair(kind, short_tmp) as (_, get_side, edge):
         waiters = [asyncio.create_task(get_side.get(*edge, f"never-{i}")) for i in range(200)]

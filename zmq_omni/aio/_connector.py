@@ -64,6 +64,7 @@ _REFETCH_S = 0.05  # a FETCH the sender would not park is asked again after this
 _HANDED_BACK_MAX = 65_536  # items handed back and not taken again; beyond it the oldest are dropped (logged)
 
 PutResult = tuple[bool, int, "dict[str, Any] | None"]
+Metadata = dict[str, Any] | None
 
 
 @dataclass(eq=False, slots=True)
@@ -292,7 +293,7 @@ class AsyncConnector:
             if kept is not None:
                 return kept
         if not self._pull:  # the common case first: the item is there (a closed connector returns None)
-            got = self.connector.get(from_stage, to_stage, get_key, metadata)
+            got = self._look(from_stage, to_stage, get_key, metadata)
             if got is not None:
                 return got
         if timeout is not None and math.isnan(timeout):
@@ -343,8 +344,8 @@ class AsyncConnector:
     def _get_timed_out(self, waiter: _GetWaiter) -> None:
         if not waiter.fut.done():
             if not self._pull:
-                # One last look: an arrival whose wake-up is still on its way is not missed.
-                got = self.connector.get(*waiter.slot, waiter.metadata)
+                # One last look (at the socket too): an arrival whose wake-up is still on its way is not missed.
+                got = self.connector.get(*waiter.slot, None if self._readable else waiter.metadata)
                 if got is not None:
                     waiter.fut.set_result(got)
                     return
@@ -402,7 +403,7 @@ class AsyncConnector:
         if not self._pull and self._gets:
             gets = self._gets
             slots = list(gets) if arrived is None else [slot for slot in dict.fromkeys(arrived) if slot in gets]
-            get = self.connector.get
+            get = self._look
             for slot in slots:
                 waiters = gets.get(slot)
                 while waiters:
@@ -417,6 +418,19 @@ class AsyncConnector:
                     waiter.fut.set_result(got)
                 if not waiters:
                     gets.pop(slot, None)
+
+    def _look(self, from_stage: Any, to_stage: Any, key: Any, metadata: Metadata) -> tuple[Any, int] | None:
+        """The connector's non-blocking get, as this wrapper's looks make it.
+
+        A ZeroMQ push receiver finds items by key alone, and the metadata of one of its puts would
+        make its ``get`` wait for that put (blocking the loop): it is never passed there. While the
+        loop polls the socket, only the mailbox is looked at (the socket is the loop's to read).
+        """
+        if not self._readable:
+            return self.connector.get(from_stage, to_stage, key, metadata)
+        if self._reading and self._reader is not None:
+            return self._reader.take(str(from_stage), str(to_stage), str(key))
+        return self.connector.get(from_stage, to_stage, key)
 
     def _read_lent(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Poll the receiver's socket on this loop and ask for it (a get is about to wait)."""

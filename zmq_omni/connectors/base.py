@@ -161,6 +161,10 @@ class LoopReader(Protocol):
         """Read what is queued: True when done, False when more is queued (call again), None when not lent."""
         ...
 
+    def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
+        """``(obj, nbytes)`` if the item is in the mailbox, else None; no look at the socket (the loop polls it)."""
+        ...
+
     def close(self) -> None:
         """Release the descriptor. Idempotent."""
         ...

@@ -462,7 +462,7 @@ class ZmqConnector(OmniConnectorBase):
         receiver = self._receiver
         if receiver is None or self._closed:
             return None
-        return LoopReader(receiver)
+        return LoopReader(receiver, self._take_queued)
 
     def watch_arrivals(self) -> ArrivalWatch:
         """A watch notified when items reach the push receiver's mailbox, when window room frees, and at close.
@@ -571,23 +571,35 @@ class ZmqConnector(OmniConnectorBase):
             return None
         if self._receiver is None and self._client is None:
             self._receiver_or_bind(to_stage)
-        if self._receiver is not None:
-            try:
-                if deadline is None:
-                    got = self._receiver.take(from_stage, to_stage, key)
-                else:
-                    got = self._receiver.take_by(from_stage, to_stage, key, deadline)
-            except ZmqOmniError as exc:  # the item's shared-memory payload is gone or malformed
-                self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
-                return None
-        elif self._client is not None:
-            got = self._fetch(from_stage, to_stage, key, metadata, deadline)
-        else:
+        if self._receiver is not None:  # push-mode gets are counted by the mailbox
+            return self._take(from_stage, to_stage, key, deadline)
+        if self._client is None:
             raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot get")
-        if got is not None and self._client is not None:  # push-mode gets are counted by the mailbox
+        got = self._fetch(from_stage, to_stage, key, metadata, deadline)
+        if got is not None:
             self._counters.add("gets")
             self._counters.add("bytes_received", got[1])
         return got
+
+    def _take(
+        self, from_stage: str, to_stage: str, key: str, deadline: float | None, look: bool = True
+    ) -> tuple[Any, int] | None:
+        """A push-mode get from the receiver's mailbox (waiting until ``deadline``, if given); failures recorded."""
+        receiver = self._receiver
+        assert receiver is not None
+        try:
+            if deadline is None:
+                return receiver.take(from_stage, to_stage, key, look=look)
+            return receiver.take_by(from_stage, to_stage, key, deadline)
+        except ZmqOmniError as exc:  # the item's shared-memory payload is gone or malformed
+            self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
+            return None
+
+    def _take_queued(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
+        """What a :class:`LoopReader` takes: the mailbox alone (the loop reads the socket itself)."""
+        if self._closed or self._receiver is None:
+            return None
+        return self._take(from_stage, to_stage, key, None, look=False)
 
     def _fetch(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None

@@ -24,6 +24,8 @@ loop still polls is never reused by another file.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from ._receiver import PushReceiver
 
@@ -31,10 +33,17 @@ __all__ = ["LoopReader"]
 
 
 class LoopReader:
-    """One event loop's hold on a push receiver's socket (loop thread only, but ``close``)."""
+    """One event loop's hold on a push receiver's socket (loop thread only, but ``close``).
 
-    def __init__(self, receiver: PushReceiver) -> None:
+    Args:
+        receiver: the push receiver whose socket the loop reads.
+        take: the connector's mailbox-only take (``(from_stage, to_stage, key) -> (obj, nbytes) | None``,
+            failures recorded as its ``get`` records them).
+    """
+
+    def __init__(self, receiver: PushReceiver, take: Callable[[str, str, str], tuple[Any, int] | None]) -> None:
         self._receiver = receiver
+        self._take = take
         self._fd = os.dup(receiver.fd)
         receiver.add_loop_reader(1)
 
@@ -45,6 +54,10 @@ class LoopReader:
     def lend(self) -> None:
         """Ask the I/O thread for the socket (it confirms with an empty arrivals notice)."""
         self._receiver.lend_to_loop()
+
+    def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
+        """The item if it is in the mailbox; never looks at the socket (the loop polls it) and never waits."""
+        return self._take(from_stage, to_stage, key)
 
     def pump(self, rounds: int = 1) -> bool | None:
         """Read what is queued: True when done, False when more is queued, None when the socket is not lent."""

@@ -209,8 +209,12 @@ class PushReceiver:
         loop.on_stop(self._shutdown)
 
     # -- application threads -------------------------------------------------------
-    def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
+    def take(self, from_stage: str, to_stage: str, key: str, *, look: bool = True) -> tuple[Any, int] | None:
         """Remove and return ``(obj, nbytes)`` for the key, or None (never blocks on I/O).
+
+        When getters borrowed the socket and none reads it now, it first takes in what
+        ZeroMQ holds; ``look=False`` skips that (an event loop that polls the socket
+        reads it anyway: the look would cost a ``ZMQ_EVENTS`` call for nothing).
 
         Raises:
             ShmError: the item's shared-memory payload expired or was withdrawn (the item is gone).
@@ -218,7 +222,7 @@ class PushReceiver:
         """
         slot = (from_stage, to_stage, key)
         item = self._pop(slot, key)
-        if item is None and not self._io_watching and self._owner.acquire(False):
+        if item is None and look and not self._io_watching and self._owner.acquire(False):
             try:  # a getter borrowed the socket and nobody reads it now: take in what is queued
                 generation = self._generation
                 self._settle_for_loops()
@@ -353,7 +357,9 @@ class PushReceiver:
             if self._io_watching or self._closed:
                 return None
             self._run_owed()
-            settled = self._settle(rounds)
+            # Woken by the descriptor (or called again for a flood): a message is most likely queued, so
+            # read at once rather than ask ZMQ_EVENTS first (a wake-up with nothing to read costs a zmq.Again).
+            settled = self._settle(rounds, look_first=False)
             if self._flush_if_heavy():
                 settled = self._settle(rounds)  # the REPLY may have used up the descriptor's signal
             self._last_read = time.monotonic()
@@ -361,8 +367,10 @@ class PushReceiver:
         finally:
             self._release_owner()
 
-    def _settle(self, rounds: int) -> bool:
+    def _settle(self, rounds: int, *, look_first: bool = True) -> bool:
         """Read until ZeroMQ holds nothing for us, at most ``rounds`` drains (holds ``_owner``); True if it did.
+
+        ``look_first=False`` starts the first drain without asking ``ZMQ_EVENTS`` whether anything is queued.
 
         ZeroMQ's descriptor signals a change, not a state: whoever uses the socket while
         an event loop polls that descriptor (a read, an ack sent) may consume the signal
@@ -371,8 +379,9 @@ class PushReceiver:
         """
         events = self._sock.get
         for _ in range(rounds):
-            if not events(_EVENTS) & _POLLIN or self._on_readable():
+            if (look_first and not events(_EVENTS) & _POLLIN) or self._on_readable():
                 return True
+            look_first = True
         return not events(_EVENTS) & _POLLIN
 
     def _settle_for_loops(self) -> None:
