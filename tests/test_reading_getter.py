@@ -159,7 +159,7 @@ def test_a_reading_getter_stops_at_its_item_and_the_io_thread_reads_what_queued_
                 assert sender.put("0", "1", key, {"k": key})[0]
             assert wait_until(lambda: part._sock.get(zmq.EVENTS) & zmq.POLLIN, 10)
             time.sleep(0.3)  # the rest of the puts reach ZeroMQ's queue too
-            part._on_readable(("0", "1", "a"))
+            part._on_readable("a")
             assert receiver.health()["mailbox"] == 1  # only "a": "b" and "c" wait in ZeroMQ's queue
         finally:
             part._release_owner()

@@ -345,7 +345,7 @@ class AsyncConnector:
         if not waiter.fut.done():
             if not self._pull:
                 # One last look (at the socket too): an arrival whose wake-up is still on its way is not missed.
-                got = self.connector.get(*waiter.slot, None if self._readable else waiter.metadata)
+                got = self._look(*waiter.slot, waiter.metadata, socket_too=True)
                 if got is not None:
                     waiter.fut.set_result(got)
                     return
@@ -419,16 +419,19 @@ class AsyncConnector:
                 if not waiters:
                     gets.pop(slot, None)
 
-    def _look(self, from_stage: Any, to_stage: Any, key: Any, metadata: Metadata) -> tuple[Any, int] | None:
+    def _look(
+        self, from_stage: Any, to_stage: Any, key: Any, metadata: Metadata, *, socket_too: bool = False
+    ) -> tuple[Any, int] | None:
         """The connector's non-blocking get, as this wrapper's looks make it.
 
         A ZeroMQ push receiver finds items by key alone, and the metadata of one of its puts would
         make its ``get`` wait for that put (blocking the loop): it is never passed there. While the
-        loop polls the socket, only the mailbox is looked at (the socket is the loop's to read).
+        loop polls the socket, only the mailbox is looked at (the socket is the loop's to read),
+        unless ``socket_too``.
         """
         if not self._readable:
             return self.connector.get(from_stage, to_stage, key, metadata)
-        if self._reading and self._reader is not None:
+        if self._reading and self._reader is not None and not socket_too:
             return self._reader.take(str(from_stage), str(to_stage), str(key))
         return self.connector.get(from_stage, to_stage, key)
 

@@ -299,7 +299,7 @@ class PushReceiver:
                 for ready, _ in zmq.zmq_poll(poller.sockets, int(min(remaining, 60.0) * 1000) + 1):
                     if ready is sock:
                         # Event loops poll ZeroMQ's edge-triggered descriptor: for them, read until empty.
-                        self._on_readable(None if self._loop_readers else slot)
+                        self._on_readable(None if self._loop_readers else slot[2])
                     elif ready == recall:
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(recall)
@@ -608,11 +608,11 @@ class PushReceiver:
             next_check = min(next_check, max(0.001, self._flush_due - now))
         self._loop.call_later(next_check, self._reclaim)
 
-    def _on_readable(self, want: tuple[str, str, str] | None = None) -> bool:
+    def _on_readable(self, want_key: str | None = None) -> bool:
         """Drain the socket (holds ``_owner``: on the I/O thread or a reading getter).
 
-        A reading getter passes the slot it waits for as ``want``: the drain stops once a DATA
-        of that key is in, without asking ZeroMQ whether more is queued (``ZMQ_EVENTS``, about
+        A reading getter passes the key it waits for as ``want_key``: the drain stops once a
+        DATA of that key is in, without asking ZeroMQ whether more is queued (``ZMQ_EVENTS``, about
         1 us a call, on every lone message's critical path). What stays queued is read by
         the next getter's poll or by the I/O thread, both level-triggered (``zmq_poll``);
         a getter passes None while event loops poll the edge-triggered descriptor.
@@ -625,7 +625,6 @@ class PushReceiver:
         self._now = time.monotonic()
         rejected = 0
         emptied = False
-        want_key = None if want is None else want[2]
         for _ in range(_MAX_DRAIN):
             message = recv_routed(sock, max_frames)
             if message is None:
