@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -511,6 +512,46 @@ def test_limits_are_enforced() -> None:
     with pytest.raises(DecodeError, match="limit of"):
         decode(frames, limits=DecodeLimits(max_total_bytes=frames_nbytes(frames) - 1))
     assert decode(frames, limits=DecodeLimits(max_total_bytes=frames_nbytes(frames)))
+
+
+def test_one_frame_headers_share_a_state_that_keeps_each_calls_limits_and_no_decode_changes() -> None:
+    """Inline-only headers decode through one shared state: limits still per call, hostile ones refused."""
+    from zmq_omni.wire import _codec
+
+    cube = encode({"a": np.arange(8, dtype=np.int16).reshape(2, 2, 2)})
+    assert len(cube) == 1 and cube[0][4] == 0x01  # one frame whose preamble declares only FLAG_EXT
+    strict, loose = DecodeLimits(max_ndim=2), DecodeLimits(max_ndim=3)
+    for _ in range(3):  # alternating limits objects: the kept state is compared by identity, never reused wrongly
+        with pytest.raises(DecodeError, match="3 dimensions, limit is 2"):
+            decode(cube, limits=strict)
+        assert same(decode(cube, limits=loose)["a"], np.arange(8, dtype=np.int16).reshape(2, 2, 2))
+        assert decode(cube)["a"].flags.writeable  # an inline array is a private, writable copy
+    out_of_band = header([array_ext(b"<i2", (4,), index=1, nbytes=8)])  # refers to a frame 1 it does not have
+    tuple_mark = header([msgpack.ExtType(_codec.EXT_TUPLE, b""), 1])  # a tuple marker its flags do not declare
+    for forged, message in ((out_of_band, "refers to frame 1"), (tuple_mark, "malformed tuple marker")):
+        with pytest.raises(DecodeError, match=message):
+            decode([forged])
+    state = _codec._last_single_frame_state[1]
+    assert (state.next_frame, state.total, state.open_marks) == (1, 0, 0)
+    assert same(decode(encode((1, 2))), (1, 2))  # a header with marks still gets a state of its own
+
+    arrays = [np.full(64, i, np.uint8) for i in range(4)]
+    wires = [encode(a) for a in arrays]
+    errors: list[BaseException] = []
+
+    def decode_many(i: int) -> None:
+        try:
+            for _ in range(2000):
+                assert same(decode(wires[i]), arrays[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=decode_many, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
 
 
 def test_decode_limits_reject_bad_values() -> None:

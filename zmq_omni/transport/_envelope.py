@@ -99,6 +99,7 @@ _ARITY = {
 _KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: Kind(n) costs ~0.5 us per message
 
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
+_unpackb = msgpack.unpackb
 
 
 def pack(kind: Kind, header: Sequence[Any], payload: bytes | memoryview | None = None) -> bytes:
@@ -126,7 +127,8 @@ def unpack(frame: bytes | memoryview) -> tuple[Kind, list[Any], memoryview]:
     if size > MAX_HEADER_BYTES or end > view.nbytes:
         raise DecodeError(f"transport header length {size} exceeds the frame ({view.nbytes} bytes)")
     try:
-        header = msgpack.unpackb(view[PREAMBLE_SIZE:end], raw=False, strict_map_key=True, use_list=True)
+        # msgpack's defaults (raw=False, strict_map_key=True, use_list=True) are the rules here; keywords cost.
+        header = _unpackb(view[PREAMBLE_SIZE:end])
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise DecodeError(f"transport header is not valid msgpack: {exc!r}") from exc
     if not isinstance(header, list) or len(header) not in _ARITY[kind]:

@@ -237,7 +237,7 @@ class PushReceiver:
     def _pop(self, slot: tuple[str, str, str], key: str) -> _Item | None:
         """Take ``slot``'s item out of the mailbox (its consumption acknowledged), or None."""
         with self._lock:
-            if self._tombs:
+            if self._tombs.entries:
                 self._tombs.lift(key)
             item = self._box.pop(slot, None)
             if item is not None:
@@ -252,7 +252,7 @@ class PushReceiver:
         """
         slot = (from_stage, to_stage, key)
         with self._lock:
-            if self._tombs:
+            if self._tombs.entries:
                 self._tombs.lift(key)
             item = self._box.pop(slot, None)
             while item is None:
@@ -294,7 +294,8 @@ class PushReceiver:
                     poller = self._recall_poller
                 else:
                     poller = self._read_poller
-                    self._flush_if_heavy()
+                    if self._pending_bytes >= _ACK_BYTES:  # _flush_if_heavy, inline: once per wait
+                        self._flush_all()
                 # Capped: an infinite deadline waits in 60 s slices (close and owed work wake it at once).
                 for ready, _ in zmq.zmq_poll(poller.sockets, int(min(remaining, 60.0) * 1000) + 1):
                     if ready is sock:
@@ -639,7 +640,8 @@ class PushReceiver:
                 if kind is Kind.BATCH:
                     rejected += self._on_batch(header, payload, len(frames))
                 elif kind is Kind.DATA:
-                    check_types(header[:6], _DATA_TYPES, "DATA")
+                    if tuple(map(type, header[:6])) != _DATA_TYPES:  # check_types's test, without its call
+                        check_types(header[:6], _DATA_TYPES, "DATA")  # raises, saying which field is wrong
                     if type(header[6]) not in _LOC_TYPES:
                         raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
                     self._on_data(header, payload, frames)
@@ -686,7 +688,7 @@ class PushReceiver:
             if arm and not self._flush_armed:
                 self._flush_armed = schedule = True
                 self._flush_due = self._now + self._ack_delay
-            if self._tombs:
+            if self._tombs.entries:
                 arrivals = self._drop_buried(arrivals, replaced)
             box = self._box
             for slot, item in arrivals:

@@ -31,18 +31,20 @@ class Tombstones:
         max_count: most tombstones held (keys and prefixes together).
     """
 
-    __slots__ = ("_max", "_prefixes", "_tombs", "_ttl", "evicted")
+    __slots__ = ("_max", "_prefixes", "_ttl", "entries", "evicted")
 
     def __init__(self, ttl_s: float, max_count: int) -> None:
         self._ttl = ttl_s
         self._max = max_count
         # (KEY or PREFIX, name) -> when it lapses; insertion order is lapse order (a renewal moves it to the end).
-        self._tombs: dict[tuple[int, str], float] = {}
+        # Public for one use: ``if tombs.entries:`` is the hot paths' test for "any tombstone at all" (a dict's
+        # truth, where ``len()`` would be a Python call per get). Read it, never change it.
+        self.entries: dict[tuple[int, str], float] = {}
         self._prefixes = 0  # how many of them are prefixes (none: an arrival costs one lookup)
         self.evicted = 0  # tombstones pushed out by max_count
 
     def __len__(self) -> int:
-        return len(self._tombs)
+        return len(self.entries)
 
     def bury(self, now: float, *, key: str | None = None, prefix: str | None = None) -> None:
         """Lay (or renew) a tombstone of ``key`` and/or of ``prefix`` (keys that are it + digits)."""
@@ -61,15 +63,15 @@ class Tombstones:
 
     def lift(self, key: str) -> None:
         """A ``get`` asks for ``key`` again: forget every tombstone covering it, lapsed or not."""
-        self._tombs.pop((_KEY, key), None)
+        self.entries.pop((_KEY, key), None)
         if self._prefixes:
             for end in _prefix_ends(key):
-                if self._tombs.pop((_PREFIX, key[:end]), None) is not None:
+                if self.entries.pop((_PREFIX, key[:end]), None) is not None:
                     self._prefixes -= 1
 
     def lapse(self, now: float) -> int:
         """Forget the tombstones whose time is up; how many."""
-        tombs = self._tombs
+        tombs = self.entries
         gone = 0
         while tombs:
             name = next(iter(tombs))
@@ -81,7 +83,7 @@ class Tombstones:
 
     def _find(self, key: str, now: float) -> tuple[int, str] | None:
         """The live tombstone covering ``key``: the key's own, else its longest buried prefix."""
-        tombs = self._tombs
+        tombs = self.entries
         until = tombs.get((_KEY, key))
         if until is not None and until > now:
             return _KEY, key
@@ -93,15 +95,15 @@ class Tombstones:
         return None
 
     def _lay(self, name: tuple[int, str], now: float) -> None:
-        if self._tombs.pop(name, None) is None and name[0] == _PREFIX:
+        if self.entries.pop(name, None) is None and name[0] == _PREFIX:
             self._prefixes += 1
-        self._tombs[name] = now + self._ttl
-        while len(self._tombs) > self._max:  # the first one lapses first
-            self._remove(next(iter(self._tombs)))
+        self.entries[name] = now + self._ttl
+        while len(self.entries) > self._max:  # the first one lapses first
+            self._remove(next(iter(self.entries)))
             self.evicted += 1
 
     def _remove(self, name: tuple[int, str]) -> None:
-        del self._tombs[name]
+        del self.entries[name]
         if name[0] == _PREFIX:
             self._prefixes -= 1
 

@@ -951,6 +951,30 @@ def decode_each(
     return out
 
 
+def _single_frame_state(limits: DecodeLimits) -> _Decoding:
+    """The shared decoding state of one-frame encodings whose preamble declares only ``FLAG_EXT``.
+
+    Decoding such a header never changes its state: an out-of-band array reference
+    fails (there is no frame 1), tuple and object markers and pickles are refused
+    (their flags are absent), and inline arrays, tensors, scalars and big ints read
+    nothing but the limits. So it needs neither a state of its own nor the checks
+    after the parse (no marker can be open, no frame unused), and any thread may
+    use it at once. The last one made is kept with its limits, compared by identity
+    (a connector decodes with the same limits object every time; hashing the
+    dataclass would cost more than building a state).
+    """
+    global _last_single_frame_state
+    state = _Decoding((b"",), 1, FLAG_EXT, False, limits, 0)
+    _last_single_frame_state = (limits, state)
+    return state
+
+
+_last_single_frame_state: tuple[DecodeLimits, _Decoding] = (
+    _DEFAULT_LIMITS,
+    _Decoding((b"",), 1, FLAG_EXT, False, _DEFAULT_LIMITS, 0),
+)
+
+
 _PREAMBLE_CHECK = struct.Struct("<4sBI")
 _MAGIC_AND_VERSION: Final = MAGIC + bytes((WIRE_VERSION,))
 _SLICE_HEADER_MAX: Final = 4096
@@ -1039,15 +1063,18 @@ def decode(
             # Plain msgpack: the metadata-only hot path.
             # msgpack bounds every declared length by the input's length when no limit is
             # given (max_*_len=-1 means len(body)), so a forged count cannot make it allocate.
-            return _unpackb(body, ext_hook=_reject_ext, raw=False, strict_map_key=False)
+            return _unpackb(body, ext_hook=_reject_ext, strict_map_key=False)
+        if count == 1 and flags == FLAG_EXT and device is None:
+            # Inline arrays, scalars, big ints and nothing else (a small put's usual header): no hook
+            # here changes its state (see _single_frame_state), so one state per limits serves every call.
+            last = _last_single_frame_state  # one read: another thread may replace it meanwhile
+            state = last[1] if last[0] is lim else _single_frame_state(lim)
+            return _unpackb(body, ext_hook=state.ext_hook, strict_map_key=False)
         state = _Decoding(frames, count, flags, allow_pickle, lim, size + PREAMBLE_SIZE, device)
-        obj = _unpackb(
-            body,
-            ext_hook=state.ext_hook,
-            list_hook=state.list_hook if flags & _MARKS else None,
-            raw=False,
-            strict_map_key=False,
-        )
+        if flags & _MARKS:
+            obj = _unpackb(body, ext_hook=state.ext_hook, list_hook=state.list_hook, strict_map_key=False)
+        else:
+            obj = _unpackb(body, ext_hook=state.ext_hook, strict_map_key=False)
     except DecodeError:
         raise
     except Exception as exc:
