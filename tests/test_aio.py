@@ -225,6 +225,29 @@ async def test_cancellation_at_any_point_loses_nothing(short_tmp: Path, kind: st
 
 
 @pytest.mark.anyio
+async def test_an_awaited_get_whose_shared_memory_payload_is_gone_times_out_and_records_why(
+    short_tmp: Path, shm_dir: str
+) -> None:
+    """The loop reads the socket (a get waited), the payload's pool is unlinked before any read: None, one failure."""
+    endpoints = {"1": f"ipc://{short_tmp}/r1"}
+    base = {"endpoints": endpoints, "shm_dir": shm_dir, "shm_min_free_bytes": 0, "heartbeat_s": 0.1}
+    receiver = ZmqConnector({**base, "stage_id": "1", "role": "receiver"})
+    async with AsyncConnector(receiver) as conn:
+        assert await conn.get("0", "1", "warm-up", timeout=0.05) is None  # a get waited: the loop reads now
+        sender = ZmqConnector({**base, "stage_id": "0", "role": "sender", "shm": "on", "shm_threshold": 8192})
+        try:  # on the loop thread: nothing reads the handle before the pool is gone
+            assert sender.put("0", "1", "k0", {"data": np.ones(1 << 16, np.uint8)})[0]
+            assert sender.health()["shm_puts"] == 1
+        finally:
+            sender.close()
+        assert await conn.get("0", "1", "k0", timeout=1.0) is None
+        failures = receiver.drain_failures()
+        assert [(f.op, f.key) for f in failures] == [("get", "k0")], failures
+        assert "shared-memory payload of 'k0'" in failures[0].reason
+    assert [n for n in os.listdir(shm_dir) if n.startswith("zomni_")] == []
+
+
+@pytest.mark.anyio
 async def test_get_cancelled_after_its_item_was_taken_hands_it_back() -> None:
     namespace = uuid.uuid4().hex
     async with (

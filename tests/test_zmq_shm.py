@@ -374,3 +374,24 @@ def test_a_stream_of_puts_gets_the_shm_verdict_without_waiting_for_a_heartbeat(s
     assert got == i + 1
     assert learned_after < 10 and health["shm_puts"] >= 3, (learned_after, health)
     assert ours(shm_dir) == []
+
+
+def test_a_get_whose_shared_memory_payload_is_gone_returns_none_and_records_why(short_tmp: Path, shm_dir: str) -> None:
+    """The sender closed (its pool unlinked) before the receiver opened the slot: None, a get failure, no leak."""
+    scfg, rcfg = configs(short_tmp, shm_dir, shm_threshold=8 * KiB)
+    with ZmqConnector(rcfg) as receiver:
+        sender = ZmqConnector(scfg)
+        try:
+            generation = receiver.get_wakeup_generation()
+            assert generation is not None
+            assert sender.put("0", "1", "k0", {"data": np.ones(64 * KiB, np.uint8)})[0]
+            assert sender.health()["shm_puts"] == 1
+            assert receiver.wait_for_change(generation, timeout=30) != generation  # in the mailbox, not opened
+        finally:
+            sender.close()
+        assert receiver.get("0", "1", "k0") is None
+        failures = receiver.drain_failures()
+        assert [(f.op, f.key) for f in failures] == [("get", "k0")]
+        assert "shared-memory payload of 'k0'" in failures[0].reason
+        assert receiver.get("0", "1", "k0") is None and receiver.drain_failures() == []  # the item is gone
+    assert ours(shm_dir) == []
