@@ -143,13 +143,19 @@ def test_large_payloads_are_acknowledged_every_few_mib(short_tmp: Path) -> None:
     # them arrived, so the sender stops keeping them long before ack_delay_s.
     payload = np.zeros(1 << 20, dtype=np.uint8)
     with _edge(short_tmp) as (receiver, sender):
+        # First the sender's control connection must be up: a REPLY to a sender whose control socket has not
+        # connected yet is unroutable and dropped (acks_dropped; a later pong repeats it), which under load
+        # could be the very ack this test waits for. flush() pings until the warm-up put is confirmed.
+        assert sender.put("0", "1", "warm-up", 1)[0]
+        assert receiver.get_with_deadline("0", "1", "warm-up", deadline=time.monotonic() + 10) is not None
+        assert sender.flush(10)
         for i in range(4):
             assert sender.put("0", "1", f"k{i}", payload)[0]
             got = receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 10)
             assert got is not None and got[0].nbytes == payload.nbytes
         # The acks of the first puts went with the arrival of the later ones (no ping: heartbeats
         # are an hour apart and nobody flushes).
-        assert wait_until(lambda: _unconfirmed(sender) <= 2, 5)
+        assert wait_until(lambda: _unconfirmed(sender) <= 2, 5), (_unconfirmed(sender), receiver.health())
 
 
 def test_ack_delay_s_is_a_config_key() -> None:
