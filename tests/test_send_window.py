@@ -389,6 +389,27 @@ def test_source_state_reports_drops_apart_once_then_repeats_them_as_consumed() -
     assert last is not None and sorted(last[1]) == [0, 1, 2, 3]
 
 
+def test_source_state_says_again_what_an_unsent_reply_said() -> None:
+    source = SourceState("s", 0.0)
+    for seq in range(4):
+        source.accept(seq)
+    source.consume(0)
+    acks = source.ack()
+    assert acks == ([0, 1, 2, 3], [0])
+    source.unsent(-1, *acks)  # the plain ack could not go out
+    source.accept(4)
+    assert source.ack() == ([0, 1, 2, 3, 4], [0])  # what it said goes in the next one
+    source.unsent(0, [0, 1, 2, 3, 4], [0])  # nor could a pong: its arrivals go in the next, consumptions stay
+    arrived, consumed = source.pong()
+    assert arrived == [0, 1, 2, 3, 4] and consumed == [0]
+    source.drop(1, -3)
+    ((code, seqs),) = source.drops()
+    source.unsent(code, [], seqs)  # a drop report that could not go out stays a drop report
+    assert source.pong() == ([], [0])  # not called consumed before the report is sent
+    assert source.drops() == [(-3, [1])]
+    assert sorted(source.pong()[1]) == [0, 1]
+
+
 _SOURCE_OPS = st.lists(
     st.one_of(
         st.tuples(st.just("data"), st.integers(0, 30), st.integers(0, 30)),

@@ -230,6 +230,45 @@ def test_hostile_frames_are_rejected_and_counted(
     assert probe(endpoint)["rejected_frames"] == len(hostile)
 
 
+def test_an_ack_to_a_sender_not_yet_routable_is_said_again_in_the_next_reply(
+    connectors: list[ZmqConnector], short_tmp: Path, zmq_ctx: zmq.Context[Any]
+) -> None:
+    """A sender's first REPLY can go out before its control socket connected: its arrivals must not vanish.
+
+    A pong reports arrivals only since the last REPLY, and a sender resends whatever it never heard
+    arrived: a dropped arrival ack would cost a resend of every such put (all of a large payload).
+    Raw sockets speak the protocol here, so the control socket connects exactly when the test says.
+    """
+    from zmq_omni.transport._envelope import Kind, pack, unpack
+
+    endpoint = f"ipc://{short_tmp}/a.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint}, ack_delay_s=0.001)
+    data = zmq_ctx.socket(zmq.DEALER)  # the sender's data socket; its control socket is not there yet
+    data.connect(endpoint)
+    data.send(pack(Kind.DATA, ("x", 0, 0, "0", "1", "k0", None), encode({"v": 1})[0]))
+    assert wait_until(lambda: receiver.health()["acks_dropped"] >= 1, 10), receiver.health()  # the arrival ack
+    assert receiver.health()["mailbox"] == 1
+    ctl = zmq_ctx.socket(zmq.DEALER)
+    ctl.setsockopt(zmq.ROUTING_ID, b"cx")  # the routing identity a sender's control socket has
+    ctl.connect(endpoint)
+    pong: list[Any] | None = None
+    deadline = time.monotonic() + 10
+    ping = 0
+    while pong is None and time.monotonic() < deadline:  # pings until the control socket is routable
+        ping += 1
+        data.send(pack(Kind.PING, ("x", ping, 0)))
+        while ctl.poll(100):
+            kind, header, _ = unpack(ctl.recv())
+            if kind is Kind.REPLY and header[1] >= 0:
+                pong = header
+    assert pong is not None, receiver.health()
+    assert pong[2] == [[0, 0]], pong  # the dropped ack's arrival, in the first REPLY that could go out
+    got = receiver.get("0", "1", "k0")
+    assert got is not None and got[0] == {"v": 1}
+    for sock in (data, ctl):
+        sock.close(linger=0)
+
+
 def test_oversized_messages_are_rejected_and_reported(connectors: list[ZmqConnector], short_tmp: Path) -> None:
     endpoint = f"ipc://{short_tmp}/o.sock"
     receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint}, max_message_bytes=64 << 10)

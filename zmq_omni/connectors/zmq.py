@@ -788,6 +788,7 @@ class ZmqConnector(OmniConnectorBase):
                 "tombstones_evicted",
             ):
                 base[name] = receiving[name]
+            base.setdefault("acks_dropped", 0)  # REPLYs ZeroMQ could not route (their content waits for the next)
             base["incarnation"] = self._receiver.incarnation
         reasons = self._reasons(sending, receiving)
         if reasons:

@@ -126,6 +126,24 @@ class SourceState:
         arrived, self.arrived = self.arrived, []
         return arrived, list(reported)
 
+    def unsent(self, code: int, arrived: Sequence[int], consumed: Sequence[int]) -> None:
+        """A REPLY saying ``arrived`` and ``consumed`` (``code`` as sent) could not go out: say it in the next.
+
+        Arrivals go back in front of the next acknowledgement (a pong reports arrivals only
+        since the last REPLY, and a sender resends what it never heard arrived); so do a
+        plain acknowledgement's consumptions (they are in ``reported`` too, which every pong
+        repeats, but the next acknowledgement frees the sender's window sooner). A drop report
+        (``code`` below -1) goes back as such, and its seqs leave ``reported`` until it is sent
+        (else a pong would call them consumed and the sender would never learn why).
+        """
+        if arrived:
+            self.arrived[:0] = arrived
+        if code == -1 and consumed:
+            self.consumed[:0] = consumed
+        elif code < -1 and consumed:
+            self.reported.difference_update(consumed)
+            self.dropped.setdefault(code, [])[:0] = consumed
+
     def last_word(self) -> tuple[list[int], list[int]] | None:
         """What to tell the sender as the receiver closes: arrivals and every unconfirmed consumption."""
         self.reported.update(self.consumed)

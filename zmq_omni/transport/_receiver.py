@@ -911,18 +911,21 @@ class PushReceiver:
         """A REPLY to ``source``: answering ``ping`` (-1: a plain ack), ``arrived`` and ``consumed``.
 
         Lists longer than ``_MAX_REPLY_SEQS`` go in several REPLYs, plain acks first and the
-        answer to ``ping`` last, so no REPLY exceeds what any sender accepts.
+        answer to ``ping`` last, so no REPLY exceeds what any sender accepts. What a REPLY
+        that could not go out said is kept for the next one (see :meth:`SourceState.unsent`).
         """
         cap = _MAX_REPLY_SEQS
         if len(arrived) > cap or len(consumed) > cap:
             arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
             ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
             while len(arrived) > cap or len(consumed) > cap:
-                self._send_one_reply(source, ack, arrived[:cap], consumed[:cap])
+                if not self._send_one_reply(source, ack, arrived[:cap], consumed[:cap]):
+                    source.unsent(ack, arrived[:cap], consumed[:cap])
                 arrived, consumed = arrived[cap:], consumed[cap:]
-        self._send_one_reply(source, ping, arrived, consumed)
+        if not self._send_one_reply(source, ping, arrived, consumed):
+            source.unsent(ping, arrived, consumed)
 
-    def _send_one_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> None:
+    def _send_one_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> bool:
         header = (
             self.incarnation,
             ping,
@@ -931,15 +934,17 @@ class PushReceiver:
             source.shm,
             self._max_message,
         )
-        self._reply(source.ctl, pack(Kind.REPLY, header))
+        return self._reply(source.ctl, pack(Kind.REPLY, header))
 
-    def _reply(self, identity: bytes, frame: bytes) -> None:
+    def _reply(self, identity: bytes, frame: bytes) -> bool:
+        """Send a reply routed to ``identity``; False when ZeroMQ refused it (dropped, ``acks_dropped``)."""
         try:
             self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError:
-            # Unroutable or full: acks are repeated (pongs carry every unconfirmed consumption,
-            # and unacknowledged arrivals are resent and acknowledged again), so dropping is safe.
+            # Unroutable (a sender whose control socket has not connected yet, or is gone) or full.
             self._counters.add("acks_dropped")
+            return False
+        return True
 
     def _expire_unclaimed(self) -> None:
         """Drop items no get took within ``unclaimed_ttl_s`` (acknowledged as consumed) and lapsed tombstones."""
