@@ -417,6 +417,7 @@ _SOURCE_OPS = st.lists(
         st.tuples(st.just("ack"), st.just(0), st.just(0)),
         st.tuples(st.just("pong"), st.just(0), st.just(0)),
         st.tuples(st.just("batch"), st.integers(0, 30), st.integers(1, 6)),
+        st.tuples(st.just("lost"), st.sampled_from([-1, 0]), st.just(0)),  # a plain ack or a pong not routable
     ),
     max_size=80,
 )
@@ -459,6 +460,10 @@ def test_source_state_accepts_once_and_reports_what_it_must(ops: list[tuple[str,
             if got is not None:
                 assert set(got[0]) == unreported_arrivals
                 unreported_arrivals = set()
+        elif op == "lost":  # the REPLY could not go out: what it said must still reach the sender later
+            said = source.ack() if a == -1 else source.pong()
+            if said is not None:
+                source.unsent(a, *said)
         elif op == "pong":
             arrived, reported = source.pong()
             assert set(arrived) == unreported_arrivals
