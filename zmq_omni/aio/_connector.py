@@ -404,9 +404,6 @@ class AsyncConnector:
             gets = self._gets
             slots = list(gets) if arrived is None else [slot for slot in dict.fromkeys(arrived) if slot in gets]
             get = self._look
-            # While this loop reads the socket, a look is the mailbox alone: called directly, as _look would
-            # (once per awaited message, on the loop: the call saved is a microsecond or two cold).
-            take = self._reader.take if self._reading and self._reader is not None else None
             for slot in slots:
                 waiters = gets.get(slot)
                 while waiters:
@@ -414,7 +411,7 @@ class AsyncConnector:
                     if waiter.fut.done():
                         waiters.popleft()
                         continue
-                    got = take(*slot) if take is not None else get(slot[0], slot[1], slot[2], waiter.metadata)
+                    got = get(slot[0], slot[1], slot[2], waiter.metadata)
                     if got is None:
                         break
                     waiters.popleft()

@@ -591,28 +591,15 @@ class ZmqConnector(OmniConnectorBase):
             if deadline is None:
                 return receiver.take(from_stage, to_stage, key, look=look)
             return receiver.take_by(from_stage, to_stage, key, deadline)
-        except ZmqOmniError as exc:
-            self._take_failed(from_stage, to_stage, key, exc)
+        except ZmqOmniError as exc:  # the item's shared-memory payload is gone or malformed
+            self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
             return None
 
     def _take_queued(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
-        """What a :class:`LoopReader` takes: the mailbox alone (the loop reads the socket itself).
-
-        It calls the receiver itself rather than through :meth:`_take`: it runs for every
-        awaited message, on the event loop (a Python call less there is a microsecond or two cold).
-        """
-        receiver = self._receiver
-        if self._closed or receiver is None:
+        """What a :class:`LoopReader` takes: the mailbox alone (the loop reads the socket itself)."""
+        if self._closed or self._receiver is None:
             return None
-        try:
-            return receiver.take(from_stage, to_stage, key, look=False)
-        except ZmqOmniError as exc:
-            self._take_failed(from_stage, to_stage, key, exc)
-            return None
-
-    def _take_failed(self, from_stage: str, to_stage: str, key: str, exc: ZmqOmniError) -> None:
-        """Record a take whose item's shared-memory payload was gone or malformed (the item is gone)."""
-        self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
+        return self._take(from_stage, to_stage, key, None, look=False)
 
     def _fetch(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None

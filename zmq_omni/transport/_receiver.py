@@ -294,8 +294,7 @@ class PushReceiver:
                     poller = self._recall_poller
                 else:
                     poller = self._read_poller
-                    if self._pending_bytes >= _ACK_BYTES:  # _flush_if_heavy, inline: once per wait
-                        self._flush_all()
+                    self._flush_if_heavy()
                 # Capped: an infinite deadline waits in 60 s slices (close and owed work wake it at once).
                 for ready, _ in zmq.zmq_poll(poller.sockets, int(min(remaining, 60.0) * 1000) + 1):
                     if ready is sock:
@@ -640,8 +639,7 @@ class PushReceiver:
                 if kind is Kind.BATCH:
                     rejected += self._on_batch(header, payload, len(frames))
                 elif kind is Kind.DATA:
-                    if tuple(map(type, header[:6])) != _DATA_TYPES:  # check_types's test, without its call
-                        check_types(header[:6], _DATA_TYPES, "DATA")  # raises, saying which field is wrong
+                    check_types(header[:6], _DATA_TYPES, "DATA")
                     if type(header[6]) not in _LOC_TYPES:
                         raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
                     self._on_data(header, payload, frames)

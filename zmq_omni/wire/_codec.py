@@ -969,10 +969,8 @@ def _single_frame_state(limits: DecodeLimits) -> _Decoding:
     return state
 
 
-_last_single_frame_state: tuple[DecodeLimits, _Decoding] = (
-    _DEFAULT_LIMITS,
-    _Decoding((b"",), 1, FLAG_EXT, False, _DEFAULT_LIMITS, 0),
-)
+_last_single_frame_state: tuple[DecodeLimits, _Decoding]
+_single_frame_state(_DEFAULT_LIMITS)
 
 
 _PREAMBLE_CHECK = struct.Struct("<4sBI")
@@ -1071,10 +1069,8 @@ def decode(
             state = last[1] if last[0] is lim else _single_frame_state(lim)
             return _unpackb(body, ext_hook=state.ext_hook, strict_map_key=False)
         state = _Decoding(frames, count, flags, allow_pickle, lim, size + PREAMBLE_SIZE, device)
-        if flags & _MARKS:
-            obj = _unpackb(body, ext_hook=state.ext_hook, list_hook=state.list_hook, strict_map_key=False)
-        else:
-            obj = _unpackb(body, ext_hook=state.ext_hook, strict_map_key=False)
+        list_hook = state.list_hook if flags & _MARKS else None
+        obj = _unpackb(body, ext_hook=state.ext_hook, list_hook=list_hook, strict_map_key=False)
     except DecodeError:
         raise
     except Exception as exc:
