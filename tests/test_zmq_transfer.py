@@ -219,7 +219,7 @@ def test_wait_for_change_wakes_on_arrival_and_times_out_otherwise(short_tmp: Pat
         closer.join()
 
 
-def test_a_stream_of_small_puts_rides_in_batches_without_a_wakeup_per_put(short_tmp: Path) -> None:
+def test_puts_queued_while_a_flush_is_armed_ride_along_without_waking_the_io_thread(short_tmp: Path) -> None:
     from zmq_omni.connectors.zmq import ZmqConnector
 
     endpoint = f"ipc://{short_tmp}/stream.sock"
@@ -229,6 +229,7 @@ def test_a_stream_of_small_puts_rides_in_batches_without_a_wakeup_per_put(short_
     ):
         assert sender.put("0", "1", "hello", 1)[0]  # the receiver's first ack announces its batch limit
         assert receiver.get_with_deadline("0", "1", "hello", deadline=time.monotonic() + 5) is not None
+        assert wait_for_empty(sender)
         loop = sender._loop
         assert loop is not None
         wakes = [0]
@@ -238,15 +239,21 @@ def test_a_stream_of_small_puts_rides_in_batches_without_a_wakeup_per_put(short_
             wakes[0] += 1
             wake()
 
-        loop.wake = counting_wake  # type: ignore[method-assign]
         n = 3000
-        for i in range(n):
-            assert sender.put("0", "1", f"s{i}", {"i": i, "pad": b"x" * 100})[0]
+        # While the I/O thread is busy, the flush the first queued put armed stays armed: whatever the
+        # scheduling (a put may still leave alone, or fill a batch and send it itself), no later put of the
+        # burst wakes the I/O thread again. (Timing-free: counting wake-ups of a free-running stream
+        # measured the machine's load, and failed on a busy CI runner.)
+        with io_paused(sender):
+            loop.wake = counting_wake  # type: ignore[method-assign]
+            for i in range(n):
+                assert sender.put("0", "1", f"s{i}", {"i": i, "pad": b"x" * 100})[0]
+            during_burst = wakes[0]
+            loop.wake = wake  # type: ignore[method-assign]
+        assert during_burst <= 1, during_burst
         for i in range(n):
             got = receiver.get_with_deadline("0", "1", f"s{i}", deadline=time.monotonic() + 10)
             assert got is not None and got[0]["i"] == i
-        # The first queued put of a busy period wakes the I/O thread; the rest of the stream rides along.
-        assert wakes[0] < n // 10, wakes[0]
         assert sender.health()["batches_sent"] < n // 2
         assert sender.health()["pending"] == 0 or wait_for_empty(sender)
 
