@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import zmq
 
 from zmq_omni.aio import AsyncConnector
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.wire import register_type, unregister_type
+
+from .conftest import wait_until
 
 LOOPS = [pytest.param(("asyncio", {}), id="asyncio"), pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")]
 
@@ -210,6 +213,38 @@ async def test_a_flood_is_read_in_turns_without_starving_the_loop(short_tmp: Pat
 
 
 @pytest.mark.anyio
+async def test_what_queued_behind_a_woken_pumps_first_item_is_read_on_the_loop(
+    short_tmp: Path, traced: list[str]
+) -> None:
+    # A pump woken by the descriptor stops after the first message that brought items (their waiter
+    # resumes first); the loop then reads on. Three puts queue in ZeroMQ while the loop is held up:
+    # all three must be read on the loop thread, none left for the I/O thread (kept from taking the
+    # socket back here), and every get served.
+    loop_thread = threading.current_thread().name
+    async with _async_edge(short_tmp) as (conn, sender):
+        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
+        part = conn.connector._receiver
+        assert part is not None
+        gets = {key: asyncio.create_task(conn.get("0", "1", key, timeout=10)) for key in ("a", "b", "c")}
+        while conn.health()["aio_gets_waiting"] < 3:
+            await asyncio.sleep(0)
+        assert not part._io_watching
+        assert part._owner.acquire(timeout=10)  # nobody reads meanwhile, the I/O thread's reclaim included
+        try:
+            del traced[:]
+            for i, key in enumerate(gets):
+                assert sender.put("0", "1", key, Traced(i + 1))[0]
+            assert wait_until(lambda: part._sock.get(zmq.EVENTS) & zmq.POLLIN, 10)
+            time.sleep(0.3)  # the loop is held up: the other puts reach ZeroMQ's queue too
+            part._last_read = time.monotonic() + 60  # the I/O thread leaves the socket to the loop
+        finally:
+            part._release_owner()
+        got = {key: await task for key, task in gets.items()}
+    assert {key: value and value[0].value for key, value in got.items()} == {"a": 1, "b": 2, "c": 3}
+    assert traced == [loop_thread] * 3
+
+
+@pytest.mark.anyio
 async def test_aclose_releases_the_loop_readers_descriptor(short_tmp: Path) -> None:
     with _edge(short_tmp) as (receiver, sender):
         sender.put("0", "1", "warm", 0)  # the sender's sockets open at its first put
@@ -243,7 +278,7 @@ async def test_a_failing_pump_leaves_the_socket_to_the_io_thread(
     # the I/O thread reads the socket again, feeding the waiters through the watch.
     from zmq_omni.transport import LoopReader
 
-    def broken(self: LoopReader, rounds: int = 1) -> bool | None:
+    def broken(self: LoopReader, rounds: int = 1, *, woken: bool = True) -> bool | None:
         raise RuntimeError("a bug in the pump")
 
     monkeypatch.setattr(LoopReader, "pump", broken)

@@ -138,6 +138,8 @@ class AsyncConnector:
         self._readable = isinstance(connector, LoopReadable) and not self._pull
         self._reader: LoopReader | None = None
         self._reading = False  # the reader's descriptor is registered with the loop
+        # While reading: the reader's mailbox-only take (the looks of an awaited get), else None.
+        self._mailbox: Callable[[str, str, str], tuple[Any, int] | None] | None = None
         self._expiries: Deadlines[_GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
         watch = connector.watch_arrivals()
         if watch is None:
@@ -288,12 +290,14 @@ class AsyncConnector:
             loop = self._bind()
         if self._closed:
             return None
+        slot = (str(from_stage), str(to_stage), str(get_key))
         if self._handed_back:
-            kept = self._take_handed_back((str(from_stage), str(to_stage), str(get_key)))
+            kept = self._take_handed_back(slot)
             if kept is not None:
                 return kept
         if not self._pull:  # the common case first: the item is there (a closed connector returns None)
-            got = self._look(from_stage, to_stage, get_key, metadata)
+            mailbox = self._mailbox
+            got = mailbox(*slot) if mailbox is not None else self._look(slot, metadata)
             if got is not None:
                 return got
         if timeout is not None and math.isnan(timeout):
@@ -301,7 +305,6 @@ class AsyncConnector:
         if self.connector.closed or (timeout is not None and timeout <= 0 and not self._pull):
             return None
         deadline = None if timeout is None else loop.time() + min(max(timeout, 0.0), MAX_WAIT_S)
-        slot = (str(from_stage), str(to_stage), str(get_key))
         waiter = _GetWaiter(loop.create_future(), slot, metadata)
         waiters = self._gets.get(slot)
         if waiters is None:
@@ -345,7 +348,7 @@ class AsyncConnector:
         if not waiter.fut.done():
             if not self._pull:
                 # One last look (at the socket too): an arrival whose wake-up is still on its way is not missed.
-                got = self._look(*waiter.slot, waiter.metadata, socket_too=True)
+                got = self._look(waiter.slot, waiter.metadata, socket_too=True)
                 if got is not None:
                     waiter.fut.set_result(got)
                     return
@@ -400,29 +403,35 @@ class AsyncConnector:
 
     def _arrived(self, arrived: list[Slot] | None) -> None:
         """Resolve the waiters of the addresses that ``arrived`` (None: of every address)."""
-        if not self._pull and self._gets:
-            gets = self._gets
-            slots = list(gets) if arrived is None else [slot for slot in dict.fromkeys(arrived) if slot in gets]
-            get = self._look
-            for slot in slots:
-                waiters = gets.get(slot)
-                while waiters:
-                    waiter = waiters[0]
-                    if waiter.fut.done():
-                        waiters.popleft()
-                        continue
-                    got = get(slot[0], slot[1], slot[2], waiter.metadata)
-                    if got is None:
-                        break
+        gets = self._gets
+        if self._pull or not gets:
+            return
+        if arrived is None:
+            slots: list[Slot] = list(gets)
+        elif len(arrived) == 1:  # a lone message (what a round trip waits for)
+            slots = arrived
+        else:
+            slots = [slot for slot in dict.fromkeys(arrived) if slot in gets]
+        mailbox = self._mailbox
+        for slot in slots:
+            waiters = gets.get(slot)
+            if waiters is None:
+                continue
+            while waiters:
+                waiter = waiters[0]
+                if waiter.fut.done():
                     waiters.popleft()
-                    waiter.fut.set_result(got)
-                if not waiters:
-                    gets.pop(slot, None)
+                    continue
+                got = mailbox(*slot) if mailbox is not None else self._look(slot, waiter.metadata)
+                if got is None:
+                    break
+                waiters.popleft()
+                waiter.fut.set_result(got)
+            if not waiters:
+                del gets[slot]
 
-    def _look(
-        self, from_stage: Any, to_stage: Any, key: Any, metadata: Metadata, *, socket_too: bool = False
-    ) -> tuple[Any, int] | None:
-        """The connector's non-blocking get, as this wrapper's looks make it.
+    def _look(self, slot: Slot, metadata: Metadata, *, socket_too: bool = False) -> tuple[Any, int] | None:
+        """The connector's non-blocking get, as this wrapper's looks make it (``slot`` is of strings).
 
         A ZeroMQ push receiver finds items by key alone, and the metadata of one of its puts would
         make its ``get`` wait for that put (blocking the loop): it is never passed there. While the
@@ -430,10 +439,10 @@ class AsyncConnector:
         unless ``socket_too``.
         """
         if not self._readable:
-            return self.connector.get(from_stage, to_stage, key, metadata)
-        if self._reading and self._reader is not None and not socket_too:
-            return self._reader.take(str(from_stage), str(to_stage), str(key))
-        return self.connector.get(from_stage, to_stage, key)
+            return self.connector.get(*slot, metadata)
+        if self._mailbox is not None and not socket_too:
+            return self._mailbox(*slot)
+        return self.connector.get(*slot)
 
     def _read_lent(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Poll the receiver's socket on this loop and ask for it (a get is about to wait)."""
@@ -446,16 +455,22 @@ class AsyncConnector:
             return
         loop.add_reader(self._reader.fileno(), self._pump)
         self._reading = True
+        self._mailbox = self._reader.take
         self._reader.lend()
 
-    def _pump(self) -> None:
-        """Read the lent socket on this thread; what it reads resolves its waiters before this returns."""
+    def _pump(self, woken: bool = True) -> None:
+        """Read the lent socket on this thread; what it reads resolves its waiters before this returns.
+
+        ``woken``: called by the loop for the descriptor. Such a pump stops after the first message
+        that brought items, and the socket is read on (settled) after the loop's other callbacks,
+        the resumed waiters' first: a lone message's waiter does not wait for that look.
+        """
         reader, watch = self._reader, self._watch
         if reader is None or watch is None:
             return
         watch.deliver_inline(self._arrived)
         try:
-            more = reader.pump()
+            more = reader.pump(woken=woken)
         except Exception:  # a bug: leave the socket to the I/O thread rather than fail on every wake-up
             log.exception("reading the connector's socket on the event loop failed; the I/O thread reads it now")
             self._readable = False
@@ -464,12 +479,13 @@ class AsyncConnector:
             watch.deliver_inline(None)
         if more is None:  # the I/O thread reads it now (or it closed): its arrivals come by the watch
             self._stop_reading()
-        elif not more and self._loop is not None:  # a flood: read on after the loop's other callbacks
-            self._loop.call_soon(self._pump)
+        elif not more and self._loop is not None:  # more may be queued: read on after the loop's other callbacks
+            self._loop.call_soon(self._pump, False)
 
     def _stop_reading(self) -> None:
         if self._reading:
             self._reading = False
+            self._mailbox = None
             if self._reader is not None and self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._reader.fileno())
 

@@ -157,12 +157,20 @@ class LoopReader(Protocol):
         """Ask for the socket: its I/O thread stops reading it and then notifies the watches (an empty notice)."""
         ...
 
-    def pump(self, rounds: int = 1) -> bool | None:
-        """Read what is queued: True when done, False when more is queued (call again), None when not lent."""
+    def pump(self, rounds: int = 1, *, woken: bool = True) -> bool | None:
+        """Read what is queued: True when done, False when more may be queued, None when not lent.
+
+        ``woken``: the descriptor woke the loop (a message is most likely queued); after False,
+        call again with ``woken=False``.
+        """
         ...
 
-    def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
-        """``(obj, nbytes)`` if the item is in the mailbox, else None; no look at the socket (the loop polls it)."""
+    @property
+    def take(self) -> Callable[[str, str, str], tuple[Any, int] | None]:
+        """``take(from_stage, to_stage, key)``: ``(obj, nbytes)`` if the item is in the mailbox, else None.
+
+        No look at the socket (the loop polls it), never waits; failures recorded as the connector's ``get`` does.
+        """
         ...
 
     def close(self) -> None:

@@ -581,25 +581,32 @@ class ZmqConnector(OmniConnectorBase):
             self._counters.add("bytes_received", got[1])
         return got
 
-    def _take(
-        self, from_stage: str, to_stage: str, key: str, deadline: float | None, look: bool = True
-    ) -> tuple[Any, int] | None:
+    def _take(self, from_stage: str, to_stage: str, key: str, deadline: float | None) -> tuple[Any, int] | None:
         """A push-mode get from the receiver's mailbox (waiting until ``deadline``, if given); failures recorded."""
         receiver = self._receiver
         assert receiver is not None
         try:
             if deadline is None:
-                return receiver.take(from_stage, to_stage, key, look=look)
+                return receiver.take(from_stage, to_stage, key)
             return receiver.take_by(from_stage, to_stage, key, deadline)
-        except ZmqOmniError as exc:  # the item's shared-memory payload is gone or malformed
-            self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
+        except ZmqOmniError as exc:
+            self._take_failed(from_stage, to_stage, key, exc)
             return None
 
     def _take_queued(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
         """What a :class:`LoopReader` takes: the mailbox alone (the loop reads the socket itself)."""
-        if self._closed or self._receiver is None:
+        receiver = self._receiver
+        if self._closed or receiver is None:
             return None
-        return self._take(from_stage, to_stage, key, None, look=False)
+        try:
+            return receiver.take(from_stage, to_stage, key, look=False)
+        except ZmqOmniError as exc:
+            self._take_failed(from_stage, to_stage, key, exc)
+            return None
+
+    def _take_failed(self, from_stage: str, to_stage: str, key: str, exc: ZmqOmniError) -> None:
+        """Record a take whose item's shared-memory payload is gone or malformed (the item is gone too)."""
+        self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
 
     def _fetch(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None

@@ -43,7 +43,9 @@ class LoopReader:
 
     def __init__(self, receiver: PushReceiver, take: Callable[[str, str, str], tuple[Any, int] | None]) -> None:
         self._receiver = receiver
-        self._take = take
+        # The bound take itself, not a method calling it: one call less on each awaited get's look.
+        self.take: Callable[[str, str, str], tuple[Any, int] | None] = take
+        """The item if it is in the mailbox; never looks at the socket (the loop polls it) and never waits."""
         self._fd = os.dup(receiver.fd)
         receiver.add_loop_reader(1)
 
@@ -55,15 +57,14 @@ class LoopReader:
         """Ask the I/O thread for the socket (it confirms with an empty arrivals notice)."""
         self._receiver.lend_to_loop()
 
-    def take(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
-        """The item if it is in the mailbox; never looks at the socket (the loop polls it) and never waits."""
-        return self._take(from_stage, to_stage, key)
+    def pump(self, rounds: int = 1, *, woken: bool = True) -> bool | None:
+        """Read what is queued: True when done, False when more may be queued, None when the socket is not lent.
 
-    def pump(self, rounds: int = 1) -> bool | None:
-        """Read what is queued: True when done, False when more is queued, None when the socket is not lent."""
+        ``woken``: the descriptor woke the loop (see :meth:`PushReceiver.pump`); a call after False passes False.
+        """
         if self._fd < 0:
             return None
-        return self._receiver.pump(rounds)
+        return self._receiver.pump(rounds, woken=woken)
 
     def close(self) -> None:
         """Release the descriptor and stop counting as a reader. Idempotent."""

@@ -339,17 +339,23 @@ class PushReceiver:
         if self._io_watching:
             self._loop.call_soon(self._unwatch)
 
-    def pump(self, rounds: int = 1) -> bool | None:
+    def pump(self, rounds: int = 1, *, woken: bool = True) -> bool | None:
         """Read the socket on an event loop's thread, as a reading getter would, without blocking.
 
         For a loop that polls :attr:`fd` (a dup of it) after :meth:`lend_to_loop`.
         The arrivals reach the mailbox and the arrivals hook on this thread.
 
+        ``woken``: the descriptor woke the loop, so a message is most likely queued. It is
+        read at once (no ``ZMQ_EVENTS`` look first), and the read stops after the first
+        message that brought items: their waiters resume before anything else is looked at,
+        and the caller calls again (``woken=False``) after its other callbacks. A lone
+        message's reply is then sent before the socket is asked whether more is queued.
+
         Returns:
-            True: read all that was queued; False: stopped after ``rounds`` drains with
-            more queued (call again soon); None: the socket is not the loop's now (the
-            I/O thread watches it, another getter reads it, or it is closed): stop polling
-            :attr:`fd` until the next :meth:`lend_to_loop`.
+            True: read all that was queued; False: stopped with more queued, or maybe
+            queued (call again soon, ``woken=False``); None: the socket is not the loop's
+            now (the I/O thread watches it, another getter reads it, or it is closed):
+            stop polling :attr:`fd` until the next :meth:`lend_to_loop`.
         """
         if self._io_watching or not self._owner.acquire(False):
             return None
@@ -357,9 +363,7 @@ class PushReceiver:
             if self._io_watching or self._closed:
                 return None
             self._run_owed()
-            # Woken by the descriptor (or called again for a flood): a message is most likely queued, so
-            # read at once rather than ask ZMQ_EVENTS first (a wake-up with nothing to read costs a zmq.Again).
-            settled = self._settle(rounds, look_first=False)
+            settled = self._on_readable(stop_at_items=True) if woken else self._settle(rounds)
             if self._flush_if_heavy():
                 settled = self._settle(rounds)  # the REPLY may have used up the descriptor's signal
             self._last_read = time.monotonic()
@@ -367,21 +371,19 @@ class PushReceiver:
         finally:
             self._release_owner()
 
-    def _settle(self, rounds: int, *, look_first: bool = True) -> bool:
+    def _settle(self, rounds: int) -> bool:
         """Read until ZeroMQ holds nothing for us, at most ``rounds`` drains (holds ``_owner``); True if it did.
-
-        ``look_first=False`` starts the first drain without asking ``ZMQ_EVENTS`` whether anything is queued.
 
         ZeroMQ's descriptor signals a change, not a state: whoever uses the socket while
         an event loop polls that descriptor (a read, an ack sent) may consume the signal
         of a message that arrived meanwhile. So nobody leaves a message queued behind
-        its back: each user reads until ``ZMQ_EVENTS`` says empty.
+        its back: each user reads until ``ZMQ_EVENTS`` says empty (a loop's woken
+        :meth:`pump` stops early, and its caller calls again to settle).
         """
         events = self._sock.get
         for _ in range(rounds):
-            if (look_first and not events(_EVENTS) & _POLLIN) or self._on_readable():
+            if not events(_EVENTS) & _POLLIN or self._on_readable():
                 return True
-            look_first = True
         return not events(_EVENTS) & _POLLIN
 
     def _settle_for_loops(self) -> None:
@@ -608,7 +610,7 @@ class PushReceiver:
             next_check = min(next_check, max(0.001, self._flush_due - now))
         self._loop.call_later(next_check, self._reclaim)
 
-    def _on_readable(self, want_key: str | None = None) -> bool:
+    def _on_readable(self, want_key: str | None = None, *, stop_at_items: bool = False) -> bool:
         """Drain the socket (holds ``_owner``: on the I/O thread or a reading getter).
 
         A reading getter passes the key it waits for as ``want_key``: the drain stops once a
@@ -616,6 +618,8 @@ class PushReceiver:
         1 us a call, on every lone message's critical path). What stays queued is read by
         the next getter's poll or by the I/O thread, both level-triggered (``zmq_poll``);
         a getter passes None while event loops poll the edge-triggered descriptor.
+        ``stop_at_items`` (an event loop's woken :meth:`pump`) stops after any DATA or BATCH:
+        the loop settles the socket after the waiters of those items ran.
 
         Returns:
             True when it left ZeroMQ's queue empty and did not use the socket after
@@ -638,12 +642,14 @@ class PushReceiver:
                 kind, header, payload = unpack(frames[0])
                 if kind is Kind.BATCH:
                     rejected += self._on_batch(header, payload, len(frames))
+                    if stop_at_items:
+                        break
                 elif kind is Kind.DATA:
                     check_types(header[:6], _DATA_TYPES, "DATA")
                     if type(header[6]) not in _LOC_TYPES:
                         raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
                     self._on_data(header, payload, frames)
-                    if header[5] == want_key:
+                    if stop_at_items or header[5] == want_key:
                         break  # (most likely) the getter's item: it looks now; the ack decision below still runs
                 elif kind is Kind.PING:
                     check_types(header[:3], _PING_TYPES, "PING")
