@@ -19,8 +19,11 @@ Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
 
 For scale, the same lone round trip over raw pyzmq (PAIR sockets, ``ipc://``,
 the 200 bytes as one frame) with blocking ``recv`` on both ends, and on an
-asyncio loop at both ends (``add_reader`` on ``ZMQ_FD``): what the event loop
-itself adds to a round trip, with no connector at all.
+event loop at both ends (each loop kind), done with the least a loop needs
+(``ZMQ_FD`` registered once, its callback reads the frame and resolves the
+awaited future): what the event loop itself adds to a round trip, with no
+connector at all. The last lines set the two side by side: how much the loop
+adds to a raw round trip, and how much the async path adds to ours.
 
 Rounds interleave the paths (threaded, then each loop, the order rotated every
 round so that none always runs first) so that a change in the machine's load
@@ -68,7 +71,7 @@ def child(mode: str, endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     from zmq_omni.connectors.zmq import ZmqConnector
 
     if mode.startswith("raw-"):
-        raw_echo(mode, endpoints["b"], n)
+        raw_echo(mode, endpoints["b"], n, loop_kind)
         return
     conn = ZmqConnector(config("b", endpoints))
     print("ready", flush=True)
@@ -113,8 +116,8 @@ def child(mode: str, endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     sys.stdin.readline()
 
 
-def raw_echo(mode: str, endpoint: str, n: int) -> None:
-    """Raw pyzmq: send back each of ``n`` frames, blocking or on an asyncio loop."""
+def raw_echo(mode: str, endpoint: str, n: int, loop_kind: str) -> None:
+    """Raw pyzmq: send back each of ``n`` frames, blocking or on an event loop."""
     import zmq
 
     ctx = zmq.Context()
@@ -126,49 +129,61 @@ def raw_echo(mode: str, endpoint: str, n: int) -> None:
         for _ in range(n):
             sock.send(sock.recv())
     else:
-        asyncio.run(raw_async_echo(sock, n))
+
+        async def echo() -> None:
+            reader = RawReader(sock)
+            for _ in range(n):
+                sock.send(await reader.recv())
+
+        loop = new_loop(loop_kind)
+        loop.run_until_complete(echo())
+        loop.close()
     sys.stdin.readline()
     sock.close(linger=1000)
     ctx.term()
 
 
-async def raw_recv(sock: Any, readable: asyncio.Event) -> bytes:
-    """Receive on an asyncio loop the way zmq.asyncio does: ZMQ_FD readable, then ``ZMQ_EVENTS``."""
-    import zmq
+class RawReader:
+    """The least an event loop needs to receive from a ZeroMQ socket: what the loop itself costs.
 
-    while True:
+    ZeroMQ's descriptor is registered once; its callback reads the frame and
+    resolves the future the receiving task awaits (one future per frame, no
+    extra look at the socket on the task's side).
+    """
+
+    def __init__(self, sock: Any) -> None:
+        import zmq
+
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.fut: asyncio.Future[bytes] | None = None
+        self.again = zmq.Again
+        self.loop.add_reader(sock.get(zmq.FD), self.on_fd)
+
+    def on_fd(self) -> None:
+        fut = self.fut
+        if fut is None or fut.done():
+            return
         try:
-            frame: bytes = sock.recv(zmq.NOBLOCK)
+            fut.set_result(self.sock.recv(1))  # zmq.NOBLOCK
+        except self.again:
+            return  # the descriptor signals a change, not a message
+
+    async def recv(self) -> bytes:
+        try:
+            frame: bytes = self.sock.recv(1)  # something may be queued already (the descriptor fired before)
             return frame
-        except zmq.Again:
-            readable.clear()
-            await readable.wait()
+        except self.again:
+            pass
+        self.fut = self.loop.create_future()
+        return await self.fut
 
 
-def raw_watch(sock: Any) -> asyncio.Event:
-    import zmq
-
-    readable = asyncio.Event()
-
-    def on_fd() -> None:
-        if sock.get(zmq.EVENTS) & zmq.POLLIN:
-            readable.set()
-
-    asyncio.get_running_loop().add_reader(sock.get(zmq.FD), on_fd)
-    return readable
-
-
-async def raw_async_echo(sock: Any, n: int) -> None:
-    readable = raw_watch(sock)
-    for _ in range(n):
-        sock.send(await raw_recv(sock, readable))
-
-
-def rtt_raw(tmp: str, n: int, mode: str) -> list[float]:
+def rtt_raw(tmp: str, n: int, mode: str, loop_kind: str = "") -> list[float]:
     import zmq
 
     endpoints = {"b": f"ipc://{tmp}/raw.sock"}
-    peer = Peer(mode, endpoints, n, "")
+    peer = Peer(mode, endpoints, n, loop_kind)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.connect(endpoints["b"])
@@ -184,14 +199,16 @@ def rtt_raw(tmp: str, n: int, mode: str) -> list[float]:
     else:
 
         async def main() -> None:
-            readable = raw_watch(sock)
+            reader = RawReader(sock)
             for _ in range(n):
                 started = time.perf_counter()
                 sock.send(payload)
-                await raw_recv(sock, readable)
+                await reader.recv()
                 samples.append(time.perf_counter() - started)
 
-        asyncio.run(main())
+        loop = new_loop(loop_kind)
+        loop.run_until_complete(main())
+        loop.close()
     peer.finish()
     sock.close(linger=0)
     ctx.term()
@@ -320,7 +337,8 @@ def main() -> None:
     n_rate = 10_000 if args.quick else 20_000
     started = time.perf_counter()
     print(f"before: {load()}", flush=True)
-    rtt_paths = ["threaded", *(f"async {kind}" for kind in loops), "raw pyzmq, blocking", "raw pyzmq, asyncio"]
+    rtt_paths = ["threaded", *(f"async {kind}" for kind in loops), "raw pyzmq, blocking"]
+    rtt_paths += [f"raw pyzmq, {kind}" for kind in loops]
     rtts: dict[str, list[list[float]]] = {name: [] for name in rtt_paths}
     rate_paths = ["threaded, one receive thread"]
     for kind in loops:
@@ -333,7 +351,9 @@ def main() -> None:
                     if name == "threaded":
                         rtts[name].append(rtt_threaded(tmp, n_rtt))
                     elif name.startswith("raw"):
-                        rtts[name].append(rtt_raw(tmp, n_rtt, "raw-block" if "blocking" in name else "raw-async"))
+                        kind = name.removeprefix("raw pyzmq, ")
+                        mode = "raw-block" if kind == "blocking" else "raw-async"
+                        rtts[name].append(rtt_raw(tmp, n_rtt, mode, "" if kind == "blocking" else kind))
                     else:
                         rtts[name].append(rtt_async(tmp, n_rtt, name.removeprefix("async ")))
             if args.only != "rtt":
@@ -358,6 +378,15 @@ def main() -> None:
             ratio = statistics.median(m / b for m, b in zip(medians, base, strict=True))
             listed = " ".join(f"{m * 1e6:.0f}" for m in medians)
             print(f"{name:<20} {median * 1e6:>10.1f} {p99 * 1e6:>8.1f} {ratio:>11.2f}x  {listed}")
+        pooled_median = {name: statistics.median(x for s in per_round for x in s) for name, per_round in rtts.items()}
+        for kind in loops:
+            floor = pooled_median[f"raw pyzmq, {kind}"] - pooled_median["raw pyzmq, blocking"]
+            ours = pooled_median[f"async {kind}"] - pooled_median["threaded"]
+            allowed = 0.2 * pooled_median["threaded"]
+            print(
+                f"{kind}: the loop adds {floor * 1e6:.1f} us to a raw round trip; the async path adds "
+                f"{ours * 1e6:.1f} us to ours (1.2x of threaded allows {allowed * 1e6:.1f} us)"
+            )
     if args.only != "rtt":
         print(f"\nmany in flight ({n_rate} x {SMALL} B, push mode, ipc, median of {rounds} rounds)")
         base_rate = statistics.median(rates["threaded, one receive thread"])

@@ -201,7 +201,7 @@ class AsyncConnector:
         if try_put is None:  # the backend's put never waits for room
             return self.connector.put(from_stage, to_stage, put_key, data)
         args = (from_stage, to_stage, put_key, data)
-        if not self._puts and not self.closed:
+        if not self._puts and not self._closed:  # (a closed connector's try_put fails the put as put does)
             got = try_put(*args)
             if got is not None:
                 return got
@@ -333,7 +333,8 @@ class AsyncConnector:
                 self._expiries.discard(timer)
             if not waiter.fut.done():
                 waiter.fut.cancel()
-            self._forget_waiter(waiter)
+            if waiter.slot in self._gets:  # (a resolved waiter is already out)
+                self._forget_waiter(waiter)
 
     def _forget_waiter(self, waiter: _GetWaiter) -> None:
         waiters = self._gets.get(waiter.slot)

@@ -362,9 +362,10 @@ class PushReceiver:
         try:
             if self._io_watching or self._closed:
                 return None
-            self._run_owed()
+            if self._owed:
+                self._run_owed()
             settled = self._on_readable(stop_at_items=True) if woken else self._settle(rounds)
-            if self._flush_if_heavy():
+            if self._pending_bytes >= _ACK_BYTES and self._flush_if_heavy():
                 settled = self._settle(rounds)  # the REPLY may have used up the descriptor's signal
             self._last_read = time.monotonic()
             return settled
