@@ -23,7 +23,11 @@ event loop at both ends (each loop kind), done with the least a loop needs
 (``ZMQ_FD`` registered once, its callback reads the frame and resolves the
 awaited future): what the event loop itself adds to a round trip, with no
 connector at all. The last lines set the two side by side: how much the loop
-adds to a raw round trip, and how much the async path adds to ours.
+adds to a raw round trip, and how much the async path adds to ours. For the
+all-waiting rate, the same kind of floor: what the loop alone takes to wake N
+tasks that each await a future (resolved 64 at a time from callbacks, no
+connector, no socket), set beside what waiting costs us per message more than
+the threaded receive.
 
 Rounds interleave the paths (threaded, then each loop, the order rotated every
 round so that none always runs first) so that a change in the machine's load
@@ -215,6 +219,44 @@ def rtt_raw(tmp: str, n: int, mode: str, loop_kind: str = "") -> list[float]:
     return samples
 
 
+def wake_floor(n: int, loop_kind: str) -> float:
+    """Seconds per task the event loop itself takes to wake ``n`` waiting tasks: no connector, no socket.
+
+    Each task awaits its own future, as an awaited get awaits its waiter's;
+    callbacks resolve them 64 at a time, as pumps resolve a batch of arrivals;
+    timed from the first resolve to the gather of every task.
+    """
+
+    async def wait(fut: asyncio.Future[int]) -> int:
+        try:
+            return await fut
+        finally:
+            pass  # (a get's own clean-up runs here; the floor has none)
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(n)]
+        tasks = [asyncio.ensure_future(wait(fut)) for fut in futures]
+        await asyncio.sleep(0)  # every task is now waiting on its future
+
+        def resolve(start: int) -> None:
+            for fut in futures[start : start + 64]:
+                fut.set_result(1)
+            if start + 64 < n:
+                loop.call_soon(resolve, start + 64)
+
+        started = time.perf_counter()
+        resolve(0)
+        await asyncio.gather(*tasks)
+        return (time.perf_counter() - started) / n
+
+    loop = new_loop(loop_kind)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
 # -- the driver (A) ----------------------------------------------------------------------------
 
 
@@ -344,6 +386,7 @@ def main() -> None:
     for kind in loops:
         rate_paths += [f"async {kind}, one task in order", f"async {kind}, all {n_rate} waiting"]
     rates: dict[str, list[float]] = {name: [] for name in rate_paths}
+    wake_floors: dict[str, list[float]] = {kind: [] for kind in loops}
     with tempfile.TemporaryDirectory(prefix="zo-bench-") as tmp:
         for i in range(rounds):
             if args.only != "rate":
@@ -364,6 +407,8 @@ def main() -> None:
                         kind = name.split(",")[0].removeprefix("async ")
                         mode = "drain-async-seq" if "in order" in name else "drain-async-all"
                         rates[name].append(rate(tmp, n_rate, mode, kind))
+                for kind in loops:
+                    wake_floors[kind].append(wake_floor(n_rate, kind))
     if args.only != "rate":
         print(f"\nlone-message RTT ({SMALL} B payload, push mode, ipc, {rounds} rounds x {n_rtt} round trips)")
         print(f"{'path':<20} {'median us':>10} {'p99 us':>8} {'vs threaded':>12}  per-round medians, us")
@@ -394,6 +439,14 @@ def main() -> None:
         for name, values in rates.items():
             value = statistics.median(values)
             print(f"{name:<34} {value:>10,.0f} {base_rate / value:>13.2f}x")
+        for kind in loops:
+            floor = statistics.median(wake_floors[kind])
+            extra = 1 / statistics.median(rates[f"async {kind}, all {n_rate} waiting"]) - 1 / base_rate
+            print(
+                f"{kind}: the loop alone takes {floor * 1e6:.2f} us to wake each of {n_rate} waiting tasks; "
+                f"all waiting costs {extra * 1e6:.2f} us per message more than the threaded receive "
+                f"({1e6 / base_rate:.2f} us; 1.2x allows {0.2e6 / base_rate:.2f} us)"
+            )
     print(f"\nafter: {load()}; total time {time.perf_counter() - started:.1f}s")
 
 
