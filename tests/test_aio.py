@@ -334,6 +334,37 @@ async def test_put_waiting_for_room_lets_a_ticker_tick(short_tmp: Path, mode: st
 
 
 @pytest.mark.anyio
+async def test_replies_that_free_room_wake_the_loop_only_while_a_put_waits(short_tmp: Path) -> None:
+    endpoints = {"1": f"ipc://{short_tmp}/r.sock"}
+    send_cfg = {"stage_id": "0", "role": "sender", "endpoints": endpoints, "max_unacked": 10_000}
+    with ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": endpoints}) as receiver:
+        async with AsyncConnector(ZmqConnector(send_cfg)) as sender:
+            watch = sender._watch
+            assert watch is not None
+            drain = watch.drain
+            room_wake_ups = 0
+
+            def counting_drain() -> tuple[Any, bool]:
+                nonlocal room_wake_ups
+                arrived, room = drain()
+                room_wake_ups += room
+                return arrived, room
+
+            watch.drain = counting_drain  # type: ignore[method-assign]
+            for i in range(300):  # the window never fills: no put waits
+                assert (await sender.put("0", "1", f"k{i}", i))[0]
+            taken = await asyncio.to_thread(
+                lambda: [
+                    receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 10) for i in range(300)
+                ]
+            )
+            assert [got[0] if got else None for got in taken] == list(range(300))
+            assert await asyncio.to_thread(sender.connector.flush, 10)  # every reply (arrived, consumed) came in
+            await asyncio.sleep(0.05)  # a wake-up on its way would be drained by now
+            assert room_wake_ups == 0
+
+
+@pytest.mark.anyio
 async def test_put_cancelled_while_waiting_for_room_is_not_made(short_tmp: Path) -> None:
     endpoints = {"1": f"ipc://{short_tmp}/r.sock"}
     with ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": endpoints}) as receiver:

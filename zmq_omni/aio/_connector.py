@@ -211,6 +211,12 @@ class AsyncConnector:
             timeout = float(getattr(getattr(self.connector, "config", None), "put_timeout_s", math.inf))
         waiter = _PutWaiter(loop.create_future(), args)
         self._puts.append(waiter)
+        if len(self._puts) == 1 and self._watch is not None:
+            # Hear of room from now on, then try again: room freed since the first try is not missed.
+            self._watch.want_room(True)
+            self._serve_puts()
+            if waiter.fut.done():
+                return waiter.fut.result()
         timer = loop.call_later(min(max(timeout, 0.0), MAX_WAIT_S), self._put_timed_out, waiter)
         try:
             return await waiter.fut
@@ -399,8 +405,11 @@ class AsyncConnector:
             self._pump()
         if arrived is None or arrived:
             self._arrived(arrived)
-        if room and self._puts:
-            self._serve_puts()
+        if room:
+            if self._puts:
+                self._serve_puts()
+            if not self._puts:  # (set again by the next put that finds no room)
+                watch.want_room(False)
 
     def _arrived(self, arrived: list[Slot] | None) -> None:
         """Resolve the waiters of the addresses that ``arrived`` (None: of every address)."""
@@ -429,7 +438,7 @@ class AsyncConnector:
                 waiters.popleft()
                 waiter.fut.set_result(got)
             if not waiters:
-                del gets[slot]
+                gets.pop(slot, None)
 
     def _look(self, slot: Slot, metadata: Metadata, *, socket_too: bool = False) -> tuple[Any, int] | None:
         """The connector's non-blocking get, as this wrapper's looks make it (``slot`` is of strings).

@@ -255,6 +255,7 @@ class ArrivalWatch:
         self._slots: list[Slot] = []
         self._anything = False
         self._room = False
+        self._room_wanted = False
         self._signalled = False
         self._closed = False
         self._inline: Callable[[list[Slot]], None] | None = None
@@ -306,8 +307,23 @@ class ArrivalWatch:
         self._inline = handler
         self._inline_thread = threading.get_ident()
 
+    def want_room(self, wanted: bool) -> None:
+        """Say whether the watcher has puts waiting for window room; only then does :meth:`notify_room` signal.
+
+        The watcher's thread. A window frees room on most of its receivers'
+        replies, and a wake-up for each would cost an idle watcher a round of
+        its event loop. Set it before the waiting put's last try: a room notice
+        then either finds it set or came before that try, which sees the room.
+        """
+        self._room_wanted = wanted
+
     def notify_room(self) -> None:
-        """Note that room may have freed in the put window, and make the descriptor readable. Any thread."""
+        """Note that room may have freed in the put window, and make the descriptor readable. Any thread.
+
+        Nothing happens while the watcher wants no room (see :meth:`want_room`).
+        """
+        if not self._room_wanted:
+            return
         with self._lock:
             if self._closed:
                 return
