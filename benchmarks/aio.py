@@ -228,10 +228,7 @@ def wake_floor(n: int, loop_kind: str) -> float:
     """
 
     async def wait(fut: asyncio.Future[int]) -> int:
-        try:
-            return await fut
-        finally:
-            pass  # (a get's own clean-up runs here; the floor has none)
+        return await fut
 
     async def main() -> float:
         loop = asyncio.get_running_loop()

@@ -537,10 +537,12 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
             self._watches = [w for w in self._watches if w is not watch]
 
     def _notify_closed(self) -> None:
-        """Wake every watch at close: waiting gets and puts then see :attr:`closed`."""
+        """Wake every watch at close: waiting gets and puts then see :attr:`closed`.
+
+        "Anything" is enough for both: a watcher checks :attr:`closed` before what a drain names.
+        """
         for watch in getattr(self, "_watches", ()):
             watch.notify(None)
-            watch.notify_room()
 
     def _notify_room(self) -> None:
         """Tell every watch that room may have freed in the put window. Any thread."""
