@@ -115,6 +115,22 @@ def test_a_full_window_asks_for_acks(short_tmp: Path) -> None:
         assert sender.drain_failures() == []
 
 
+def test_a_getter_whose_read_crosses_the_ack_mark_acknowledges_at_once(short_tmp: Path) -> None:
+    # Two 1 MiB puts queue in ZeroMQ before any get; the getter of the second reads the 2nd MiB and
+    # returns with it. Its acks must go then: no later read would send them (the next is up to the caller).
+    payload = np.zeros(1 << 20, dtype=np.uint8)
+    with _edge(short_tmp) as (receiver, sender):
+        assert sender.put("0", "1", "warm-up", 1)[0]
+        assert receiver.get_with_deadline("0", "1", "warm-up", deadline=time.monotonic() + 10) is not None
+        assert sender.flush(10)
+        for key in ("k0", "k1"):
+            assert sender.put("0", "1", key, payload)[0]
+        for key in ("k0", "k1"):
+            got = receiver.get_with_deadline("0", "1", key, deadline=time.monotonic() + 10)
+            assert got is not None and got[0].nbytes == payload.nbytes
+        assert wait_until(lambda: _unconfirmed(sender) == 0, 5), (_unconfirmed(sender), receiver.health())
+
+
 def test_an_awaited_put_on_a_full_window_asks_for_acks(short_tmp: Path) -> None:
     # The non-blocking put behind AsyncConnector.put asks too, before it reports "no room".
     with _edge(short_tmp, max_unacked=2, put_timeout_s=5.0) as (receiver, sender):

@@ -308,9 +308,12 @@ class PushReceiver:
                     item = self._box.pop(slot, None)
                     if item is not None:
                         self._ack_taken(item)
-                        return item
-                    if self._closed:
+                    elif self._closed:
                         return None
+                if item is not None:
+                    if not self._io_watching:
+                        self._flush_if_heavy()  # this read may have crossed the mark: ack now, not at the next read
+                    return item
         finally:
             self._last_read = time.monotonic()
             self._release_owner()
