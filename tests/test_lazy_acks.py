@@ -131,6 +131,21 @@ def test_a_getter_whose_read_crosses_the_ack_mark_acknowledges_at_once(short_tmp
         assert wait_until(lambda: _unconfirmed(sender) == 0, 5), (_unconfirmed(sender), receiver.health())
 
 
+def test_large_items_the_io_thread_read_are_acknowledged_once_taken(short_tmp: Path) -> None:
+    # Two 1 MiB puts reach the mailbox before any get (the I/O thread read them, and its REPLY
+    # acknowledged their arrival); taking them is 2 MiB consumed, acknowledged at once, not
+    # ack_delay_s later: the sender keeps each put until its consumption is acknowledged.
+    payload = np.zeros(1 << 20, dtype=np.uint8)
+    with _edge(short_tmp) as (receiver, sender):
+        for key in ("k0", "k1"):
+            assert sender.put("0", "1", key, payload)[0]
+        assert wait_until(lambda: receiver.health()["mailbox"] == 2, 10)
+        for key in ("k0", "k1"):
+            got = receiver.get("0", "1", key)
+            assert got is not None and got[0].nbytes == payload.nbytes
+        assert wait_until(lambda: _unconfirmed(sender) == 0, 5), (_unconfirmed(sender), receiver.health())
+
+
 def test_an_awaited_put_on_a_full_window_asks_for_acks(short_tmp: Path) -> None:
     # The non-blocking put behind AsyncConnector.put asks too, before it reports "no room".
     with _edge(short_tmp, max_unacked=2, put_timeout_s=5.0) as (receiver, sender):

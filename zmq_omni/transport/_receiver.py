@@ -78,11 +78,12 @@ log = logging.getLogger("zmq_omni.transport")
 # (window full, flush() waiting) pings, and a PING is answered at once.
 DEFAULT_ACK_DELAY_S = 0.02
 _ACK_BATCH = 1024  # ...or until this many are pending
-# ...or until this many payload bytes arrived: a sender keeps each put until it is acknowledged, and
-# a stream of large payloads acknowledged every 20 ms keeps a dozen of them alive at each end (their
-# buffers cold again by the time they are reused: a lone 1 MiB round trip was ~15% longer). Checked
-# once the arrivals are handed over (I/O thread) or before a reading getter waits again, so the
-# REPLY is never sent between a message's arrival and its get returning.
+# ...or until this many payload bytes arrived, or were taken: a sender keeps each put until it is
+# acknowledged as consumed, and a stream of large payloads acknowledged every 20 ms keeps a dozen of
+# them alive at each end (their buffers cold again by the time they are reused: a lone 1 MiB round
+# trip was ~15% longer). Checked once the arrivals are handed over (I/O thread) or before a reading
+# getter waits again, so the REPLY is never sent between a message's arrival and its get returning;
+# takes from the mailbox (items another thread read) have the I/O thread flush once they reach it.
 _ACK_BYTES = 2 << 20
 # A socket a getter read stays with the getters (no I/O thread wake-up per get) until none read it this
 # long (or ack_delay_s, if shorter); it also bounds how long a PING asking for acks waits unread.
@@ -115,6 +116,9 @@ class _Item(NamedTuple):
 
 # ``_Item.__new__`` is a Python function; the tuple constructor makes the same object without it.
 _new_item = tuple.__new__
+
+# An event loop's hand-off of arrivals to its waiting gets: hand(slot, (obj, nbytes)) is True when one took it.
+Hand = Callable[[tuple[str, str, str], tuple[Any, int]], bool]
 
 
 class PushReceiver:
@@ -164,6 +168,8 @@ class PushReceiver:
         self._generation = 0  # bumped under _cv whenever items arrive (wait_for_change)
         # Called by the socket's owner with the addresses of each drain's arrivals, after they are in the mailbox.
         self.on_arrivals: Callable[[list[tuple[str, str, str]]], None] | None = None
+        # While an event loop's pump reads (it holds _owner): its waiting gets, offered each arrival first.
+        self._hand: Hand | None = None
         self._batches_received = 0
         self._taken: list[tuple[str, int]] = []  # consumed (sid, seq) waiting for the I/O thread
         self._dropped_taken: list[tuple[str, int, int]] = []  # dropped unconsumed (sid, seq, DROPPED_* code)
@@ -171,6 +177,8 @@ class PushReceiver:
         self._dirty: set[str] = set()
         self._pending_acks = 0
         self._pending_bytes = 0
+        self._taken_bytes = 0  # payload taken since the last flush (under _lock)
+        self._taken_flush_asked = False  # the I/O thread was asked to flush for _taken_bytes (under _lock)
         self._now = time.monotonic()
         self._flush_armed = False
         self._flush_due = 0.0  # time.monotonic() when the armed flush is due
@@ -342,7 +350,7 @@ class PushReceiver:
         if self._io_watching:
             self._loop.call_soon(self._unwatch)
 
-    def pump(self, rounds: int = 1, *, woken: bool = True) -> bool | None:
+    def pump(self, rounds: int = 1, *, woken: bool = True, hand: Hand | None = None) -> bool | None:
         """Read the socket on an event loop's thread, as a reading getter would, without blocking.
 
         For a loop that polls :attr:`fd` (a dup of it) after :meth:`lend_to_loop`.
@@ -353,6 +361,11 @@ class PushReceiver:
         message that brought items: their waiters resume before anything else is looked at,
         and the caller calls again (``woken=False``) after its other callbacks. A lone
         message's reply is then sent before the socket is asked whether more is queued.
+
+        ``hand``: the loop's waiting gets. Each arrival whose address has no item in the
+        mailbox is offered to ``hand(slot, (obj, nbytes))`` first; one it took (True) is
+        consumed there, as a take would (never stored, never notified). Shared-memory items
+        are not offered: opening them may fail, which a take records.
 
         Returns:
             True: read all that was queued; False: stopped with more queued, or maybe
@@ -367,12 +380,14 @@ class PushReceiver:
                 return None
             if self._owed:
                 self._run_owed()
+            self._hand = hand
             settled = self._on_readable(stop_at_items=True) if woken else self._settle(rounds)
-            if self._pending_bytes >= _ACK_BYTES and self._flush_if_heavy():
+            if self._flush_if_heavy():
                 settled = self._settle(rounds)  # the REPLY may have used up the descriptor's signal
             self._last_read = time.monotonic()
             return settled
         finally:
+            self._hand = None
             self._release_owner()
 
     def _settle(self, rounds: int) -> bool:
@@ -432,6 +447,12 @@ class PushReceiver:
         self._taken.append((item.sid, item.seq))
         self._gets += 1
         self._bytes_received += item.nbytes
+        self._taken_bytes += item.nbytes
+        if self._taken_bytes >= _ACK_BYTES and not self._taken_flush_asked:
+            # Large items read before their gets came (their arrival acks are out): acknowledge their
+            # consumption now, not ack_delay_s later. A reading getter flushes itself (_flush_if_heavy).
+            self._taken_flush_asked = True
+            self._loop.call_soon(self._owned_flush)
         # The flush armed when the item arrived usually carries this consumption too: a get wakes the
         # I/O thread only when none is armed (not on a lone message's critical path).
         if not self._flush_armed:
@@ -692,12 +713,15 @@ class PushReceiver:
         arrivals, self._arrivals = self._arrivals, []
         replaced: list[_Item] = []
         schedule = False
+        hand = self._hand
         with self._lock:
             if arm and not self._flush_armed:
                 self._flush_armed = schedule = True
                 self._flush_due = self._now + self._ack_delay
             if self._tombs.entries:
                 arrivals = self._drop_buried(arrivals, replaced)
+            if hand is not None:
+                arrivals = self._hand_off(hand, arrivals)
             box = self._box
             for slot, item in arrivals:
                 old = box.pop(slot, None)  # a re-put goes to the end: the mailbox stays in arrival order
@@ -714,6 +738,24 @@ class PushReceiver:
             self._discard(replaced)
         if self.on_arrivals is not None and arrivals:
             self.on_arrivals([slot for slot, _ in arrivals])
+
+    def _hand_off(
+        self, hand: Hand, arrivals: list[tuple[tuple[str, str, str], _Item]]
+    ) -> list[tuple[tuple[str, str, str], _Item]]:
+        """Give arrivals to the pumping loop's waiting gets; the ones nobody took (holds ``_lock``).
+
+        Under the lock, so that a take on another thread finds each item in the mailbox or
+        consumed, never both (``hand`` resolves a future of the loop: it never blocks nor calls
+        back here). An address with an item in the mailbox keeps it first: its arrival is stored.
+        """
+        box = self._box
+        kept = []
+        for slot, item in arrivals:
+            if item.loc is None and slot not in box and hand(slot, (item.obj, item.nbytes)):
+                self._ack_taken(item)
+            else:
+                kept.append((slot, item))
+        return kept
 
     def _drop_buried(
         self, arrivals: list[tuple[tuple[str, str, str], _Item]], dropped: list[_Item]
@@ -875,8 +917,11 @@ class PushReceiver:
         self._owned(self._flush_all)()
 
     def _flush_if_heavy(self) -> bool:
-        """Send the acks now if ``_ACK_BYTES`` of payload await them (holds ``_owner``); True if it did."""
-        if self._pending_bytes < _ACK_BYTES:
+        """Send the acks now if ``_ACK_BYTES`` of payload arrived or was taken since the last (holds ``_owner``).
+
+        True if it did.
+        """
+        if self._pending_bytes < _ACK_BYTES and self._taken_bytes < _ACK_BYTES:
             return False
         self._flush_all()
         return True
@@ -890,6 +935,7 @@ class PushReceiver:
         with self._lock:
             taken, self._taken = self._taken, []
             dropped, self._dropped_taken = self._dropped_taken, []
+            self._taken_bytes, self._taken_flush_asked = 0, False
             if disarm:
                 self._flush_armed = False
         for sid, seq in taken:
