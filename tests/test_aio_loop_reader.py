@@ -278,7 +278,7 @@ async def test_a_failing_pump_leaves_the_socket_to_the_io_thread(
     # the I/O thread reads the socket again, feeding the waiters through the watch.
     from zmq_omni.transport import LoopReader
 
-    def broken(self: LoopReader, rounds: int = 1, *, woken: bool = True) -> bool | None:
+    def broken(self: LoopReader, rounds: int = 1, *, woken: bool = True, hand: Any = None) -> bool | None:
         raise RuntimeError("a bug in the pump")
 
     monkeypatch.setattr(LoopReader, "pump", broken)
@@ -286,3 +286,48 @@ async def test_a_failing_pump_leaves_the_socket_to_the_io_thread(
         for i in range(20):
             assert await _put_when_waiting(conn, sender, f"k{i}", {"i": i}) == {"i": i}
     assert sum("reading the connector's socket on the event loop failed" in r.message for r in caplog.records) == 1
+
+
+class _RecordingBox(dict):  # type: ignore[type-arg]
+    """A mailbox that notes every address stored in it."""
+
+    stored: list[str]
+
+    def __setitem__(self, slot: Any, item: Any) -> None:
+        self.stored.append(slot[2])
+        super().__setitem__(slot, item)
+
+
+@pytest.mark.anyio
+async def test_an_arrival_read_on_the_loop_goes_straight_to_its_waiting_get(short_tmp: Path, traced: list[str]) -> None:
+    # A message the loop reads for a get that waits is handed to that get: never stored in the
+    # mailbox, never notified to the watches; it counts as a get, and its consumption is acknowledged.
+    loop_thread = threading.current_thread().name
+    async with _async_edge(short_tmp) as (conn, sender):
+        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
+        part = conn.connector._receiver
+        assert part is not None
+        box = _RecordingBox(part._box)
+        box.stored = []
+        part._box = box
+        notified: list[str] = []
+        hook = part.on_arrivals
+        assert hook is not None
+
+        def noting(slots: list[tuple[str, str, str]]) -> None:
+            notified.extend(slot[2] for slot in slots)
+            hook(slots)
+
+        part.on_arrivals = noting
+        gets_before = conn.connector.health()["gets"]
+        del traced[:]
+        for i in range(50):
+            got = await _put_when_waiting(conn, sender, f"k{i}", Traced(i))
+            assert got.value == i
+        on_loop = {f"k{i}" for i, thread in enumerate(traced) if thread == loop_thread}
+        assert len(traced) == 50 and len(on_loop) >= 45, traced
+        assert not on_loop & set(box.stored), box.stored
+        assert not on_loop & set(notified), notified
+        assert conn.connector.health()["gets"] == gets_before + 50
+        assert conn.connector.health()["mailbox"] == 0
+        assert sender.flush(10.0)  # every consumption reached the sender

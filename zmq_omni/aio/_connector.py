@@ -383,11 +383,22 @@ class AsyncConnector:
         self._handed_back_count += 1
 
     def _deliver(self, slot: Slot, got: tuple[Any, int]) -> bool:
-        """Give ``got`` to the first live waiter of ``slot``; False when there is none."""
-        for waiter in self._gets.get(slot, ()):
+        """Give ``got`` to the first live waiter of ``slot`` (it leaves the queue); False when there is none.
+
+        Also the pump's hand-off (:meth:`LoopReader.pump`'s ``hand``): an arrival read on this loop
+        goes straight to its waiter, without the mailbox and the watch.
+        """
+        waiters = self._gets.get(slot)
+        if waiters is None:
+            return False
+        while waiters:
+            waiter = waiters.popleft()
             if not waiter.fut.done():
                 waiter.fut.set_result(got)
+                if not waiters:
+                    del self._gets[slot]
                 return True
+        del self._gets[slot]
         return False
 
     # -- wake-ups (loop thread) --------------------------------------------------------------
@@ -480,7 +491,7 @@ class AsyncConnector:
             return
         watch.deliver_inline(self._arrived)
         try:
-            more = reader.pump(woken=woken)
+            more = reader.pump(woken=woken, hand=self._deliver)
         except Exception:  # a bug: leave the socket to the I/O thread rather than fail on every wake-up
             log.exception("reading the connector's socket on the event loop failed; the I/O thread reads it now")
             self._readable = False

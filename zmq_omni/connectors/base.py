@@ -157,11 +157,17 @@ class LoopReader(Protocol):
         """Ask for the socket: its I/O thread stops reading it and then notifies the watches (an empty notice)."""
         ...
 
-    def pump(self, rounds: int = 1, *, woken: bool = True) -> bool | None:
+    def pump(
+        self, rounds: int = 1, *, woken: bool = True, hand: Callable[[Slot, tuple[Any, int]], bool] | None = None
+    ) -> bool | None:
         """Read what is queued: True when done, False when more may be queued, None when not lent.
 
         ``woken``: the descriptor woke the loop (a message is most likely queued); after False,
         call again with ``woken=False``.
+
+        ``hand(slot, (obj, nbytes))``: offered each arrival that a get could take from the
+        mailbox at once (none of its address is there); True when a waiting get of the loop
+        took it, which counts as that get's take. The rest reach the mailbox and the watches.
         """
         ...
 

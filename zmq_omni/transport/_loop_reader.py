@@ -10,8 +10,9 @@ threaded reading getter does (see :mod:`~zmq_omni.transport._receiver`):
   confirms with an empty arrivals notice (the loop's watch wakes);
 * the loop polls :meth:`LoopReader.fileno`, a duplicate of ZeroMQ's descriptor,
   and calls :meth:`LoopReader.pump` when it is readable: the receiver's handler
-  runs on the loop thread under the socket's owner lock, and the arrivals hook
-  hands the addresses to the loop's waiters directly
+  runs on the loop thread under the socket's owner lock; an arrival a waiting
+  get of the loop wants goes straight to it (the pump's ``hand``), and the
+  arrivals hook hands the other addresses to the loop's waiters directly
   (:meth:`~zmq_omni.connectors.base.ArrivalWatch.deliver_inline`);
 * the I/O thread takes the socket back once nobody read it for a few
   milliseconds; the next pump then answers None and the loop stops polling.
@@ -27,7 +28,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._receiver import PushReceiver
+from ._receiver import Hand, PushReceiver
 
 __all__ = ["LoopReader"]
 
@@ -57,14 +58,15 @@ class LoopReader:
         """Ask the I/O thread for the socket (it confirms with an empty arrivals notice)."""
         self._receiver.lend_to_loop()
 
-    def pump(self, rounds: int = 1, *, woken: bool = True) -> bool | None:
+    def pump(self, rounds: int = 1, *, woken: bool = True, hand: Hand | None = None) -> bool | None:
         """Read what is queued: True when done, False when more may be queued, None when the socket is not lent.
 
         ``woken``: the descriptor woke the loop (see :meth:`PushReceiver.pump`); a call after False passes False.
+        ``hand``: gives an arrival to a waiting get of the loop, True if one took it (see :meth:`PushReceiver.pump`).
         """
         if self._fd < 0:
             return None
-        return self._receiver.pump(rounds, woken=woken)
+        return self._receiver.pump(rounds, woken=woken, hand=hand)
 
     def close(self) -> None:
         """Release the descriptor and stop counting as a reader. Idempotent."""
