@@ -57,6 +57,17 @@ def _unconfirmed(sender: ZmqConnector) -> int:
         return part._window.count
 
 
+def _connect(receiver: ZmqConnector, sender: ZmqConnector) -> None:
+    """Put, get and confirm a warm-up item: the sender's control connection is up afterwards.
+
+    A REPLY to a sender whose control socket has not connected yet is unroutable and dropped
+    (acks_dropped; a later pong repeats it), which under load could be the very ack a test waits for.
+    """
+    assert sender.put("0", "1", "warm-up", 1)[0]
+    assert receiver.get_with_deadline("0", "1", "warm-up", deadline=time.monotonic() + 10) is not None
+    assert sender.flush(10)
+
+
 def test_acks_are_lazy_and_flush_asks_for_them(short_tmp: Path) -> None:
     with _edge(short_tmp) as (receiver, sender):
         assert sender.put("0", "1", "k", {"i": 1})[0]
@@ -120,9 +131,7 @@ def test_a_getter_whose_read_crosses_the_ack_mark_acknowledges_at_once(short_tmp
     # returns with it. Its acks must go then: no later read would send them (the next is up to the caller).
     payload = np.zeros(1 << 20, dtype=np.uint8)
     with _edge(short_tmp) as (receiver, sender):
-        assert sender.put("0", "1", "warm-up", 1)[0]
-        assert receiver.get_with_deadline("0", "1", "warm-up", deadline=time.monotonic() + 10) is not None
-        assert sender.flush(10)
+        _connect(receiver, sender)
         for key in ("k0", "k1"):
             assert sender.put("0", "1", key, payload)[0]
         for key in ("k0", "k1"):
@@ -137,6 +146,7 @@ def test_large_items_the_io_thread_read_are_acknowledged_once_taken(short_tmp: P
     # ack_delay_s later: the sender keeps each put until its consumption is acknowledged.
     payload = np.zeros(1 << 20, dtype=np.uint8)
     with _edge(short_tmp) as (receiver, sender):
+        _connect(receiver, sender)
         for key in ("k0", "k1"):
             assert sender.put("0", "1", key, payload)[0]
         assert wait_until(lambda: receiver.health()["mailbox"] == 2, 10)
@@ -174,12 +184,7 @@ def test_large_payloads_are_acknowledged_every_few_mib(short_tmp: Path) -> None:
     # them arrived, so the sender stops keeping them long before ack_delay_s.
     payload = np.zeros(1 << 20, dtype=np.uint8)
     with _edge(short_tmp) as (receiver, sender):
-        # First the sender's control connection must be up: a REPLY to a sender whose control socket has not
-        # connected yet is unroutable and dropped (acks_dropped; a later pong repeats it), which under load
-        # could be the very ack this test waits for. flush() pings until the warm-up put is confirmed.
-        assert sender.put("0", "1", "warm-up", 1)[0]
-        assert receiver.get_with_deadline("0", "1", "warm-up", deadline=time.monotonic() + 10) is not None
-        assert sender.flush(10)
+        _connect(receiver, sender)  # else the very ack this test waits for could be unroutable
         for i in range(4):
             assert sender.put("0", "1", f"k{i}", payload)[0]
             got = receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 10)
