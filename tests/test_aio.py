@@ -187,11 +187,17 @@ async def test_cancellation_at_any_point_loses_nothing(short_tmp: Path, kind: st
             keys = [f"r{round_no}-{i}" for i in range(per_round)]
             got: dict[str, Any] = {}
 
-            async def getter(key: str, got: dict[str, Any] = got) -> None:
+            tasks: list[asyncio.Task[None]] = []
+
+            async def getter(key: str, got: dict[str, Any] = got, tasks: list[asyncio.Task[None]] = tasks) -> None:
                 result = await get_side.get(*edge, key, timeout=30)
                 if result is not None:
                     assert key not in got, f"{key} delivered twice"
                     got[key] = result[0]
+                    if rng.random() < 0.3:
+                        # Resumed by a wake-up that may have taken items for other gets too, whose tasks
+                        # resume after this one: a cancel here lands between their take and their resumption.
+                        rng.choice(tasks).cancel()
 
             async def putter(key: str, value: int) -> None:
                 for _ in range(rng.randrange(4)):
@@ -199,10 +205,9 @@ async def test_cancellation_at_any_point_loses_nothing(short_tmp: Path, kind: st
                 ok, _, _ = await put_side.put(*edge, key, {"v": value})
                 assert ok
 
-            tasks = [asyncio.create_task(getter(k)) for k in keys]
+            tasks += [asyncio.create_task(getter(k)) for k in keys]
             puts = [asyncio.create_task(putter(k, i)) for i, k in enumerate(keys)]
-            # Cancel each get after a random number of loop turns: before it waits, while it waits,
-            # and between its item being taken for it and its resumption.
+            # Cancel each get after a random number of loop turns: before it waits and while it waits.
             for task in tasks:
                 for _ in range(rng.randrange(6)):
                     await asyncio.sleep(0)
@@ -248,7 +253,7 @@ async def test_an_awaited_get_whose_shared_memory_payload_is_gone_times_out_and_
 
 
 @pytest.mark.anyio
-async def test_get_cancelled_after_its_item_was_taken_hands_it_back() -> None:
+async def test_a_get_resumes_in_the_wake_up_that_took_its_item() -> None:
     namespace = uuid.uuid4().hex
     async with (
         AsyncConnector(InProcConnector({"namespace": namespace})) as conn,
@@ -258,17 +263,43 @@ async def test_get_cancelled_after_its_item_was_taken_hands_it_back() -> None:
         await asyncio.sleep(0)
         assert conn.health()["aio_gets_waiting"] == 1
         await other.put("0", "1", "k", {"v": 7})
-        for _ in range(20):  # until the wake-up took the item for the waiting get's future
+        for _ in range(20):  # until the wake-up took the item for the waiting get
             if not conn.health()["aio_gets_waiting"]:
                 break
             await asyncio.sleep(0)
-        assert not conn.health()["aio_gets_waiting"] and not task.done()
-        task.cancel()  # the item is the get's already, but the task has not resumed
+        # No other task ran between the take and the get's return: nothing could cancel it in between.
+        assert not conn.health()["aio_gets_waiting"] and task.done()
+        assert task.result() == ({"v": 7}, task.result()[1])
+
+
+@pytest.mark.anyio
+async def test_get_cancelled_after_its_item_was_taken_hands_it_back() -> None:
+    namespace = uuid.uuid4().hex
+    async with (
+        AsyncConnector(InProcConnector({"namespace": namespace})) as conn,
+        AsyncConnector(InProcConnector({"namespace": namespace})) as other,
+    ):
+        cancelled_b: list[bool] = []
+
+        async def get_a() -> None:
+            assert await conn.get("0", "1", "a") is not None
+            # Resumed by the wake-up that took b's item too, before b's task resumes: b is the
+            # only place that item is now.
+            cancelled_b.append(task_b.cancel())
+
+        task_a = asyncio.create_task(get_a())
+        task_b = asyncio.create_task(conn.get("0", "1", "b"))
+        await asyncio.sleep(0)
+        assert conn.health()["aio_gets_waiting"] == 2
+        await other.put("0", "1", "a", {"v": 1})  # both before the wake-up: one wake-up takes both
+        await other.put("0", "1", "b", {"v": 2})
+        await task_a
         with pytest.raises(asyncio.CancelledError):
-            await task
+            await task_b
+        assert cancelled_b == [True]
         assert conn.health()["aio_handed_back"] == 1
-        got = await conn.get("0", "1", "k", timeout=1)
-        assert got is not None and got[0] == {"v": 7}
+        got = await conn.get("0", "1", "b", timeout=1)
+        assert got is not None and got[0] == {"v": 2}
         assert conn.health()["aio_handed_back"] == 0
 
 

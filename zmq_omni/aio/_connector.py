@@ -54,6 +54,7 @@ from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, create_connector
 from ..connectors.base import MAX_WAIT_S, ArrivalWatch, LoopReadable, LoopReader, Slot
 from ._expiry import Deadlines
+from ._resume import ResumingFuture, queue, resume
 
 __all__ = ["AsyncConnector"]
 
@@ -69,7 +70,7 @@ Metadata = dict[str, Any] | None
 
 @dataclass(eq=False, slots=True)
 class _GetWaiter:
-    fut: asyncio.Future[tuple[Any, int] | None]
+    fut: ResumingFuture[tuple[Any, int] | None]
     slot: Slot
     metadata: dict[str, Any] | None
 
@@ -141,6 +142,9 @@ class AsyncConnector:
         # While reading: the reader's mailbox-only take (the looks of an awaited get), else None.
         self._mailbox: Callable[[str, str, str], tuple[Any, int] | None] | None = None
         self._expiries: Deadlines[_GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
+        # While a wake-up callback runs (_pump, _on_wake): the gets it resolved, whose tasks it resumes
+        # once it is done (see _resume); None otherwise, and a get's result is set the plain way.
+        self._held: list[ResumingFuture[Any]] | None = None
         watch = connector.watch_arrivals()
         if watch is None:
             raise TypeError(f"{type(connector).__name__} offers no wake-up hook (watch_arrivals() returned None)")
@@ -311,7 +315,7 @@ class AsyncConnector:
         if self.connector.closed or (timeout is not None and timeout <= 0 and not self._pull):
             return None
         deadline = None if timeout is None else loop.time() + min(max(timeout, 0.0), MAX_WAIT_S)
-        waiter = _GetWaiter(loop.create_future(), slot, metadata)
+        waiter = _GetWaiter(ResumingFuture(loop=loop), slot, metadata)
         waiters = self._gets.get(slot)
         if waiters is None:
             waiters = self._gets[slot] = deque()
@@ -394,7 +398,7 @@ class AsyncConnector:
         while waiters:
             waiter = waiters.popleft()
             if not waiter.fut.done():
-                waiter.fut.set_result(got)
+                self._resolve(waiter.fut, got)
                 if not waiters:
                     del self._gets[slot]
                 return True
@@ -402,7 +406,40 @@ class AsyncConnector:
         return False
 
     # -- wake-ups (loop thread) --------------------------------------------------------------
+    def _resolve(self, fut: ResumingFuture[tuple[Any, int] | None], got: tuple[Any, int] | None) -> None:
+        """Give a waiting get its item; inside a wake-up callback its task resumes at that callback's end."""
+        held = self._held
+        if held is not None:
+            fut.hold(got)
+            held.append(fut)
+        else:
+            fut.set_result(got)
+
+    def _resuming(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run a wake-up callback; the gets it resolved resume once it returned, before the loop's next turn.
+
+        Their tasks would otherwise wait for that turn (one more ``select`` and ready queue), on each
+        hop of a lone message. Nested callbacks (``_on_wake`` pumps) leave it to the outermost.
+        """
+        if self._held is not None:
+            callback(*args)
+            return
+        held: list[ResumingFuture[Any]] = []
+        self._held = held
+        try:
+            callback(*args)
+        except BaseException:
+            queue(held)  # they still resume, on the loop's next turn
+            raise
+        finally:
+            self._held = None
+        if held:
+            resume(held, self._loop) if self._loop is not None else queue(held)
+
     def _on_wake(self) -> None:
+        self._resuming(self._read_watch)
+
+    def _read_watch(self) -> None:
         watch = self._watch
         if watch is None:
             return
@@ -413,7 +450,7 @@ class AsyncConnector:
         if self._readable and self._reader is not None and self._gets:
             if not self._reading:  # the I/O thread confirmed it lent the socket (an empty notice), or took it back
                 self._read_lent(self._loop)
-            self._pump()
+            self._read_socket(True)
         if arrived is None or arrived:
             self._arrived(arrived)
         if room:
@@ -447,7 +484,7 @@ class AsyncConnector:
                 if got is None:
                     break
                 waiters.popleft()
-                waiter.fut.set_result(got)
+                self._resolve(waiter.fut, got)
             if not waiters:
                 gets.pop(slot, None)
 
@@ -480,12 +517,15 @@ class AsyncConnector:
         self._reader.lend()
 
     def _pump(self, woken: bool = True) -> None:
-        """Read the lent socket on this thread; what it reads resolves its waiters before this returns.
+        """Read the lent socket on this thread; the waiters of what it reads resume before this returns.
 
         ``woken``: called by the loop for the descriptor. Such a pump stops after the first message
         that brought items, and the socket is read on (settled) after the loop's other callbacks,
         the resumed waiters' first: a lone message's waiter does not wait for that look.
         """
+        self._resuming(self._read_socket, woken)
+
+    def _read_socket(self, woken: bool) -> None:
         reader, watch = self._reader, self._watch
         if reader is None or watch is None:
             return
@@ -563,6 +603,9 @@ class AsyncConnector:
         return chan
 
     def _on_channel(self, chan: _Channel) -> None:
+        self._resuming(self._read_channel, chan)
+
+    def _read_channel(self, chan: _Channel) -> None:
         for req_id, result in chan.channel.replies():
             fetch = chan.fetches.pop(req_id, None)
             if fetch is None:
@@ -571,7 +614,7 @@ class AsyncConnector:
             waiter = fetch.waiter
             if got is not None:
                 if waiter is not None and not waiter.fut.done():
-                    waiter.fut.set_result(got)
+                    self._resolve(waiter.fut, got)
                 else:
                     self._hand_back(fetch.slot, got)
             elif waiter is not None and not waiter.fut.done():
@@ -584,7 +627,7 @@ class AsyncConnector:
                     else:
                         self._fetch(waiter, fetch.deadline)  # the server's long poll ended first: ask again
                 else:
-                    waiter.fut.set_result(None)
+                    self._resolve(waiter.fut, None)
 
     # -- closing -------------------------------------------------------------------------------
     async def aclose(self) -> None:
