@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, create_connector
@@ -59,6 +59,8 @@ from ._resume import ResumingFuture, queue, resume
 __all__ = ["AsyncConnector"]
 
 log = logging.getLogger("zmq_omni.aio")
+
+T = TypeVar("T")
 
 _LONG_POLL_S = 3600.0  # what a pull-mode FETCH asks the sender to park at most (its own cap)
 _REFETCH_S = 0.05  # a FETCH the sender would not park is asked again after this
@@ -415,19 +417,18 @@ class AsyncConnector:
         else:
             fut.set_result(got)
 
-    def _resuming(self, callback: Callable[..., None], *args: Any) -> None:
+    def _resuming(self, callback: Callable[..., T], *args: Any) -> T:
         """Run a wake-up callback; the gets it resolved resume once it returned, before the loop's next turn.
 
         Their tasks would otherwise wait for that turn (one more ``select`` and ready queue), on each
         hop of a lone message. Nested callbacks (``_on_wake`` pumps) leave it to the outermost.
         """
         if self._held is not None:
-            callback(*args)
-            return
+            return callback(*args)
         held: list[ResumingFuture[Any]] = []
         self._held = held
         try:
-            callback(*args)
+            result = callback(*args)
         except BaseException:
             queue(held)  # they still resume, on the loop's next turn
             raise
@@ -435,6 +436,7 @@ class AsyncConnector:
             self._held = None
         if held:
             resume(held, self._loop) if self._loop is not None else queue(held)
+        return result
 
     def _on_wake(self) -> None:
         self._resuming(self._read_watch)
@@ -450,7 +452,8 @@ class AsyncConnector:
         if self._readable and self._reader is not None and self._gets:
             if not self._reading:  # the I/O thread confirmed it lent the socket (an empty notice), or took it back
                 self._read_lent(self._loop)
-            self._read_socket(True)
+            if self._read_socket(True) is False and self._loop is not None:
+                self._loop.call_soon(self._pump, False)  # settled once the waiters it took items for resumed
         if arrived is None or arrived:
             self._arrived(arrived)
         if room:
@@ -519,16 +522,22 @@ class AsyncConnector:
     def _pump(self, woken: bool = True) -> None:
         """Read the lent socket on this thread; the waiters of what it reads resume before this returns.
 
-        ``woken``: called by the loop for the descriptor. Such a pump stops after the first message
-        that brought items, and the socket is read on (settled) after the loop's other callbacks,
-        the resumed waiters' first: a lone message's waiter does not wait for that look.
+        ``woken``: called by the loop for the descriptor. Such a read stops after the first message
+        that brought items; their waiters resume (a lone message's reply is sent), and only then is
+        the socket read on until ZeroMQ says it is empty (settled), in this same callback. Past a
+        flood's share (one drain), the rest is read by a pump the loop runs after its other callbacks.
         """
-        self._resuming(self._read_socket, woken)
+        more = self._resuming(self._read_socket, woken)
+        if more is False:
+            more = self._resuming(self._read_socket, False)
+            if more is False and self._loop is not None:
+                self._loop.call_soon(self._pump, False)
 
-    def _read_socket(self, woken: bool) -> None:
+    def _read_socket(self, woken: bool) -> bool | None:
+        """One :meth:`LoopReader.pump` (see :meth:`_pump`); its result, None once the socket is not the loop's."""
         reader, watch = self._reader, self._watch
         if reader is None or watch is None:
-            return
+            return None
         watch.deliver_inline(self._arrived)
         try:
             more = reader.pump(woken=woken, hand=self._deliver)
@@ -540,8 +549,7 @@ class AsyncConnector:
             watch.deliver_inline(None)
         if more is None:  # the I/O thread reads it now (or it closed): its arrivals come by the watch
             self._stop_reading()
-        elif not more and self._loop is not None:  # more may be queued: read on after the loop's other callbacks
-            self._loop.call_soon(self._pump, False)
+        return more
 
     def _stop_reading(self) -> None:
         if self._reading:
