@@ -256,13 +256,13 @@ async def test_aclose_releases_the_loop_readers_descriptor(short_tmp: Path) -> N
         conn = AsyncConnector(receiver, close_connector=False)
         assert await _put_when_waiting(conn, sender, "k", {"v": 1}) == {"v": 1}
         part = receiver._receiver
-        assert part is not None and part._loop_readers == 1  # this loop polled the socket
+        assert part is not None and len(part._loop_readers) == 1  # this loop polled the socket
         waiting = asyncio.create_task(conn.get("0", "1", "never"))
         while conn.health()["aio_gets_waiting"] < 1:
             await asyncio.sleep(0)
         await conn.aclose()
         assert await waiting is None
-        assert part._loop_readers == 0
+        assert part._loop_readers == ()
         assert set(os.listdir("/proc/self/fd")) <= fds_before
         # The receiver goes on without the loop: a threaded get is served.
         sender.put("0", "1", "after", {"v": 2})
@@ -331,3 +331,104 @@ async def test_an_arrival_read_on_the_loop_goes_straight_to_its_waiting_get(shor
         assert conn.connector.health()["gets"] == gets_before + 50
         assert conn.connector.health()["mailbox"] == 0
         assert sender.flush(10.0)  # every consumption reached the sender
+
+
+@pytest.mark.anyio
+async def test_a_waiting_loop_keeps_the_socket_through_an_idle_spell(short_tmp: Path, traced: list[str]) -> None:
+    # A loop with a get waiting polls the socket and reads what comes: an idle spell (15 times the
+    # 20 ms after which a socket nobody reads goes back to the I/O thread) leaves it lent, and the
+    # item that ends the spell is read on the loop. Also after a long spell without any waiting get,
+    # which the socket spent with the I/O thread: the lend's clock starts at the hand-over.
+    loop_thread = threading.current_thread().name
+    async with _async_edge(short_tmp) as (conn, sender):
+        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
+        part = conn.connector._receiver
+        assert part is not None
+        for spell, before in enumerate((0.0, 1.5)):
+            await asyncio.sleep(before)  # no get waits: the socket goes back to the I/O thread
+            task = asyncio.create_task(conn.get("0", "1", f"k{spell}", timeout=30))
+            while conn.health()["aio_gets_waiting"] < 1:
+                await asyncio.sleep(0)
+            assert wait_until(lambda: not part._io_watching, 10)  # (the loop asked for it: the I/O thread's turn)
+            time.sleep(0.3)  # the loop is held up: it has not read the socket since the hand-over
+            assert not part._io_watching, f"spell {spell}: taken back before the loop could read"
+            await asyncio.sleep(0.3)  # the loop runs, nothing comes
+            assert not part._io_watching, f"spell {spell}: the I/O thread took the socket back from a waiting loop"
+            del traced[:]
+            assert sender.put("0", "1", f"k{spell}", Traced(spell + 1))[0]
+            got = await task
+            assert got is not None and got[0].value == spell + 1
+            assert traced == [loop_thread], f"spell {spell}: read on {traced}"
+
+
+@pytest.mark.anyio
+async def test_a_blocked_loop_loses_the_socket_to_the_io_thread(short_tmp: Path, traced: list[str]) -> None:
+    # A loop with a get waiting that stops running (a long synchronous call) cannot read: after about
+    # a second without a read the I/O thread takes the socket back and reads what came meanwhile.
+    loop_thread = threading.current_thread().name
+    async with _async_edge(short_tmp) as (conn, sender):
+        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
+        task = asyncio.create_task(conn.get("0", "1", "k", timeout=30))
+        while conn.health()["aio_gets_waiting"] < 1:
+            await asyncio.sleep(0)
+        del traced[:]
+        assert sender.put("0", "1", "k", Traced(1))[0]
+        # The loop is blocked here (this coroutine does not yield): only the I/O thread can read it.
+        assert wait_until(lambda: bool(traced), 20), "nobody read the item while the loop was blocked"
+        assert traced[0] != loop_thread
+        got = await task
+        assert got is not None and got[0].value == 1
+
+
+@pytest.mark.anyio
+async def test_a_pump_that_finds_the_socket_busy_keeps_it_and_is_woken_by_the_holder(
+    short_tmp: Path, traced: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The I/O thread's owed work (an ack flush, the reclaim tick) holds the socket a moment now and
+    # then. A pump that finds it held keeps polling (the socket is still the loop's), and the
+    # holder's release wakes the loop to read what it may have missed: no second lend, no read
+    # left to the I/O thread.
+    loop_thread = threading.current_thread().name
+    async with _async_edge(short_tmp) as (conn, sender):
+        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
+        part = conn.connector._receiver
+        assert part is not None
+        task = asyncio.create_task(conn.get("0", "1", "k", timeout=30))
+        while conn.health()["aio_gets_waiting"] < 1:
+            await asyncio.sleep(0)
+        stops: list[bool] = []
+        monkeypatch.setattr(conn, "_stop_reading", lambda: stops.append(True))
+        woken_by: list[str] = []
+        wake = part._wake_loops
+
+        def noting_wake() -> None:
+            woken_by.append(threading.current_thread().name)
+            wake()
+
+        monkeypatch.setattr(part, "_wake_loops", noting_wake)
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            assert part._owner.acquire(timeout=10)
+            held.set()
+            try:
+                release.wait(20)
+            finally:
+                part._release_owner()
+
+        holder = threading.Thread(target=hold, name="holder", daemon=True)
+        holder.start()
+        assert await asyncio.to_thread(held.wait, 10)
+        del traced[:]
+        assert sender.put("0", "1", "k", Traced(1))[0]
+        deadline = time.monotonic() + 10
+        while not part._loop_missed:  # the loop's pump came for the item and found the socket held
+            assert time.monotonic() < deadline, "the loop never pumped while the socket was held"
+            await asyncio.sleep(0.001)
+        release.set()
+        got = await task
+        await asyncio.to_thread(holder.join, 10)
+        assert stops == []  # (before the close, which stops the polling)
+    assert got is not None and got[0].value == 1
+    assert traced == [loop_thread]
+    assert "holder" in woken_by

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -141,6 +142,8 @@ class AsyncConnector:
         self._readable = isinstance(connector, LoopReadable) and not self._pull
         self._reader: LoopReader | None = None
         self._reading = False  # the reader's descriptor is registered with the loop
+        # Whether gets wait, asked by the receiver's I/O thread (a dict's truth: read-only, no lock needed).
+        self._waiting = functools.partial(bool, self._gets)
         # While reading: the reader's mailbox-only take (the looks of an awaited get), else None.
         self._mailbox: Callable[[str, str, str], tuple[Any, int] | None] | None = None
         self._expiries: Deadlines[_GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
@@ -328,8 +331,8 @@ class AsyncConnector:
             fetch_s = float(getattr(getattr(self.connector, "config", None), "fetch_timeout_s", 5.0))
             expiry = max(deadline, loop.time() + fetch_s) if timeout == 0 else deadline
         timer = None if expiry is None else self._expiries.add(loop, expiry, waiter)
-        if self._readable and not self._reading:
-            self._read_lent(loop)
+        if self._readable and not (self._reading and self._reader is not None and self._reader.lent):
+            self._read_lent(loop)  # (taken back by the I/O thread after an idle spell: ask again)
         try:
             if self._pull:
                 self._fetch(waiter, deadline)
@@ -514,10 +517,11 @@ class AsyncConnector:
                 return
         if loop is None:
             return
-        loop.add_reader(self._reader.fileno(), self._pump)
+        if not self._reading:
+            loop.add_reader(self._reader.fileno(), self._pump)
         self._reading = True
         self._mailbox = self._reader.take
-        self._reader.lend()
+        self._reader.lend(self._waiting)
 
     def _pump(self, woken: bool = True) -> None:
         """Read the lent socket on this thread; the waiters of what it reads resume before this returns.

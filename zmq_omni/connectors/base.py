@@ -153,8 +153,12 @@ class LoopReader(Protocol):
         """A descriptor to poll for reading: it signals a change of the socket while it is lent."""
         ...
 
-    def lend(self) -> None:
-        """Ask for the socket: its I/O thread stops reading it and then notifies the watches (an empty notice)."""
+    def lend(self, waiting: Callable[[], bool] | None = None) -> None:
+        """Ask for the socket: its I/O thread stops reading it and then notifies the watches (an empty notice).
+
+        ``waiting()``, called from the I/O thread, says whether the loop has gets waiting: while it
+        does, the socket stays lent when idle (the loop reads what comes), else idleness returns it.
+        """
         ...
 
     def pump(
@@ -169,6 +173,11 @@ class LoopReader(Protocol):
         mailbox at once (none of its address is there); True when a waiting get of the loop
         took it, which counts as that get's take. The rest reach the mailbox and the watches.
         """
+        ...
+
+    @property
+    def lent(self) -> bool:
+        """Whether the socket is the loop's now: False once its I/O thread took it back (lend again)."""
         ...
 
     @property

@@ -15,7 +15,12 @@ threaded reading getter does (see :mod:`~zmq_omni.transport._receiver`):
   arrivals hook hands the other addresses to the loop's waiters directly
   (:meth:`~zmq_omni.connectors.base.ArrivalWatch.deliver_inline`);
 * the I/O thread takes the socket back once nobody read it for a few
-  milliseconds; the next pump then answers None and the loop stops polling.
+  milliseconds, or, while the loop says it has gets waiting (the ``waiting``
+  given to :meth:`LoopReader.lend`), once the loop did not read it for a
+  second (a blocked loop); the next pump then answers None and the loop stops
+  polling. A loop that waits keeps the socket through idle spells: the first
+  message after one is read on the loop, and in a flood no second thread
+  takes turns with it at the GIL.
 
 The descriptor is a duplicate so that its number stays the loop's until
 :meth:`LoopReader.close`, whatever the socket's own lifetime: a number the
@@ -33,6 +38,10 @@ from ._receiver import Hand, PushReceiver
 __all__ = ["LoopReader"]
 
 
+def _never() -> bool:
+    return False
+
+
 class LoopReader:
     """One event loop's hold on a push receiver's socket (loop thread only, but ``close``).
 
@@ -48,15 +57,31 @@ class LoopReader:
         self.take: Callable[[str, str, str], tuple[Any, int] | None] = take
         """The item if it is in the mailbox; never looks at the socket (the loop polls it) and never waits."""
         self._fd = os.dup(receiver.fd)
-        receiver.add_loop_reader(1)
+        self._waiting: Callable[[], bool] = _never
+        receiver.add_loop_reader(self)
 
     def fileno(self) -> int:
         """A descriptor to poll for reading while the socket is lent (-1 once closed)."""
         return self._fd
 
-    def lend(self) -> None:
-        """Ask the I/O thread for the socket (it confirms with an empty arrivals notice)."""
+    def lend(self, waiting: Callable[[], bool] | None = None) -> None:
+        """Ask the I/O thread for the socket (it confirms with an empty arrivals notice).
+
+        ``waiting``: whether the loop has gets waiting now (called on the I/O thread, so it must
+        only read state, e.g. ``functools.partial(bool, waiters)``); while it says so, the socket
+        stays lent through idle spells. Without it, idle spells give the socket back.
+        """
+        self._waiting = waiting or _never
         self._receiver.lend_to_loop()
+
+    @property
+    def lent(self) -> bool:
+        """Whether the socket is the loop's now (False once the I/O thread took it back, or closed)."""
+        return self._fd >= 0 and not self._receiver._io_watching
+
+    def waiting(self) -> bool:
+        """Whether the loop has gets waiting (see :meth:`lend`); False once closed."""
+        return self._fd >= 0 and self._waiting()
 
     def pump(self, rounds: int = 1, *, woken: bool = True, hand: Hand | None = None) -> bool | None:
         """Read what is queued: True when done, False when more may be queued, None when the socket is not lent.
@@ -73,4 +98,4 @@ class LoopReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-            self._receiver.add_loop_reader(-1)
+            self._receiver.remove_loop_reader(self)

@@ -51,7 +51,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import zmq
 
@@ -88,6 +88,10 @@ _ACK_BYTES = 2 << 20
 # A socket a getter read stays with the getters (no I/O thread wake-up per get) until none read it this
 # long (or ack_delay_s, if shorter); it also bounds how long a PING asking for acks waits unread.
 _RECLAIM_S = 0.02
+# ...but a socket lent to an event loop with gets waiting stays lent through idle spells (the loop polls
+# its descriptor and reads what comes, faster than the I/O thread could hand it over) and is taken back
+# only when the loop has not read it this long: the loop is blocked, or gone without closing its reader.
+_LOOP_STALL_S = 1.0
 _MAX_SID = 64
 # Plain ints: ``sock.get(zmq.EVENTS) & zmq.POLLIN`` goes through enum.IntFlag, ~1 us a test on the hot path.
 _EVENTS = int(zmq.EVENTS)
@@ -119,6 +123,14 @@ _new_item = tuple.__new__
 
 # An event loop's hand-off of arrivals to its waiting gets: hand(slot, (obj, nbytes)) is True when one took it.
 Hand = Callable[[tuple[str, str, str], tuple[Any, int]], bool]
+
+
+class LoopClaim(Protocol):
+    """An event loop's hold on the receiver's socket, as the receiver sees it (a ``LoopReader``)."""
+
+    def waiting(self) -> bool:
+        """Whether the loop has gets waiting now (called on the I/O thread: reads a flag, never blocks)."""
+        ...
 
 
 class PushReceiver:
@@ -209,7 +221,9 @@ class PushReceiver:
         self._last_read = 0.0  # when the last reading getter gave the socket back
         self._waiting = 0  # getters waiting on _cv (under _lock)
         self._watchers = 0  # wait_for_change callers waiting (under _lock)
-        self._loop_readers = 0  # open LoopReaders (event loops that may read the lent socket)
+        # Open LoopReaders (event loops that may read the lent socket); copied on change, read by any thread.
+        self._loop_readers: tuple[LoopClaim, ...] = ()
+        self._loop_missed = False  # a loop's pump found _owner taken: its holder wakes the loops on release
         self.fd = self._sock.getsockopt(zmq.FD)  # ZeroMQ's descriptor: readable when the socket's state changed
         loop.add_reader(self._sock, self._on_readable_io)
         loop.every(max(1.0, source_ttl_s / 10), self._owned(self._expire_sources))
@@ -329,17 +343,33 @@ class PushReceiver:
                 self._loop.call_soon(self._rewatch)  # someone else waits for arrivals: the I/O thread reads now
 
     def _release_owner(self) -> None:
-        """Release ``_owner``; while the I/O thread does not watch the socket, let a waiting getter read it."""
+        """Release ``_owner``; while the I/O thread does not watch the socket, let a waiting getter read it.
+
+        A loop whose :meth:`pump` found ``_owner`` taken meanwhile is woken to pump again: the
+        descriptor's signal it came for may have been spent by the holder's reads.
+        """
         self._owner.release()
+        if self._loop_missed:
+            self._loop_missed = False
+            self._wake_loops()
         if self._waiting and not self._io_watching:
             with self._lock:
                 self._cv.notify_all()
 
     # -- an event loop as the reading getter (LoopReader) ----------------------------------
-    def add_loop_reader(self, delta: int) -> None:
-        """Count an event loop that reads this socket through :meth:`pump` (+1) or no longer does (-1)."""
+    def add_loop_reader(self, reader: LoopClaim) -> None:
+        """Count an event loop that reads this socket through :meth:`pump` (see :class:`LoopClaim`)."""
         with self._lock:
-            self._loop_readers += delta
+            self._loop_readers = (*self._loop_readers, reader)
+
+    def remove_loop_reader(self, reader: LoopClaim) -> None:
+        """Stop counting ``reader`` (a no-op when it was not counted)."""
+        with self._lock:
+            self._loop_readers = tuple(r for r in self._loop_readers if r is not reader)
+
+    def _a_loop_waits(self) -> bool:
+        """Whether an event loop reading this socket has gets waiting (any thread)."""
+        return any(reader.waiting() for reader in self._loop_readers)
 
     def lend_to_loop(self) -> None:
         """Have the I/O thread stop watching the socket, so that :meth:`pump` reads it (any thread).
@@ -368,13 +398,22 @@ class PushReceiver:
         are not offered: opening them may fail, which a take records.
 
         Returns:
-            True: read all that was queued; False: stopped with more queued, or maybe
-            queued (call again soon, ``woken=False``); None: the socket is not the loop's
-            now (the I/O thread watches it, another getter reads it, or it is closed):
-            stop polling :attr:`fd` until the next :meth:`lend_to_loop`.
+            True: read all that was queued, or another reader holds the socket for now (it
+            reads until empty, and its release wakes the loops by an arrivals notice);
+            False: stopped with more queued, or maybe queued (call again soon,
+            ``woken=False``); None: the socket is not the loop's now (the I/O thread
+            watches it, or it is closed): stop polling :attr:`fd` until the next
+            :meth:`lend_to_loop`.
         """
-        if self._io_watching or not self._owner.acquire(False):
+        if self._io_watching or self._closed:
             return None
+        if not self._owner.acquire(False):
+            # Lent, and held for a moment by the I/O thread's owed work, a take or a reading getter:
+            # each reads until ZeroMQ holds nothing, and the flag has its release wake the loops, in
+            # case the message this pump came for arrived after that read. The socket stays the loop's.
+            self._loop_missed = True
+            if not self._owner.acquire(False):  # (released before the flag was seen: read it now)
+                return True
         try:
             if self._io_watching or self._closed:
                 return None
@@ -408,6 +447,19 @@ class PushReceiver:
     def _settle_for_loops(self) -> None:
         """:meth:`_settle` a lent socket, then wake the loops if a flood is still queued (holds ``_owner``)."""
         if not self._settle(1) and self._loop_readers:
+            self._wake_loops()
+
+    def _leave_to_loops(self) -> None:
+        """After the I/O thread used a lent socket (holds ``_owner``): what is queued is read by a loop that waits.
+
+        Using the socket may have spent the signal of a message that arrived meanwhile, so
+        somebody must look. A loop with gets waiting is woken to read it (it would anyway:
+        reading here makes two threads take turns at the GIL, which in a flood costs far
+        more than the read); without one, the I/O thread reads it itself.
+        """
+        if not self._a_loop_waits():
+            self._settle_for_loops()
+        elif self._sock.get(_EVENTS) & _POLLIN:
             self._wake_loops()
 
     def _open(self, item: _Item) -> tuple[Any, int]:
@@ -547,7 +599,7 @@ class PushReceiver:
                 try:
                     fn()
                     if self._loop_readers and not self._io_watching:
-                        self._settle_for_loops()  # fn may have used up the descriptor's signal
+                        self._leave_to_loops()  # fn may have used up the descriptor's signal
                 finally:
                     self._release_owner()
             else:
@@ -571,6 +623,7 @@ class PushReceiver:
         if self._io_watching:
             self._loop.remove_reader(self._sock)
             self._io_watching = False
+            self._last_read = time.monotonic()  # _reclaim's clock starts at the hand-over, not at the last read
             self._signal_recall()
         if not self._reclaim_armed:
             self._reclaim_armed = True
@@ -607,6 +660,8 @@ class PushReceiver:
 
         Between a getter giving the socket back and the next one taking it, nobody reads it:
         this bounds how long acks, pongs and arrivals nobody waits for can sit in ZeroMQ's queue.
+        An event loop with gets waiting polls the descriptor and reads what comes: lent to it,
+        the socket is taken back only after ``_LOOP_STALL_S`` without a read.
         """
         self._reclaim_armed = False
         if self._io_watching:
@@ -617,13 +672,14 @@ class PushReceiver:
             try:
                 if flush_due:
                     self._flush_all()
-                if now - self._last_read >= self._reclaim_s:
+                idle = now - self._last_read
+                if idle >= self._reclaim_s and (idle >= _LOOP_STALL_S or not self._a_loop_waits()):
                     if self._flush_armed:  # armed by a getter and not due yet: the I/O thread's timer sends it
                         self._loop.call_later(self._flush_due - now, self._owned_flush)
                     self._resume_watching()
                     return
                 if self._loop_readers:
-                    self._settle_for_loops()  # the flush may have used up the descriptor's signal
+                    self._leave_to_loops()  # the flush may have used up the descriptor's signal
             finally:
                 self._release_owner()
         elif flush_due:
