@@ -24,6 +24,11 @@ Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
   order: one task awaits each key in turn. Async, all waiting: B starts N get
   tasks first, then A puts (the pattern the asyncio face is for; threaded, it
   would take N threads). Messages per second from A's first put to B's last get.
+  As for the round trip, the three receivers run in the same two processes (a
+  pair per loop kind, one connector per receiver at each end), in turn within
+  each round, and "threaded/this" is the median over rounds of this round's
+  threaded rate over this one's: separate process pairs differed by more than
+  the gap being judged.
 
 For scale, the same lone round trip over raw pyzmq (PAIR sockets, ``ipc://``,
 the 200 bytes as one frame) with blocking ``recv`` on both ends, and on an
@@ -37,12 +42,13 @@ tasks that each await a future (resolved 64 at a time from callbacks, no
 connector, no socket), set beside what waiting costs us per message more than
 the threaded receive.
 
-Rounds interleave the paths (each loop's pair of processes, the raw rows, the
-rates; the order rotated every round so that none always runs first) so that a
-change in the machine's load hits them alike. RTT: the median and p99 of every
-round trip of a path, and "vs threaded" (above; for the raw rows, the median over
-rounds of this round's median / raw blocking's). Rates: the median of the
-rounds. The load average and the CPU count are printed before and after (the
+Round-trip rounds interleave the paths (each loop's pair of processes, the raw
+rows; the order rotated every round so that none always runs first) so that a
+change in the machine's load hits them alike; the rates follow, one pair of
+processes per loop kind running every round (the receivers' order rotated every
+round). RTT: the median and p99 of every round trip of a path, and "vs threaded"
+(above; for the raw rows, the median over rounds of this round's median / raw
+blocking's). Rates: the median of the rounds, and "threaded/this" (above). The load average and the CPU count are printed before and after (the
 figures mean little without them).
 """
 
@@ -79,42 +85,12 @@ def new_loop(kind: str) -> asyncio.AbstractEventLoop:
 
 
 def child(mode: str, endpoints: dict[str, str], n: int, loop_kind: str) -> None:
-    from zmq_omni.aio import AsyncConnector
-    from zmq_omni.connectors.zmq import ZmqConnector
-
     if mode.startswith("raw-"):
         raw_echo(mode, endpoints["b"], n, loop_kind)
-        return
-    if mode == "echo-mixed":
+    elif mode == "echo-mixed":
         echo_mixed(endpoints, n, loop_kind)
-        return
-    conn = ZmqConnector(config("b", endpoints))
-    print("ready", flush=True)
-    sys.stdin.readline()
-    if mode == "drain-thread":
-        for i in range(n):
-            assert conn.get_with_deadline("a", "b", f"m{i}", deadline=time.monotonic() + 60) is not None
-        print(json.dumps({"done": time.monotonic()}), flush=True)
-        conn.close()
     else:
-        loop = new_loop(loop_kind)
-
-        async def main() -> None:
-            async with AsyncConnector(conn) as aconn:
-                if mode == "drain-async-seq":
-                    for i in range(n):
-                        assert await aconn.get("a", "b", f"m{i}", timeout=60) is not None
-                else:  # drain-async-all
-                    tasks = [asyncio.ensure_future(aconn.get("a", "b", f"m{i}", timeout=60)) for i in range(n)]
-                    while aconn.health()["aio_gets_waiting"] < n:
-                        await asyncio.sleep(0.001)
-                    print("waiting", flush=True)
-                    assert None not in await asyncio.gather(*tasks)
-                print(json.dumps({"done": time.monotonic()}), flush=True)
-
-        loop.run_until_complete(main())
-        loop.close()
-    sys.stdin.readline()
+        drain_mixed(endpoints, n, loop_kind)
 
 
 def echo_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
@@ -147,6 +123,47 @@ def echo_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     threaded.flush(30)
     threaded.close()
     sys.stdin.readline()
+
+
+RATE_MODES = ("thread", "seq", "all")  # one receive thread; one task in order; every get waiting at once
+
+
+def drain_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
+    """B of the rates: per command line ``MODE ROUND``, take ``n`` messages that way (see the module doc)."""
+    from zmq_omni.aio import AsyncConnector
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    threaded = ZmqConnector(config("b", {"a": endpoints["a"], "b": endpoints["b"]}))
+    awaited = ZmqConnector(config("b", {"a": endpoints["a2"], "b": endpoints["b2"]}))
+    print("ready", flush=True)
+
+    async def main() -> None:
+        async with AsyncConnector(awaited) as conn:
+            while command := sys.stdin.readline().split():
+                mode, tag = command
+                keys = [f"{tag}-{i}" for i in range(n)]
+                if mode == "thread":
+                    print("waiting", flush=True)
+                    for key in keys:
+                        assert threaded.get_with_deadline("a", "b", key, deadline=time.monotonic() + 60) is not None
+                elif mode == "seq":
+                    print("waiting", flush=True)
+                    for key in keys:
+                        assert await conn.get("a", "b", key, timeout=60) is not None
+                else:
+                    tasks = [asyncio.ensure_future(conn.get("a", "b", key, timeout=60)) for key in keys]
+                    while conn.health()["aio_gets_waiting"] < n:
+                        await asyncio.sleep(0.001)
+                    print("waiting", flush=True)
+                    assert None not in await asyncio.gather(*tasks)
+                print(json.dumps({"done": time.monotonic()}), flush=True)
+            awaited.flush(30)
+
+    loop = new_loop(loop_kind)
+    loop.run_until_complete(main())
+    loop.close()
+    threaded.flush(30)
+    threaded.close()
 
 
 def raw_echo(mode: str, endpoint: str, n: int, loop_kind: str) -> None:
@@ -300,8 +317,11 @@ class Peer:
         return line.strip()
 
     def go(self) -> None:
+        self.send("go")
+
+    def send(self, line: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
     def finish(self) -> None:
@@ -354,25 +374,38 @@ def rtt_mixed(tmp: str, n: int, loop_kind: str) -> tuple[list[list[float]], list
     return threaded_blocks, async_blocks
 
 
-def rate(tmp: str, n: int, mode: str, loop_kind: str) -> float:
-    """Messages per second, A's first put to B's last get; A puts from a plain thread in every mode."""
+def rates_mixed(tmp: str, n: int, rounds: int, loop_kind: str) -> dict[str, list[float]]:
+    """Messages per second of each receiver (``RATE_MODES``), ``rounds`` each, in one pair of processes.
+
+    A's first put to B's last get; A puts from a plain thread in every mode. The order of the
+    receivers rotates every round.
+    """
     from zmq_omni.connectors.zmq import ZmqConnector
 
-    endpoints = {"a": f"ipc://{tmp}/a.sock", "b": f"ipc://{tmp}/b.sock"}
-    with ZmqConnector(config("a", endpoints)) as conn:
-        peer = Peer(mode, endpoints, n, loop_kind)
-        conn.put("a", "b", "warm", 0)
-        peer.go()
-        if mode == "drain-async-all":
-            assert peer.readline() == "waiting"
+    endpoints = {name: f"ipc://{tmp}/{name}.sock" for name in ("a", "b", "a2", "b2")}
+    rates: dict[str, list[float]] = {mode: [] for mode in RATE_MODES}
+    with (
+        ZmqConnector(config("a", {"a": endpoints["a"], "b": endpoints["b"]})) as threaded,
+        ZmqConnector(config("a", {"a": endpoints["a2"], "b": endpoints["b2"]})) as awaited,
+    ):
+        peer = Peer("drain-mixed", endpoints, n, loop_kind)
         payload = {"x": b"\0" * SMALL}
-        started = time.monotonic()
-        for i in range(n):
-            ok, _, _ = conn.put("a", "b", f"m{i}", payload)
-            assert ok
-        done = float(json.loads(peer.readline())["done"])
+        for i in range(rounds):
+            for mode in RATE_MODES[i % 3 :] + RATE_MODES[: i % 3]:
+                conn = threaded if mode == "thread" else awaited
+                tag = f"{mode}{i}"
+                peer.send(f"{mode} {tag}")
+                assert peer.readline() == "waiting"
+                started = time.monotonic()
+                for j in range(n):
+                    ok, _, _ = conn.put("a", "b", f"{tag}-{j}", payload)
+                    assert ok
+                done = float(json.loads(peer.readline())["done"])
+                rates[mode].append(n / (done - started))
         peer.finish()
-    return n / (done - started)
+        threaded.flush(30)
+        awaited.flush(30)
+    return rates
 
 
 def load() -> str:
@@ -408,10 +441,7 @@ def main() -> None:
         rtts[f"async {kind}"] = []
     rtts.update({name: [] for name in rtt_paths if name.startswith("raw")})
     block_ratios: dict[str, list[float]] = {kind: [] for kind in loops}
-    rate_paths = ["threaded, one receive thread"]
-    for kind in loops:
-        rate_paths += [f"async {kind}, one task in order", f"async {kind}, all {n_rate} waiting"]
-    rates: dict[str, list[float]] = {name: [] for name in rate_paths}
+    rates: dict[str, dict[str, list[float]]] = {}  # per loop kind, per receiver (RATE_MODES)
     wake_floors: dict[str, list[float]] = {kind: [] for kind in loops}
     with tempfile.TemporaryDirectory(prefix="zo-bench-") as tmp:
         for i in range(rounds):
@@ -428,15 +458,11 @@ def main() -> None:
                     for before, after in zip(threaded_blocks, async_blocks, strict=True):
                         block_ratios[name].append(statistics.median(after) / statistics.median(before))
             if args.only != "rtt":
-                for name in rate_paths[i % len(rate_paths) :] + rate_paths[: i % len(rate_paths)]:
-                    if name.startswith("threaded"):
-                        rates[name].append(rate(tmp, n_rate, "drain-thread", ""))
-                    else:
-                        kind = name.split(",")[0].removeprefix("async ")
-                        mode = "drain-async-seq" if "in order" in name else "drain-async-all"
-                        rates[name].append(rate(tmp, n_rate, mode, kind))
                 for kind in loops:
                     wake_floors[kind].append(wake_floor(n_rate, kind))
+        if args.only != "rtt":
+            for kind in loops:
+                rates[kind] = rates_mixed(tmp, n_rate, rounds, kind)
     if args.only != "rate":
         print(f"\nlone-message RTT ({SMALL} B payload, push mode, ipc, {rounds} rounds x {n_rtt} round trips a path)")
         print(f"{'path':<24} {'median us':>10} {'p99 us':>8} {'vs threaded':>12}  per-round medians, us")
@@ -467,15 +493,22 @@ def main() -> None:
                 f"{within} of {len(block_ratios[kind])} async blocks within 1.2x of their threaded block"
             )
     if args.only != "rtt":
-        print(f"\nmany in flight ({n_rate} x {SMALL} B, push mode, ipc, median of {rounds} rounds)")
-        base_rate = statistics.median(rates["threaded, one receive thread"])
-        print(f"{'receiver':<34} {'msg/s':>10} {'threaded/this':>14}")
-        for name, values in rates.items():
-            value = statistics.median(values)
-            print(f"{name:<34} {value:>10,.0f} {base_rate / value:>13.2f}x")
+        print(f"\nmany in flight ({n_rate} x {SMALL} B, push mode, ipc, {rounds} rounds in one process pair a loop)")
+        print(f"{'receiver':<36} {'msg/s':>9} {'threaded/this':>14}  per-round msg/s")
+        print("(msg/s: median of rounds; threaded/this: median over rounds of the round's threaded rate / this)")
+        names = {"thread": "threaded ({kind} pair)", "seq": "async {kind}, one task in order"}
+        names["all"] = f"async {{kind}}, all {n_rate} waiting"
+        for kind in loops:
+            per_mode = rates[kind]
+            for mode in RATE_MODES:
+                ratio = statistics.median(t / r for t, r in zip(per_mode["thread"], per_mode[mode], strict=True))
+                listed = " ".join(f"{r:,.0f}" for r in per_mode[mode])
+                name = names[mode].format(kind=kind)
+                print(f"{name:<36} {statistics.median(per_mode[mode]):>9,.0f} {ratio:>13.2f}x  {listed}")
         for kind in loops:
             floor = statistics.median(wake_floors[kind])
-            extra = 1 / statistics.median(rates[f"async {kind}, all {n_rate} waiting"]) - 1 / base_rate
+            base_rate = statistics.median(rates[kind]["thread"])
+            extra = 1 / statistics.median(rates[kind]["all"]) - 1 / base_rate
             print(
                 f"{kind}: the loop alone takes {floor * 1e6:.2f} us to wake each of {n_rate} waiting tasks; "
                 f"all waiting costs {extra * 1e6:.2f} us per message more than the threaded receive "
