@@ -48,8 +48,9 @@ change in the machine's load hits them alike; the rates follow, one pair of
 processes per loop kind running every round (the receivers' order rotated every
 round). RTT: the median and p99 of every round trip of a path, and "vs threaded"
 (above; for the raw rows, the median over rounds of this round's median / raw
-blocking's). Rates: the median of the rounds, and "threaded/this" (above). The load average and the CPU count are printed before and after (the
-figures mean little without them).
+blocking's). Rates: the median of the rounds, and "threaded/this" (above). The
+load average and the CPU count are printed before and after (the figures mean
+little without them).
 """
 
 from __future__ import annotations
@@ -418,6 +419,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer messages and rounds")
     parser.add_argument("--rounds", type=int, help="rounds of each figure (default 5; 2 with --quick)")
     parser.add_argument("--only", choices=["rtt", "rate"], help="measure only the round trip or only the rates")
+    parser.add_argument("--trips", type=int, help=f"lone round trips a path per round (a multiple of {2 * BLOCK})")
+    parser.add_argument("--messages", type=int, help="messages of each many-in-flight rate")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -430,8 +433,10 @@ def main() -> None:
     except ImportError:
         loops = ["asyncio"]
     rounds = args.rounds or (2 if args.quick else 5)
-    n_rtt = 1000 if args.quick else 2000
-    n_rate = 10_000 if args.quick else 20_000
+    n_rtt = args.trips or (1000 if args.quick else 2000)
+    n_rate = args.messages or (10_000 if args.quick else 20_000)
+    if n_rtt % (2 * BLOCK):
+        parser.error(f"--trips must be a multiple of {2 * BLOCK}")
     started = time.perf_counter()
     print(f"before: {load()}", flush=True)
     rtt_paths = [*loops, "raw pyzmq, blocking", *(f"raw pyzmq, {kind}" for kind in loops)]

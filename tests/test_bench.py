@@ -83,6 +83,10 @@ def test_benchmark_scripts_stay_runnable_as_thin_wrappers() -> None:
     latency = _run(sys.executable, "benchmarks/latency.py", "--count", "50", "--transport", "ipc")
     assert latency.returncode == 0, latency.stderr
     assert "1 MiB" in latency.stdout and "p99 ratio" in latency.stdout
+    aio = _run(sys.executable, "benchmarks/aio.py", "--rounds", "1", "--trips", "100", "--messages", "300")
+    assert aio.returncode == 0, aio.stderr
+    for row in ("async asyncio", "raw pyzmq, blocking", "async asyncio, all 300 waiting", "the loop alone takes"):
+        assert row in aio.stdout, aio.stdout
 
 
 def test_the_plot_shows_what_a_user_compares_and_leaves_zero_copy_against_copy_to_the_table() -> None:
