@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 SMALL = 200
@@ -72,6 +73,12 @@ BLOCK = 50  # lone round trips per block; the threaded and async blocks alternat
 
 def config(stage: str, endpoints: dict[str, str]) -> dict[str, Any]:
     return {"stage_id": stage, "role": "dual", "endpoints": endpoints, "max_unacked": 100_000}
+
+
+def path_config(stage: str, endpoints: dict[str, str], *, awaited: bool) -> dict[str, Any]:
+    """One path's connector at ``stage``: the threaded path's on endpoints a and b, the awaited one's on a2 and b2."""
+    suffix = "2" if awaited else ""
+    return config(stage, {"a": endpoints["a" + suffix], "b": endpoints["b" + suffix]})
 
 
 def new_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -99,8 +106,8 @@ def echo_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     from zmq_omni.aio import AsyncConnector
     from zmq_omni.connectors.zmq import ZmqConnector
 
-    threaded = ZmqConnector(config("b", {"a": endpoints["a"], "b": endpoints["b"]}))
-    awaited = ZmqConnector(config("b", {"a": endpoints["a2"], "b": endpoints["b2"]}))
+    threaded = ZmqConnector(path_config("b", endpoints, awaited=False))
+    awaited = ZmqConnector(path_config("b", endpoints, awaited=True))
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -118,11 +125,7 @@ def echo_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
                         await conn.put("b", "a", f"q{i}", got[0])
             awaited.flush(30)
 
-    loop = new_loop(loop_kind)
-    loop.run_until_complete(main())
-    loop.close()
-    threaded.flush(30)
-    threaded.close()
+    run_and_close(loop_kind, main, threaded)
     sys.stdin.readline()
 
 
@@ -134,8 +137,8 @@ def drain_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     from zmq_omni.aio import AsyncConnector
     from zmq_omni.connectors.zmq import ZmqConnector
 
-    threaded = ZmqConnector(config("b", {"a": endpoints["a"], "b": endpoints["b"]}))
-    awaited = ZmqConnector(config("b", {"a": endpoints["a2"], "b": endpoints["b2"]}))
+    threaded = ZmqConnector(path_config("b", endpoints, awaited=False))
+    awaited = ZmqConnector(path_config("b", endpoints, awaited=True))
     print("ready", flush=True)
 
     async def main() -> None:
@@ -160,6 +163,11 @@ def drain_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
                 print(json.dumps({"done": time.monotonic()}), flush=True)
             awaited.flush(30)
 
+    run_and_close(loop_kind, main, threaded)
+
+
+def run_and_close(loop_kind: str, main: Callable[[], Coroutine[Any, Any, None]], threaded: Any) -> None:
+    """B's tail in both mixed modes: ``main`` on a new loop (it closes the awaited connector), then the threaded one."""
     loop = new_loop(loop_kind)
     loop.run_until_complete(main())
     loop.close()
@@ -342,9 +350,9 @@ def rtt_mixed(tmp: str, n: int, loop_kind: str) -> tuple[list[list[float]], list
     async_blocks: list[list[float]] = []
 
     async def main() -> None:
-        threaded = ZmqConnector(config("a", {"a": endpoints["a"], "b": endpoints["b"]}))
+        threaded = ZmqConnector(path_config("a", endpoints, awaited=False))
         try:
-            async with AsyncConnector(ZmqConnector(config("a", {"a": endpoints["a2"], "b": endpoints["b2"]}))) as conn:
+            async with AsyncConnector(ZmqConnector(path_config("a", endpoints, awaited=True))) as conn:
                 peer = Peer("echo-mixed", endpoints, n, loop_kind)
                 peer.go()
                 payload = {"x": b"\0" * SMALL}
@@ -386,8 +394,8 @@ def rates_mixed(tmp: str, n: int, rounds: int, loop_kind: str) -> dict[str, list
     endpoints = {name: f"ipc://{tmp}/{name}.sock" for name in ("a", "b", "a2", "b2")}
     rates: dict[str, list[float]] = {mode: [] for mode in RATE_MODES}
     with (
-        ZmqConnector(config("a", {"a": endpoints["a"], "b": endpoints["b"]})) as threaded,
-        ZmqConnector(config("a", {"a": endpoints["a2"], "b": endpoints["b2"]})) as awaited,
+        ZmqConnector(path_config("a", endpoints, awaited=False)) as threaded,
+        ZmqConnector(path_config("a", endpoints, awaited=True)) as awaited,
     ):
         peer = Peer("drain-mixed", endpoints, n, loop_kind)
         payload = {"x": b"\0" * SMALL}

@@ -25,6 +25,7 @@ import zmq
 
 from zmq_omni.aio import AsyncConnector
 from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.transport import PushReceiver
 from zmq_omni.wire import register_type, unregister_type
 
 from .conftest import wait_until
@@ -78,16 +79,30 @@ async def _async_edge(short_tmp: Path, **sender: Any) -> AsyncIterator[tuple[Asy
             yield conn, sender_conn
 
 
-async def _put_when_waiting(conn: AsyncConnector, sender: ZmqConnector, key: str, value: Any) -> Any:
-    """Start a get of ``key``, put it once the get waits, and return what the get returned."""
+async def _waiting_get(conn: AsyncConnector, key: str) -> asyncio.Task[Any]:
+    """Start a get of ``key`` (30 s timeout) and return its task once a get waits."""
     task = asyncio.create_task(conn.get("0", "1", key, timeout=30))
     while conn.health()["aio_gets_waiting"] < 1:
         await asyncio.sleep(0)
+    return task
+
+
+async def _put_when_waiting(conn: AsyncConnector, sender: ZmqConnector, key: str, value: Any) -> Any:
+    """Start a get of ``key``, put it once the get waits, and return what the get returned."""
+    task = await _waiting_get(conn, key)
     ok, _, _ = sender.put("0", "1", key, value)
     assert ok, sender.drain_failures()
     got = await task
     assert got is not None, f"{key} never arrived"
     return got[0]
+
+
+async def _read_on_the_loop(conn: AsyncConnector, sender: ZmqConnector) -> PushReceiver:
+    """Serve a first awaited get (the loop reads the socket from then on); the receiver's part."""
+    assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None
+    part = conn.connector._receiver
+    assert part is not None
+    return part
 
 
 @pytest.mark.anyio
@@ -222,9 +237,7 @@ async def test_what_queued_behind_a_woken_pumps_first_item_is_read_on_the_loop(
     # socket back here), and every get served.
     loop_thread = threading.current_thread().name
     async with _async_edge(short_tmp) as (conn, sender):
-        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
-        part = conn.connector._receiver
-        assert part is not None
+        part = await _read_on_the_loop(conn, sender)
         gets = {key: asyncio.create_task(conn.get("0", "1", key, timeout=10)) for key in ("a", "b", "c")}
         while conn.health()["aio_gets_waiting"] < 3:
             await asyncio.sleep(0)
@@ -304,9 +317,7 @@ async def test_an_arrival_read_on_the_loop_goes_straight_to_its_waiting_get(shor
     # mailbox, never notified to the watches; it counts as a get, and its consumption is acknowledged.
     loop_thread = threading.current_thread().name
     async with _async_edge(short_tmp) as (conn, sender):
-        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
-        part = conn.connector._receiver
-        assert part is not None
+        part = await _read_on_the_loop(conn, sender)
         box = _RecordingBox(part._box)
         box.stored = []
         part._box = box
@@ -341,14 +352,10 @@ async def test_a_waiting_loop_keeps_the_socket_through_an_idle_spell(short_tmp: 
     # which the socket spent with the I/O thread: the lend's clock starts at the hand-over.
     loop_thread = threading.current_thread().name
     async with _async_edge(short_tmp) as (conn, sender):
-        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
-        part = conn.connector._receiver
-        assert part is not None
+        part = await _read_on_the_loop(conn, sender)
         for spell, before in enumerate((0.0, 1.5)):
             await asyncio.sleep(before)  # no get waits: the socket goes back to the I/O thread
-            task = asyncio.create_task(conn.get("0", "1", f"k{spell}", timeout=30))
-            while conn.health()["aio_gets_waiting"] < 1:
-                await asyncio.sleep(0)
+            task = await _waiting_get(conn, f"k{spell}")
             assert wait_until(lambda: not part._io_watching, 10)  # (the loop asked for it: the I/O thread's turn)
             time.sleep(0.3)  # the loop is held up: it has not read the socket since the hand-over
             assert not part._io_watching, f"spell {spell}: taken back before the loop could read"
@@ -367,10 +374,8 @@ async def test_a_blocked_loop_loses_the_socket_to_the_io_thread(short_tmp: Path,
     # a second without a read the I/O thread takes the socket back and reads what came meanwhile.
     loop_thread = threading.current_thread().name
     async with _async_edge(short_tmp) as (conn, sender):
-        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
-        task = asyncio.create_task(conn.get("0", "1", "k", timeout=30))
-        while conn.health()["aio_gets_waiting"] < 1:
-            await asyncio.sleep(0)
+        await _read_on_the_loop(conn, sender)
+        task = await _waiting_get(conn, "k")
         del traced[:]
         assert sender.put("0", "1", "k", Traced(1))[0]
         # The loop is blocked here (this coroutine does not yield): only the I/O thread can read it.
@@ -390,12 +395,8 @@ async def test_a_pump_that_finds_the_socket_busy_keeps_it_and_is_woken_by_the_ho
     # left to the I/O thread.
     loop_thread = threading.current_thread().name
     async with _async_edge(short_tmp) as (conn, sender):
-        assert await _put_when_waiting(conn, sender, "warm", Traced(0)) is not None  # the loop reads now
-        part = conn.connector._receiver
-        assert part is not None
-        task = asyncio.create_task(conn.get("0", "1", "k", timeout=30))
-        while conn.health()["aio_gets_waiting"] < 1:
-            await asyncio.sleep(0)
+        part = await _read_on_the_loop(conn, sender)
+        task = await _waiting_get(conn, "k")
         stops: list[bool] = []
         monkeypatch.setattr(conn, "_stop_reading", lambda: stops.append(True))
         woken_by: list[str] = []
