@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import errno
+import multiprocessing
+import multiprocessing.queues
+import pickle
 
 import pytest
 import zmq
@@ -65,3 +68,42 @@ def test_name_stages_uses_the_pipeline_names_where_it_knows_them() -> None:
         "stage 'vocoder' never started it; delivery to stage 'thinker' failed; stage 7 and stage driver; "
         "stage_id 2; req_2_0"
     )
+
+
+def _one_of_each() -> list[errors.ZmqOmniError]:
+    """An instance of every public error class, built as the library builds it."""
+    made: list[errors.ZmqOmniError] = []
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if not isinstance(cls, type):
+            continue
+        if issubclass(cls, errors.DeliveryError):
+            made.append(cls("not confirmed", key="req-1_0_3", endpoint="tcp://10.0.0.1:5555", dropped="unclaimed"))
+        elif issubclass(cls, errors.TransportError):
+            made.append(cls(f"{name} happened", endpoint="ipc:///tmp/x"))
+        else:
+            made.append(cls(f"{name} happened"))
+    return made
+
+
+@pytest.mark.parametrize("error", _one_of_each(), ids=lambda e: type(e).__name__)
+def test_every_public_error_survives_pickle(error: errors.ZmqOmniError) -> None:
+    # A failure crosses multiprocessing queues and process pools by pickle: it must come back whole.
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error)
+    assert str(back) == str(error)
+    assert back.args == error.args
+    assert vars(back) == vars(error)
+
+
+def test_a_delivery_error_crosses_a_process_queue() -> None:
+    context = multiprocessing.get_context("spawn")
+    queue: multiprocessing.queues.Queue[BaseException] = context.Queue()
+    try:
+        queue.put(errors.DeliveryError("dropped", key="rid_7", dropped="cancelled"))
+        back = queue.get(timeout=10)
+    finally:
+        queue.close()
+        queue.join_thread()
+    assert isinstance(back, errors.DeliveryError)
+    assert (back.key, back.dropped, back.endpoint) == ("rid_7", "cancelled", None)

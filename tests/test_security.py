@@ -7,6 +7,7 @@ is sent to them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -24,6 +25,7 @@ import yaml
 import zmq
 
 from tests.test_cli import CLI, StageProcs, run_cli, write_pipeline
+from zmq_omni.aio import AsyncConnector
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import AuthenticationError, ConfigError, DeliveryError
 from zmq_omni.transport import is_loopback, probe
@@ -507,11 +509,21 @@ def test_keygen_names_a_directory_where_a_key_file_belongs(short_tmp: Path) -> N
     assert not (keys / "thinker.keys").exists()  # nothing written
 
 
-def test_a_pull_fetch_from_a_plaintext_endpoint_off_the_host_is_refused_and_reported() -> None:
+@pytest.mark.parametrize("face", ["threaded", "asyncio"])
+def test_a_pull_fetch_from_a_plaintext_endpoint_off_the_host_is_refused_and_reported(face: str) -> None:
+    # One rule for both faces of a pull get: the asyncio get refuses what the threaded one does.
     config = {"stage_id": "1", "role": "receiver", "mode": "pull", "endpoints": {"0": "tcp://127.0.0.1:9"}}
+    metadata = {"key": "k", "endpoint": "tcp://192.0.2.1:5555"}  # named by a put's metadata
     with ZmqConnector(config) as receiver:
-        metadata = {"key": "k", "endpoint": "tcp://192.0.2.1:5555"}  # named by a put's metadata
-        assert receiver.get("0", "1", "k", metadata) is None
+        if face == "threaded":
+            assert receiver.get("0", "1", "k", metadata) is None
+        else:
+
+            async def awaited() -> Any:
+                async with AsyncConnector(receiver, close_connector=False) as conn:
+                    return await conn.get("0", "1", "k", metadata, timeout=2.0)
+
+            assert asyncio.run(awaited()) is None
         failures = receiver.drain_failures()
     assert [f.key for f in failures] == ["k"] and isinstance(failures[0].error, ConfigError)
     assert "refusing plaintext TCP on tcp://192.0.2.1:5555" in str(failures[0].error)

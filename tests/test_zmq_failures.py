@@ -173,7 +173,9 @@ def test_slow_receiver_bounds_the_window_and_put_times_out(connectors: list[ZmqC
 
 
 def test_close_with_peer_gone_is_prompt_and_leaves_no_thread(connectors: list[ZmqConnector], short_tmp: Path) -> None:
-    sender = ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"1": f"ipc://{short_tmp}/nobody.sock"}})
+    # Without its linger (close_timeout_s=0): what is left of close must be prompt.
+    nobody = {"1": f"ipc://{short_tmp}/nobody.sock"}
+    sender = ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": nobody, "close_timeout_s": 0})
     for i in range(50):
         assert sender.put("0", "1", f"k{i}", np.zeros(100_000))[0]
     receiver = ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": "tcp://127.0.0.1:0"}})

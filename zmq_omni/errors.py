@@ -48,8 +48,24 @@ __all__ = [
 ]
 
 
+def _restore(cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]) -> BaseException:
+    """Rebuild a pickled error without calling its ``__init__`` (whose signature differs per class)."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class ZmqOmniError(Exception):
-    """Root of every error zmq_omni raises on purpose."""
+    """Root of every error zmq_omni raises on purpose.
+
+    Every error in the tree survives ``pickle`` (a ``multiprocessing`` queue, a process pool) with
+    its type, message and attributes: the default reduction calls ``cls(*args)``, which the
+    keyword-only constructors below would refuse.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
 
 
 class ConfigError(ZmqOmniError, ValueError):

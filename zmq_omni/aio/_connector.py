@@ -585,7 +585,11 @@ class AsyncConnector:
         if waiter.fut.done():
             return
         from_stage, to_stage, key = waiter.slot
-        endpoint, server_key = self._fetcher.fetch_route(from_stage, key, waiter.metadata)
+        route = self._fetcher.fetch_route(from_stage, to_stage, key, waiter.metadata)
+        if route is None:  # refused (a plaintext endpoint off the host): recorded by the connector
+            waiter.fut.set_result(None)
+            return
+        endpoint, server_key = route
         chan = self._channel(endpoint, server_key)
         # The server answers "not found" a little before the deadline, so the reply is in by then.
         wait_s = _LONG_POLL_S if deadline is None else max(0.0, (deadline - self._loop.time()) * 0.8)

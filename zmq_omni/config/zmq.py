@@ -78,9 +78,10 @@ class ZmqConnectorConfig:
         put_timeout_s: longest a ``put`` waits for window room and for ZeroMQ.
         delivery_timeout_s: longest a put may stay unconfirmed before it is
             reported as a :class:`~zmq_omni.errors.DeliveryError`.
-        close_timeout_s: longest ``close()`` waits for puts not yet confirmed
+        close_timeout_s: longest ``close()`` lingers for puts not yet confirmed
             (push: arrival at the receiver; pull: fetched) before it reports them
-            as failed; 0 (the default) closes at once. ``flush()`` waits on demand.
+            as failed (default 5 s; it returns as soon as all are confirmed); 0
+            closes at once. ``flush()`` waits on demand.
         heartbeat_s: interval of sender pings (which drive resends).
         ack_delay_s: push mode: longest a receiver holds acknowledgements back to batch
             them (a sender whose window is full or whose ``flush()`` waits asks for them
@@ -145,7 +146,7 @@ class ZmqConnectorConfig:
     metadata_get_timeout_s: float = 5.0
     put_timeout_s: float = 10.0
     delivery_timeout_s: float = 30.0
-    close_timeout_s: float = 0.0
+    close_timeout_s: float = 5.0
     heartbeat_s: float = 0.5
     ack_delay_s: float = 0.02
     peer_timeout_s: float = 3.0
@@ -225,7 +226,7 @@ class ZmqConnectorConfig:
             metadata_get_timeout_s=read_float(extra, "metadata_get_timeout_s", 5.0, _PATH, minimum=0.0),
             put_timeout_s=read_float(extra, "put_timeout_s", 10.0, _PATH, minimum=0.0),
             delivery_timeout_s=read_float(extra, "delivery_timeout_s", 30.0, _PATH, minimum=0.001),
-            close_timeout_s=read_float(extra, "close_timeout_s", 0.0, _PATH, minimum=0.0),
+            close_timeout_s=read_float(extra, "close_timeout_s", 5.0, _PATH, minimum=0.0),
             heartbeat_s=read_float(extra, "heartbeat_s", 0.5, _PATH, minimum=0.01),
             ack_delay_s=read_float(extra, "ack_delay_s", 0.02, _PATH, minimum=0.001, maximum=10.0),
             peer_timeout_s=read_float(extra, "peer_timeout_s", 3.0, _PATH, minimum=0.01),

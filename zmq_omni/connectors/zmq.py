@@ -612,17 +612,10 @@ class ZmqConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
     ) -> tuple[Any, int] | None:
         assert self._client is not None
-        if isinstance(metadata, dict) and key in metadata and isinstance(metadata[key], dict):
-            metadata = metadata[key]  # vllm-omni's {key: meta} wrapper
-        endpoint = metadata.get("endpoint") if isinstance(metadata, dict) else None
-        if not isinstance(endpoint, str):
-            endpoint = self._endpoints.require(from_stage)
-        else:  # an endpoint the sender's metadata named: the same rule as configured ones, reported, not raised
-            try:
-                require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None, insecure=self._insecure)
-            except ConfigError as exc:
-                self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
-                return None
+        route = self.fetch_route(from_stage, to_stage, key, metadata)
+        if route is None:
+            return None
+        endpoint, server_key = route
         now = time.monotonic()
         if deadline is None:
             wait_s, reply_by = 0.0, now + self.config.fetch_timeout_s
@@ -630,7 +623,6 @@ class ZmqConnector(OmniConnectorBase):
             # The server answers "not found" a little before the deadline, so the reply is in by then.
             wait_s = max(0.0, (deadline - now) * 0.8)
             reply_by = deadline
-        server_key = None if self._curve is None else self._curve.server_key_for(from_stage)
         try:
             return self._client.fetch(
                 endpoint, from_stage, to_stage, key, wait_s=wait_s, deadline=reply_by, server_key=server_key
@@ -654,8 +646,15 @@ class ZmqConnector(OmniConnectorBase):
         """True when gets fetch from the sender (pull mode): wait for them with a :class:`FetchChannel`."""
         return self._client is not None
 
-    def fetch_route(self, from_stage: str, key: str, metadata: dict[str, Any] | None) -> tuple[str, bytes | None]:
-        """Where a pull-mode get fetches from: ``(endpoint, server_key)`` (the metadata's endpoint wins).
+    def fetch_route(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None
+    ) -> tuple[str, bytes | None] | None:
+        """Where a pull-mode get fetches from: ``(endpoint, server_key)``, or None when refused.
+
+        Both the threaded and the asyncio get go through here, so they apply one rule: an
+        endpoint the metadata names (it wins over the configured one) must pass the same
+        plaintext/CURVE check as configured endpoints; one that does not is recorded as the
+        get's failure and the get finds nothing.
 
         Raises:
             ValueError: this connector does not get in pull mode.
@@ -663,12 +662,18 @@ class ZmqConnector(OmniConnectorBase):
         """
         if self._client is None:
             raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode does not fetch")
-        from_stage, key = str(from_stage), str(key)
+        from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if isinstance(metadata, dict) and key in metadata and isinstance(metadata[key], dict):
             metadata = metadata[key]  # vllm-omni's {key: meta} wrapper
         endpoint = metadata.get("endpoint") if isinstance(metadata, dict) else None
         if not isinstance(endpoint, str):
             endpoint = self._endpoints.require(from_stage)
+        else:  # an endpoint the sender's metadata named: the same rule as configured ones, reported, not raised
+            try:
+                require_curve([("metadata endpoint", endpoint)], curve=self._curve is not None, insecure=self._insecure)
+            except ConfigError as exc:
+                self._record_failure("get", from_stage, to_stage, key, str(exc), exc)
+                return None
         return endpoint, None if self._curve is None else self._curve.server_key_for(from_stage)
 
     def open_fetch_channel(self, ctx: Any, endpoint: str, server_key: bytes | None) -> FetchChannel:
@@ -891,10 +896,13 @@ class ZmqConnector(OmniConnectorBase):
     def close(self) -> None:
         """Stop the I/O thread and close every socket; idempotent.
 
-        Waits up to ``close_timeout_s`` (default 0) for unconfirmed puts, then
-        reports each one still unconfirmed through :meth:`drain_failures` as a
-        :class:`~zmq_omni.errors.DeliveryError`. Beyond that wait it returns in
-        well under a second, peer or no peer.
+        Lingers as ZeroMQ does: waits up to ``close_timeout_s`` (default 5 s) for
+        the puts not yet confirmed (push: arrived, and consumed when in shared
+        memory; pull: fetched), and returns as soon as none is left. Each put still
+        unconfirmed then is reported three ways: a WARNING log line naming the
+        keys, a :class:`~zmq_omni.errors.DeliveryError` in :meth:`drain_failures`,
+        and (through the adapters) its request among the failed sends. Beyond that
+        wait it returns in well under a second, peer or no peer.
         """
         with self._close_lock:
             if self._loop is None:
@@ -903,9 +911,25 @@ class ZmqConnector(OmniConnectorBase):
                 self.flush(self.config.close_timeout_s)
             self._closed = True
             self._idle.set()
-            for part in (self._sender, self._receiver, self._server, self._client):
+            lost: list[str] = []
+            for part in (self._sender, self._server):
                 if part is not None:
-                    part.close()  # wakes waiting puts/gets; the client also gives back its sockets
+                    lost += part.close()  # fails waiting puts and reports what is unconfirmed
+            for reader in (self._receiver, self._client):
+                if reader is not None:
+                    reader.close()  # wakes waiting gets; the client also gives back its sockets
+            if lost:
+                shown = ", ".join(repr(key) for key in lost[:10])
+                more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
+                log.warning(
+                    "stage %s closed with %d put(s) unconfirmed after close_timeout_s=%s: %s%s "
+                    "(each is in drain_failures())",
+                    self.stage_id,
+                    len(lost),
+                    self.config.close_timeout_s,
+                    shown,
+                    more,
+                )
             self._notify_closed()
             if not self._loop.stop(timeout=1.0):
                 log.warning("I/O thread of stage %s did not stop within 1s", self.stage_id)

@@ -225,8 +225,12 @@ class PullServer:
                 self._cv.wait(remaining if self._store else min(remaining, _SEND_CHECK_S))
             return not self._store and not self._still_leaving()
 
-    def close(self) -> None:
-        """Fail waiting and future puts; report every payload nobody fetched. The socket closes on the loop thread."""
+    def close(self) -> list[str]:
+        """Fail waiting and future puts; report every payload nobody fetched. The socket closes on the loop thread.
+
+        Returns:
+            The keys of the payloads reported lost.
+        """
         with self._cv:
             self._closed = True
             unfetched = list(self._store)
@@ -238,6 +242,7 @@ class PullServer:
             "delivery_failures",
             lambda to_stage: f"connector closed before stage {to_stage!r} fetched the payload",
         )
+        return [key for _, _, key in unfetched]
 
     def _report_lost(self, slots: list[Slot], counter: str, why: Callable[[str], str]) -> None:
         """Count and report each payload given up on as a DeliveryError (no lock held)."""

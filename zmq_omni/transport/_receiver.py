@@ -50,12 +50,12 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import zmq
 
-from ..errors import DecodeError, MessageTooLargeError, ShmError
+from ..errors import DecodeError, MessageTooLargeError, ShmError, from_zmq_error
 from ..metrics import Counters
 from ._dedupe import SourceState
 from ._envelope import Kind, check_types, pack, to_ranges, unpack
@@ -246,15 +246,32 @@ class PushReceiver:
         item = self._pop(slot, key)
         if item is None and look and not self._io_watching and self._owner.acquire(False):
             try:  # a getter borrowed the socket and nobody reads it now: take in what is queued
-                generation = self._generation
-                self._settle_for_loops()
-                if self._generation != generation:
-                    item = self._pop(slot, key)
+                # Checked again as the owner: the I/O thread may have taken the socket back (it sets
+                # _io_watching only while it holds _owner) or closed it between the test and the acquire.
+                if not self._io_watching and not self._closed:
+                    generation = self._generation
+                    with self._closing_is_none():
+                        self._settle_for_loops()
+                    if self._generation != generation:
+                        item = self._pop(slot, key)
             finally:
                 self._release_owner()
         if item is None:
             return None
         return (item.obj, item.nbytes) if item.loc is None else self._open(item)
+
+    @contextlib.contextmanager
+    def _closing_is_none(self) -> Iterator[None]:
+        """Around a getter's socket use: a pyzmq error from a receiver closed meanwhile ends the get.
+
+        Raises:
+            TransportError: the error came from a receiver still open (translated, never raw pyzmq).
+        """
+        try:
+            yield
+        except zmq.ZMQError as exc:
+            if not self._closed:
+                raise from_zmq_error(exc, endpoint=self.endpoint, op="receive") from exc
 
     def _pop(self, slot: tuple[str, str, str], key: str) -> _Item | None:
         """Take ``slot``'s item out of the mailbox (its consumption acknowledged), or None."""
@@ -293,7 +310,8 @@ class PushReceiver:
             else:
                 self._ack_taken(item)
         if item is None:  # we hold _owner: read until our item comes
-            item = self._read_for(slot, deadline)
+            with self._closing_is_none():
+                item = self._read_for(slot, deadline)
             if item is None:
                 return None
         return (item.obj, item.nbytes) if item.loc is None else self._open(item)

@@ -604,19 +604,23 @@ class PushSender:
             finally:
                 self._delivery_waiters -= 1
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
         """Fail waiting and future puts, and report every put whose arrival was never confirmed.
 
         A put that arrived but was not consumed yet is not reported: the receiver
         holds it (only a receiver crash before its ``get`` could lose it now, since
         no sender is left to resend it), unless it lies in our shared memory, which
         closing unlinks. Sockets close on the loop thread.
+
+        Returns:
+            The keys of the puts reported lost.
         """
         with self._lock:
             self._closed = True
             lost = [(self._peers[win.to_stage], out) for win, out in self._window.close()]
             self._cv.notify_all()
         self._report_lost(lost, lambda peer: f"connector closed before stage {peer.to_stage!r} confirmed delivery")
+        return [out.key for _, out in lost]
 
     def _report_lost(self, lost: list[tuple[_Peer, Out]], why: Callable[[_Peer], str]) -> None:
         """Free the slots of puts given up on and report each one as a DeliveryError (no lock held)."""
