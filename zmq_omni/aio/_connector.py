@@ -139,7 +139,9 @@ class AsyncConnector:
         self._channels: dict[str, list[_Channel]] = {}
         self._per_channel = max(1, int(getattr(getattr(connector, "config", None), "hwm", 1000)) // 2)
         # The receiver's socket read on this loop while gets wait (push mode): see _read_lent.
-        self._readable = isinstance(connector, LoopReadable) and not self._pull
+        # A push receiver: its get by key never waits, and with our put's metadata it would (so never passed).
+        self._push = isinstance(connector, LoopReadable) and not self._pull
+        self._readable = self._push  # ...and this loop reads its socket while gets wait (off after a fault)
         self._reader: LoopReader | None = None
         self._reading = False  # the reader's descriptor is registered with the loop
         # Whether gets wait, asked by the receiver's I/O thread (a dict's truth: read-only, no lock needed).
@@ -502,8 +504,10 @@ class AsyncConnector:
         loop polls the socket, only the mailbox is looked at (the socket is the loop's to read),
         unless ``socket_too``.
         """
-        if not self._readable:
+        if not self._push:
             return self.connector.get(*slot, metadata)
+        if not self._readable:
+            return self.connector.get(*slot)
         if self._mailbox is not None and not socket_too:
             return self._mailbox(*slot)
         return self.connector.get(*slot)
@@ -545,10 +549,13 @@ class AsyncConnector:
         watch.deliver_inline(self._arrived)
         try:
             more = reader.pump(woken=woken, hand=self._deliver)
-        except Exception:  # a bug: leave the socket to the I/O thread rather than fail on every wake-up
+        except Exception:  # a bug: give the socket back to the I/O thread rather than fail on every wake-up
             log.exception("reading the connector's socket on the event loop failed; the I/O thread reads it now")
             self._readable = False
             more = None
+            self._stop_reading()
+            reader.close()  # no longer a reader: the I/O thread takes the socket back at once
+            self._reader = None
         finally:
             watch.deliver_inline(None)
         if more is None:  # the I/O thread reads it now (or it closed): its arrivals come by the watch
