@@ -100,6 +100,18 @@ def _zmq(stage: str, role: str, endpoint: str) -> OmniConnectorBase:
     )
 
 
+def _wait_until_saved(sender: OmniChunkManager, request_id: str, *, timeout_s: float) -> None:
+    """Wait until ``request_id``'s final chunk was put (the save worker sends a request's chunks in order)."""
+    deadline = time.monotonic() + timeout_s
+    while request_id not in sender.get_finished_requests().saved:
+        failed = sender.collect_failed_send_request_ids()
+        if request_id in failed:
+            raise RuntimeError(f"request {request_id} failed to send: {failed[request_id]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"request {request_id} was not sent within {timeout_s} s")
+        time.sleep(0.005)
+
+
 def run_adapters(n: int = 2000, payload_bytes: int = 4096, *, cpu_window_s: float = 1.0) -> AdaptersResult:
     """Measure the adapters' scheduler-thread costs and chunk latency.
 
@@ -151,6 +163,9 @@ def run_adapters(n: int = 2000, payload_bytes: int = 4096, *, cpu_window_s: floa
             t0 = time.perf_counter()
             sender.save_async("burst", payload, is_final=i == n - 1)
             burst.append(time.perf_counter() - t0)
+        # The save worker is still sending the burst: shutting down now would fail its queued
+        # chunks (a send failure, logged as a WARNING) and leave them out of the sender's work.
+        _wait_until_saved(sender, "burst", timeout_s=30)
 
         # -- load_async hold time --
         loads = []

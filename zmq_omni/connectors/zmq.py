@@ -477,7 +477,7 @@ class ZmqConnector(OmniConnectorBase):
     def _hook_watches(self) -> None:
         """Point the parts' signals at the watches: at the first watch, and at a lazy bind after it.
 
-        Connectors nobody watches keep their hot paths as they were.
+        Connectors nobody watches pay nothing for watches on their hot paths.
         """
         if self._receiver is not None:
             self._receiver.on_arrivals = self._notify_watches

@@ -24,7 +24,7 @@ much again as ZeroMQ's whole round trip; so a ``take_by`` that finds nothing
 and nobody handling the socket takes ``_owner`` and becomes the **reading
 getter**: the I/O thread stops watching the socket (``_unwatch``, confirmed
 before the getter touches it) and the getter polls it and runs the same
-handler until its item arrives. Other getters wait on ``_cv`` as before, fed by
+handler until its item arrives. Other getters wait on ``_cv``, fed by
 the reading one. The socket stays with the getters when one leaves (the next
 takes it without waking the I/O thread); the I/O thread takes it back
 (``_rewatch``) once nobody read it for ``_reclaim_s`` (``_reclaim``), or at once
@@ -73,15 +73,15 @@ log = logging.getLogger("zmq_omni.transport")
 
 # Acks wait ``ack_delay_s`` (default 20 ms) to be batched: one REPLY covers hundreds of puts under
 # load, and a lone message stream pays for one REPLY (a wake-up of the sender's I/O thread) per
-# 20 ms rather than per 5 ms (with the shared context, a lone round trip between two stages was
-# 15-20 % shorter than before both: docs/benchmarks.md). A sender that needs its acks sooner
+# 20 ms rather than per 5 ms (with 5 ms acks and a context per connector, a lone round trip between
+# two stages takes 15-20 % longer). A sender that needs its acks sooner
 # (window full, flush() waiting) pings, and a PING is answered at once.
 DEFAULT_ACK_DELAY_S = 0.02
 _ACK_BATCH = 1024  # ...or until this many are pending
 # ...or until this many payload bytes arrived, or were taken: a sender keeps each put until it is
 # acknowledged as consumed, and a stream of large payloads acknowledged every 20 ms keeps a dozen of
 # them alive at each end (their buffers cold again by the time they are reused: a lone 1 MiB round
-# trip was ~15% longer). Checked once the arrivals are handed over (I/O thread) or before a reading
+# trip takes ~15% longer). Checked once the arrivals are handed over (I/O thread) or before a reading
 # getter waits again, so the REPLY is never sent between a message's arrival and its get returning;
 # takes from the mailbox (items another thread read) have the I/O thread flush once they reach it.
 _ACK_BYTES = 2 << 20

@@ -10,9 +10,9 @@ process creates the context after the tuning.
 
 The connectors of one process share one context (:func:`use_context`), as
 ZeroMQ intends: one I/O thread then carries a stage's inbound and outbound
-messages. With a context per connector, a message in and the answer out woke
+messages. With a context per connector, a message in and the answer out wake
 two I/O threads, each asleep since the last message, and a lone round trip
-between two stages took 6-15 % longer (``docs/benchmarks.md``). The last
+between two stages takes 6-15 % longer. The last
 connector to let go terminates it, which also flushes the last
 acknowledgements within their linger; a connector that installs a ZAP
 authenticator (a CURVE allow-list) gets a context of its own, since an
@@ -213,7 +213,7 @@ def close_bound(sock: Any, endpoint: str | None, *, linger_ms: int = 0, wait_s: 
 
     ``zmq_close`` only hands the socket to libzmq, whose I/O thread closes the
     listener a moment later. On the shared context nothing else waits for that
-    (a context of one's own was terminated at close, which did), so a stage that
+    (terminating a context of one's own would), so a stage that
     closes its receiver and opens a new one on the same endpoint would find its
     old listener still there.
     """
