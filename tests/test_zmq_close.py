@@ -43,7 +43,7 @@ def test_close_reports_every_put_whose_delivery_was_not_confirmed(
     # One WARNING names the keys (the first ten and how many more): a caller who reads no
     # drain_failures() still sees the loss in its log.
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "12 put(s) unconfirmed" in warning and "'k0'" in warning and "and 2 more" in warning
+    assert "12 put(s) unconfirmed after a linger of 0.3 s" in warning and "'k0'" in warning and "and 2 more" in warning
     failures = sender.drain_failures()
     assert sorted(f.key for f in failures) == sorted(keys)
     assert all(f.op == "put" and f.to_stage == "1" and isinstance(f.error, DeliveryError) for f in failures)

@@ -20,6 +20,7 @@ from .config import (
 from .connectors import (
     FailureSource,
     Flushable,
+    Lingering,
     OmniConnectorBase,
     OmniConnectorFactory,
     TransferFailure,
@@ -91,6 +92,7 @@ __all__ = [
     "Flushable",
     "InProcConnector",
     "KVTransferManager",
+    "Lingering",
     "MessageTooLargeError",
     "OmniChunkManager",
     "OmniConnectorBase",

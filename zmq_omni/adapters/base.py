@@ -40,7 +40,15 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..config import ConnectorSpec
-from ..connectors import FailureSource, Flushable, OmniConnectorBase, TransferFailure, WakeupSource, create_connector
+from ..connectors import (
+    FailureSource,
+    Flushable,
+    Lingering,
+    OmniConnectorBase,
+    TransferFailure,
+    WakeupSource,
+    create_connector,
+)
 from ..errors import ClosedResourceError, ConfigError, TransportError, format_seconds
 from ..metrics import Counters
 from .retry import RetryPolicy
@@ -347,7 +355,10 @@ class OmniTransferAdapterBase(ABC):
             connector = self.connector  # a vllm-omni connector may lack flush
             if isinstance(connector, Flushable) and not connector.flush(max(0.0, deadline - time.monotonic())):
                 logger.warning("stage %s: puts still unconfirmed after shutdown_grace_s", self.stage_id)
-            self.connector.close()
+            if isinstance(connector, Lingering):
+                connector.close_with_linger(0.0)  # the grace above was its linger
+            else:
+                connector.close()
             self._absorb_connector_failures()
         except Exception:
             logger.exception("stage %s: connector close failed", self.stage_id)

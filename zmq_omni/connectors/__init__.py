@@ -9,6 +9,7 @@ from __future__ import annotations
 from .base import (
     FailureSource,
     Flushable,
+    Lingering,
     OmniConnectorBase,
     TransferFailure,
     WakeupSource,
@@ -20,6 +21,7 @@ from .factory import OmniConnectorFactory, create_connector
 __all__ = [
     "FailureSource",
     "Flushable",
+    "Lingering",
     "OmniConnectorBase",
     "OmniConnectorFactory",
     "TransferFailure",

@@ -122,6 +122,19 @@ class TransferFailure:
 
 
 @runtime_checkable
+class Lingering(Protocol):
+    """A connector whose ``close`` waits for puts in flight, for a linger the caller may set (optional feature).
+
+    ``ZmqConnector`` has it: its ``close()`` is ``close_with_linger(close_timeout_s)``. The
+    adapters, which give their puts ``shutdown_grace_s`` before closing, close with a linger of 0.
+    """
+
+    def close_with_linger(self, linger_s: float) -> None:
+        """Close after waiting up to ``linger_s`` for unconfirmed puts; report those still unconfirmed."""
+        ...
+
+
+@runtime_checkable
 class Flushable(Protocol):
     """A connector that can wait until no put depends on it staying open (optional feature).
 

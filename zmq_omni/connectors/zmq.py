@@ -40,6 +40,7 @@ from ..errors import (
     TransportError,
     TransportTimeoutError,
     ZmqOmniError,
+    format_seconds,
 )
 from ..transport import (
     Curve,
@@ -894,9 +895,16 @@ class ZmqConnector(OmniConnectorBase):
         return True
 
     def close(self) -> None:
+        """Stop the I/O thread and close every socket, after a linger of ``close_timeout_s``; idempotent.
+
+        See :meth:`close_with_linger`.
+        """
+        self.close_with_linger(self.config.close_timeout_s)
+
+    def close_with_linger(self, linger_s: float) -> None:
         """Stop the I/O thread and close every socket; idempotent.
 
-        Lingers as ZeroMQ does: waits up to ``close_timeout_s`` (default 5 s) for
+        Lingers as ZeroMQ does: waits up to ``linger_s`` (``close()``: ``close_timeout_s``, default 5 s) for
         the puts not yet confirmed (push: arrived, and consumed when in shared
         memory; pull: fetched), and returns as soon as none is left. Each put still
         unconfirmed then is reported three ways: a WARNING log line naming the
@@ -907,8 +915,9 @@ class ZmqConnector(OmniConnectorBase):
         with self._close_lock:
             if self._loop is None:
                 return
-            if self.config.close_timeout_s > 0:
-                self.flush(self.config.close_timeout_s)
+            linger = max(0.0, linger_s)
+            if linger > 0:
+                self.flush(linger)
             self._closed = True
             self._idle.set()
             lost: list[str] = []
@@ -922,11 +931,11 @@ class ZmqConnector(OmniConnectorBase):
                 shown = ", ".join(repr(key) for key in lost[:10])
                 more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
                 log.warning(
-                    "stage %s closed with %d put(s) unconfirmed after close_timeout_s=%s: %s%s "
+                    "stage %s closed with %d put(s) unconfirmed after a linger of %s: %s%s "
                     "(each is in drain_failures())",
                     self.stage_id,
                     len(lost),
-                    self.config.close_timeout_s,
+                    format_seconds(linger),
                     shown,
                     more,
                 )
