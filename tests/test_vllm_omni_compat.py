@@ -178,7 +178,7 @@ def test_get_with_metadata_waits_for_the_put_and_gives_up_after_the_bound(short_
 # -- 4. config keys vllm-omni injects --------------------------------------------------------------------------------
 
 
-def test_injected_keys_are_accepted_and_others_still_refused(short_tmp: Path) -> None:
+def test_injected_keys_are_accepted_and_others_kept(short_tmp: Path) -> None:
     with SharedMemoryConnector(
         {"shm_threshold_bytes": 1234, "stage_id": 1, "role": "receiver", "from_stage": 0, "to_stage": 1}
     ) as shm:
@@ -200,13 +200,14 @@ def test_injected_keys_are_accepted_and_others_still_refused(short_tmp: Path) ->
     }
     with ZmqConnector(dual) as zc:
         assert zc.config.shm_threshold == 1 << 20 and zc.endpoint == endpoints["1"] and zc.stage_id == 1
+    # Keys of other components (vllm-omni's stage input processors read them back) are kept.
     for cls, extra in (
-        (ZmqConnector, {"stage_id": 1, "colour": "red"}),
+        (ZmqConnector, {"stage_id": 1, "endpoints": endpoints, "role": "sender", "colour": "red"}),
         (SharedMemoryConnector, {"colour": "red"}),
         (InProcConnector, {"colour": "red"}),
     ):
-        with pytest.raises(ConfigError, match="colour"):
-            cls(extra)
+        with cls(extra) as conn:
+            assert isinstance(conn.config, dict) and conn.config["colour"] == "red"
     with pytest.raises(ConfigError, match="shm_threshold_bytes"):
         ZmqConnector({"shm_threshold": 1 << 20, "shm_threshold_bytes": 1 << 21})
 

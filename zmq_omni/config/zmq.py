@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from .device import read_device
+from .extra import foreign_keys
 from .fields import (
-    check_known_keys,
     read_bool,
     read_choice,
     read_float,
@@ -185,8 +185,13 @@ class ZmqConnectorConfig:
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any]) -> ZmqConnectorConfig:
-        """Build from a plain dict; unknown, missing or bad keys raise ``ConfigError`` naming the key."""
-        check_known_keys(extra, cls.keys(), _PATH)
+        """Build from a plain dict; a bad value of one of our keys raises ``ConfigError`` naming the key.
+
+        Keys that are not ours are left alone (vllm-omni's deploy YAMLs put keys for its
+        stage input processors into a connector's ``extra``); one that closely matches
+        one of ours is logged as a WARNING naming the key we expected.
+        """
+        foreign_keys(extra, cls.keys(), _PATH)
         extra = dict(extra)
         for alias, name in _ALIASES.items():
             if alias in extra:

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
+from ..config import ConnectorExtra
 from ..config.zmq import ZmqConnectorConfig
 from ..errors import (
     ClosedResourceError,
@@ -106,7 +107,11 @@ class ZmqConnector(OmniConnectorBase):
         self._unclaimed_seen = 0
         self._unclaimed_at = 0.0
         cfg = ZmqConnectorConfig.from_dict(config)
-        self.config = cfg
+        #: The typed settings (see :class:`~zmq_omni.config.zmq.ZmqConnectorConfig`).
+        self.settings = cfg
+        #: The ``extra`` dict as given, every key kept: vllm-omni's stage input processors read their
+        #: keys (``codec_chunk_frames``, ...) back from it. Attribute reads reach ``settings``.
+        self.config = ConnectorExtra(config, cfg)
         #: The stage id exactly as given (vllm-omni's adapters compute ``stage_id - 1``); without one,
         #: the injected ``to_stage`` of a receiver or ``from_stage`` of a sender, as given.
         self.stage_id: str | int | None = config.get("stage_id")
@@ -206,7 +211,7 @@ class ZmqConnector(OmniConnectorBase):
     # -- binding ----------------------------------------------------------------------
     def _bind_stage(self, call_stage: str | None) -> str | None:
         """The stage whose endpoint this connector binds: its own id, else the injected edge end, else the call's."""
-        cfg = self.config
+        cfg = self.settings
         if cfg.stage_id is not None:
             return cfg.stage_id
         own = cfg.to_stage if cfg.mode == "push" else cfg.from_stage
@@ -221,7 +226,7 @@ class ZmqConnector(OmniConnectorBase):
             ConfigError: no endpoint is configured for ``stage``.
             TransportError: the bind failed, or a live process listens on that ipc path (the endpoint is named).
         """
-        cfg, loop = self.config, self._loop
+        cfg, loop = self.settings, self._loop
         if loop is None:
             raise ClosedResourceError("connector closed")
         advertised = self._endpoints.get(stage)
@@ -402,10 +407,10 @@ class ZmqConnector(OmniConnectorBase):
             return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
         sender = self._sender
         if sender is None and self._server is None:
-            if self.config.role == "receiver" or self.config.mode == "push":
-                raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot put")
+            if self.settings.role == "receiver" or self.settings.mode == "push":
+                raise ValueError(f"a {self.settings.role!r} ZmqConnector in {self.settings.mode} mode cannot put")
             self._ensure_bound(from_stage)
-        cfg = self.config
+        cfg = self.settings
         frames = encode(data, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle)
         nbytes = len(frames[0]) if len(frames) == 1 else frames_nbytes(frames)  # frame 0 is bytes
         if nbytes > cfg.max_message_bytes:
@@ -442,7 +447,7 @@ class ZmqConnector(OmniConnectorBase):
         shm, sender = self._shm_send, self._sender
         if shm is None or sender is None or nbytes < shm.threshold:
             return None
-        wait_s = self.config.put_timeout_s if self.config.shm == "on" and block else 0.0
+        wait_s = self.settings.put_timeout_s if self.settings.shm == "on" and block else 0.0
         if shm.probe is None or not sender.reads_shm(to_stage, wait_s):
             return None
         loc = shm.write(frames)
@@ -528,7 +533,7 @@ class ZmqConnector(OmniConnectorBase):
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if metadata is not None and self._receiver_or_bind(to_stage) and _announces(metadata, key):
-            deadline = time.monotonic() + self.config.metadata_get_timeout_s
+            deadline = time.monotonic() + self.settings.metadata_get_timeout_s
             got = self._get(from_stage, to_stage, key, metadata, deadline)
             if got is None and not self._closed:
                 self._record_failure(
@@ -537,7 +542,7 @@ class ZmqConnector(OmniConnectorBase):
                     to_stage,
                     key,
                     f"the put of {key!r} its metadata announced did not arrive within "
-                    f"metadata_get_timeout_s={self.config.metadata_get_timeout_s}s",
+                    f"metadata_get_timeout_s={self.settings.metadata_get_timeout_s}s",
                     TransportTimeoutError(f"put of {key!r} not arrived", endpoint=self.endpoint),
                 )
             return got
@@ -560,7 +565,8 @@ class ZmqConnector(OmniConnectorBase):
 
     def _receiver_or_bind(self, to_stage: str) -> bool:
         """True when gets go to a push receiver, binding it first for a connector that binds lazily."""
-        if self._receiver is None and self.config.mode == "push" and self.config.role != "sender" and not self._closed:
+        cfg = self.settings
+        if self._receiver is None and cfg.mode == "push" and cfg.role != "sender" and not self._closed:
             self._ensure_bound(to_stage)
         return self._receiver is not None
 
@@ -574,7 +580,7 @@ class ZmqConnector(OmniConnectorBase):
         if self._receiver is not None:  # push-mode gets are counted by the mailbox
             return self._take(from_stage, to_stage, key, deadline)
         if self._client is None:
-            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot get")
+            raise ValueError(f"a {self.settings.role!r} ZmqConnector in {self.settings.mode} mode cannot get")
         got = self._fetch(from_stage, to_stage, key, metadata, deadline)
         if got is not None:
             self._counters.add("gets")
@@ -625,7 +631,7 @@ class ZmqConnector(OmniConnectorBase):
                 return None
         now = time.monotonic()
         if deadline is None:
-            wait_s, reply_by = 0.0, now + self.config.fetch_timeout_s
+            wait_s, reply_by = 0.0, now + self.settings.fetch_timeout_s
         else:
             # The server answers "not found" a little before the deadline, so the reply is in by then.
             wait_s = max(0.0, (deadline - now) * 0.8)
@@ -662,7 +668,7 @@ class ZmqConnector(OmniConnectorBase):
             ConfigError: no endpoint is known for ``from_stage``.
         """
         if self._client is None:
-            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode does not fetch")
+            raise ValueError(f"a {self.settings.role!r} ZmqConnector in {self.settings.mode} mode does not fetch")
         from_stage, key = str(from_stage), str(key)
         if isinstance(metadata, dict) and key in metadata and isinstance(metadata[key], dict):
             metadata = metadata[key]  # vllm-omni's {key: meta} wrapper
@@ -674,7 +680,7 @@ class ZmqConnector(OmniConnectorBase):
     def open_fetch_channel(self, ctx: Any, endpoint: str, server_key: bytes | None) -> FetchChannel:
         """A :class:`FetchChannel` to ``endpoint`` on the caller's ZeroMQ context (the caller closes it)."""
         if self._client is None:
-            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode does not fetch")
+            raise ValueError(f"a {self.settings.role!r} ZmqConnector in {self.settings.mode} mode does not fetch")
         return self._client.open_channel(ctx, endpoint, server_key)
 
     def fetch_done(
@@ -762,9 +768,8 @@ class ZmqConnector(OmniConnectorBase):
         if self._sender is not None:  # what its receivers dropped unconsumed (and acknowledged, freeing the window)
             for name in ("receiver_dropped_unclaimed", "receiver_dropped_cancelled"):
                 base.setdefault(name, 0)
-        base.update(
-            {"stage_id": self.stage_id, "role": self.config.role, "mode": self.config.mode, "endpoint": self.endpoint}
-        )
+        cfg = self.settings
+        base.update({"stage_id": self.stage_id, "role": cfg.role, "mode": cfg.mode, "endpoint": self.endpoint})
         base["pending"] = 0 if sending is None else sending["pending"]
         if sending is not None:
             base["pending_bytes"] = sending["pending_bytes"]
@@ -800,7 +805,7 @@ class ZmqConnector(OmniConnectorBase):
         ``degraded_hold_s``, and a put that failed within ``degraded_hold_s`` with none
         succeeding since.
         """
-        cfg, now = self.config, time.monotonic()
+        cfg, now = self.settings, time.monotonic()
         problems = []
         if sending is not None:
             if sending.get("window_full"):
@@ -839,7 +844,7 @@ class ZmqConnector(OmniConnectorBase):
         Degraded: our pool cannot take large puts, or, with ``shm: on``, a receiver cannot read our shared
         memory (push) or we cannot read a server's (pull).
         """
-        base["shm"] = self.config.shm
+        base["shm"] = self.settings.shm
         for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
             base.setdefault(name, 0)
         problems = []
@@ -848,7 +853,7 @@ class ZmqConnector(OmniConnectorBase):
             servers = self._client.shm_verdicts()
             base["shm_servers"] = servers
             unread = sorted(endpoint for endpoint, readable in servers.items() if not readable)
-            if unread and self.config.shm == "on":
+            if unread and self.settings.shm == "on":
                 problems.append(f"we cannot read the shared memory of pull servers {unread}: their replies are frames")
         shm = self._shm_send
         if shm is not None:
@@ -859,7 +864,7 @@ class ZmqConnector(OmniConnectorBase):
                 problems.append(
                     "large puts fall back to frames: no shared-memory slot (shm_dir full or pool at its limit)"
                 )
-            if self.config.shm == "on":
+            if self.settings.shm == "on":
                 refused = [stage for stage, p in base.get("peers", {}).items() if p.get("shm") is False]
                 if refused:
                     problems.append(f"receivers of stages {refused} cannot read our shared memory")
@@ -899,8 +904,8 @@ class ZmqConnector(OmniConnectorBase):
         with self._close_lock:
             if self._loop is None:
                 return
-            if self.config.close_timeout_s > 0:
-                self.flush(self.config.close_timeout_s)
+            if self.settings.close_timeout_s > 0:
+                self.flush(self.settings.close_timeout_s)
             self._closed = True
             self._idle.set()
             for part in (self._sender, self._receiver, self._server, self._client):
@@ -915,7 +920,7 @@ class ZmqConnector(OmniConnectorBase):
                     shm.close()
 
     def __repr__(self) -> str:
-        cfg = getattr(self, "config", None)
+        cfg = getattr(self, "settings", None)
         if cfg is None:
             return "<ZmqConnector (not configured)>"
         return f"<ZmqConnector stage={cfg.stage_id} role={cfg.role} mode={cfg.mode} endpoint={self.endpoint}>"
