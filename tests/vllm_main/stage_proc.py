@@ -35,7 +35,7 @@ import torch
 
 from tests.vllm_main.stand_ins import RunnerConnectorMixin, SchedulerChunkAdapter, is_finished
 
-DEADLINE_S = 90.0
+DEADLINE_S = 60.0
 
 
 class MetaStruct(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -170,6 +170,12 @@ class Stage:
             if mover.errors:
                 self.problems.append(f"{name}: errors: {mover.errors[:10]}")
         health = {"adapter": self.adapter.connector.health(), "mixin": self.mixin.connector.health()}
+        # both connectors of the process did their share: stage 0 sends, 2 receives, 1 both
+        wanted = {0: ("puts",), 1: ("puts", "gets"), 2: ("gets",)}[self.stage_id]
+        for name, counters in health.items():
+            for counter in wanted:
+                if not counters.get(counter):
+                    self.problems.append(f"{name}'s connector did no {counter}: {counters}")
         self.adapter.shutdown()
         self.mixin.shutdown()
         print(f"stage {self.stage_id}: received {self.received}", flush=True)
