@@ -1,0 +1,267 @@
+"""Connectors of one process on one endpoint, roles in both directions, put-then-get, cleanup (issue 30).
+
+vllm-omni main builds two connectors from one spec in one stage process (the
+scheduler's chunk adapter and the model runner's mixin), gives a middle
+stage's connector role ``receiver`` and has it put downstream, and its
+connector tests put then get the same key at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zmq_omni.aio import AsyncConnector
+from zmq_omni.connectors._shared_endpoint import served
+from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.errors import ConfigError, DeliveryError
+
+MODES = ["push", "pull"]
+
+
+@pytest.fixture
+def connectors() -> Iterator[list[ZmqConnector]]:
+    """Every connector a test makes; closed at its end (in reverse)."""
+    made: list[ZmqConnector] = []
+    try:
+        yield made
+    finally:
+        for conn in reversed(made):
+            conn.close()
+
+
+def make(made: list[ZmqConnector], **extra: Any) -> ZmqConnector:
+    conn = ZmqConnector(extra)
+    made.append(conn)
+    return conn
+
+
+def _endpoint(transport: str, short_tmp: Path, name: str) -> str:
+    if transport == "ipc":
+        return f"ipc://{short_tmp}/{name}"
+    from tests.ports import reserve_port
+
+    return f"tcp://127.0.0.1:{reserve_port()}"
+
+
+def _edges(transport: str, short_tmp: Path) -> dict[str, str]:
+    return {str(stage): _endpoint(transport, short_tmp, f"s{stage}") for stage in range(3)}
+
+
+def _get(conn: ZmqConnector, from_stage: str, to_stage: str, key: str, timeout: float = 10.0) -> Any:
+    got = conn.get_with_deadline(from_stage, to_stage, key, deadline=time.monotonic() + timeout)
+    assert got is not None, key
+    return got[0]
+
+
+# -- one endpoint, one mailbox, many connectors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_two_push_receivers_from_one_spec_share_one_endpoint_and_one_mailbox(
+    connectors: list[ZmqConnector], short_tmp: Path, transport: str
+) -> None:
+    endpoints = _edges(transport, short_tmp)
+    spec = {"role": "receiver", "from_stage": 0, "to_stage": 1, "endpoints": endpoints, "codec_chunk_frames": 25}
+    scheduler = make(connectors, **spec)
+    worker = make(connectors, **spec)  # the second bind of the address in this process joins the first
+    assert scheduler.endpoint == worker.endpoint == endpoints["1"]
+    upstream = make(connectors, role="sender", from_stage=0, to_stage=1, endpoints=endpoints)
+    keys = [f"r{i}" for i in range(40)]
+    for key in keys:
+        assert upstream.put("0", "1", key, {"k": key})[0]
+    # Each key is delivered once, to whichever connector asks for it.
+    for i, key in enumerate(keys):
+        first, second = (scheduler, worker) if i % 2 else (worker, scheduler)
+        assert _get(first, "0", "1", key) == {"k": key}
+        assert second.get("0", "1", key) is None
+    # Closing one keeps the other working.
+    scheduler.close()
+    assert upstream.put("0", "1", "after", {"k": "after"})[0]
+    assert _get(worker, "0", "1", "after") == {"k": "after"}
+    assert worker.health()["status"] == "ok"
+    # The last close releases the endpoint: this process binds it afresh.
+    worker.close()
+    assert served(endpoints["1"]) is None
+    again = make(connectors, **spec)
+    assert again.endpoint == endpoints["1"]
+    assert upstream.put("0", "1", "again", {"k": "again"})[0]
+    assert _get(again, "0", "1", "again") == {"k": "again"}
+
+
+def test_another_process_still_cannot_take_a_shared_endpoint(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoint = f"ipc://{short_tmp}/s1"
+    extra = {"stage_id": 1, "role": "receiver", "endpoints": {"1": endpoint}}
+    make(connectors, **extra)
+    make(connectors, **extra)
+    code = (
+        "import sys\n"
+        "from zmq_omni.connectors.zmq import ZmqConnector\n"
+        "from zmq_omni.errors import TransportError\n"
+        "try:\n"
+        f"    ZmqConnector({extra!r}).close()\n"
+        "except TransportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "another process is listening" in out
+
+
+def test_connectors_with_other_settings_cannot_share_an_endpoint(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    endpoints = {"1": f"ipc://{short_tmp}/s1"}
+    make(connectors, stage_id=1, role="receiver", endpoints=endpoints)
+    with pytest.raises(ConfigError, match="other settings"):
+        ZmqConnector({"stage_id": 1, "role": "receiver", "endpoints": endpoints, "hwm": 7})
+    # role and stage ids may differ: a stage's sender that gets binds its own stage's endpoint, shared.
+    sender = make(connectors, role="sender", from_stage=1, to_stage=2, endpoints=endpoints)
+    assert sender.get("0", "1", "nothing") is None and sender.endpoint == endpoints["1"]
+
+
+def test_tcp_port_zero_binds_are_never_shared(connectors: list[ZmqConnector]) -> None:
+    extra = {"stage_id": 1, "role": "receiver", "endpoints": {"1": "tcp://127.0.0.1:0"}}
+    first, second = make(connectors, **extra), make(connectors, **extra)
+    assert first.endpoint != second.endpoint
+
+
+def test_two_pull_servers_from_one_spec_share_one_store(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoints = {"0": f"ipc://{short_tmp}/s0"}
+    spec = {"role": "sender", "mode": "pull", "from_stage": 0, "to_stage": 1, "endpoints": endpoints}
+    scheduler, worker = make(connectors, **spec), make(connectors, **spec)
+    assert scheduler.endpoint == worker.endpoint == endpoints["0"]
+    receiver = make(connectors, role="receiver", mode="pull", from_stage=0, to_stage=1, endpoints=endpoints)
+    meta_a = scheduler.put("0", "1", "a", {"k": "a"})[2]
+    meta_b = worker.put("0", "1", "b", {"k": "b"})[2]
+    assert receiver.get("0", "1", "b", meta_b) == ({"k": "b"}, meta_b["size"])
+    assert receiver.get("0", "1", "a", meta_a) == ({"k": "a"}, meta_a["size"])
+    # What nobody fetched is reported by the connector that put it, when the server closes.
+    assert scheduler.put("0", "1", "lost_s", 1)[0] and worker.put("0", "1", "lost_w", 2)[0]
+    worker.close()
+    assert receiver.get_with_deadline("0", "1", "lost_x", deadline=time.monotonic() + 0.2) is None
+    scheduler.close()
+    assert [f.key for f in scheduler.drain_failures() if isinstance(f.error, DeliveryError)] == ["lost_s", "lost_w"]
+
+
+# -- roles: which side binds, not which direction -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_middle_stages_receiver_puts_downstream(connectors: list[ZmqConnector], short_tmp: Path, mode: str) -> None:
+    endpoints = _edges("ipc", short_tmp)
+    # get_connectors_config_for_stage(…, 1): from_stage_0 -> role receiver; stage 2's from_stage_1 -> receiver.
+    first = make(connectors, role="sender", mode=mode, from_stage=0, to_stage=1, endpoints=endpoints)
+    middle = make(connectors, role="receiver", mode=mode, from_stage=0, to_stage=1, endpoints=endpoints)
+    last = make(connectors, role="receiver", mode=mode, from_stage=1, to_stage=2, endpoints=endpoints)
+    ok, _, meta = first.put("0", "1", "r", {"x": np.arange(4)})
+    assert ok
+    got = middle.get_with_deadline("0", "1", "r", meta, deadline=time.monotonic() + 10)
+    assert got is not None
+    ok, _, meta = middle.put("1", "2", "r", {"y": got[0]["x"] * 2})
+    assert ok, middle.drain_failures()
+    got = last.get_with_deadline("1", "2", "r", meta, deadline=time.monotonic() + 10)
+    assert got is not None and got[0]["y"].tolist() == [0, 2, 4, 6]
+    if mode == "pull":  # the middle stage's puts are served from its own stage's endpoint
+        assert middle.endpoint == endpoints["1"]
+
+
+# -- put then get in one process ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_put_then_get_in_one_process_never_misses(
+    connectors: list[ZmqConnector], short_tmp: Path, transport: str
+) -> None:
+    endpoints = _edges(transport, short_tmp)
+    conn = make(connectors, stage_id=1, role="dual", endpoints=endpoints)
+    missed = 0
+    for i in range(1000):
+        key = f"req{i}"
+        assert conn.put("1", "1", key, {"i": i})[0]
+        got = conn.get("1", "1", key, metadata=None)
+        missed += got is None or got[0] != {"i": i}
+    assert missed == 0
+    assert conn.health()["mailbox"] == 0
+
+
+def test_put_by_one_connector_then_get_by_another_of_the_spec(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoints = _edges("ipc", short_tmp)
+    spec = {"role": "receiver", "from_stage": 0, "to_stage": 1, "endpoints": endpoints}
+    scheduler, worker = make(connectors, **spec), make(connectors, **spec)
+    for i in range(300):
+        assert scheduler.put("0", "1", f"k{i}", i)[0]
+        got = worker.get("0", "1", f"k{i}")
+        assert got is not None and got[0] == i
+
+
+def test_a_get_without_a_put_in_flight_still_returns_at_once(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    conn = make(connectors, stage_id=1, role="dual", endpoints=_edges("ipc", short_tmp))
+    start = time.monotonic()
+    for i in range(100):
+        assert conn.get("1", "1", f"none{i}") is None
+    assert time.monotonic() - start < 5.0  # no wait per get (a wait would be metadata_get_timeout_s, 5 s, each)
+
+
+def test_a_put_to_ourselves_that_fails_is_not_waited_for(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    conn = make(connectors, stage_id=1, role="dual", endpoints=_edges("ipc", short_tmp), metadata_get_timeout_s=30)
+    assert conn.put("1", "1", "big", b"x" * 2048)[0]
+    conn.cleanup("big")  # the key is cancelled: nothing is expected any more
+    start = time.monotonic()
+    assert conn.get("1", "1", "big") is None
+    assert time.monotonic() - start < 10.0
+
+
+# -- cleanup(request_id): the key, rid_* and *_rid ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cleanup_drops_the_requests_keys_as_vllm_omni_main_does(
+    connectors: list[ZmqConnector], short_tmp: Path, mode: str
+) -> None:
+    endpoints = _edges("ipc", short_tmp)
+    sender = make(connectors, role="sender", mode=mode, from_stage=0, to_stage=1, endpoints=endpoints)
+    receiver = make(connectors, role="receiver", mode=mode, from_stage=0, to_stage=1, endpoints=endpoints)
+    keys = ["rid", "rid_0_1", "rid_0_2", "kv_rid", "rid2", "xrid", "rid2_0_1", "other_rid2"]
+    for key in keys:
+        assert sender.put("0", "1", key, key)[0]
+    if mode == "push":
+        assert sender.flush(10.0)  # every put is in the receiver's mailbox
+    side = receiver if mode == "push" else sender  # who holds the items: the push mailbox, or the pull store
+    assert side.cleanup("rid") is True
+    assert side.cleanup("absent") is False
+    for key in ("rid", "rid_0_1", "rid_0_2", "kv_rid"):
+        assert receiver.get("0", "1", key) is None, key
+    for key in ("rid2", "xrid", "rid2_0_1", "other_rid2"):
+        assert _get(receiver, "0", "1", key) == key
+
+
+# -- a threaded and an asyncio connector on one endpoint ----------------------------------------------------------
+
+
+def test_a_threaded_and_an_asyncio_connector_share_an_endpoint(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoints = _edges("ipc", short_tmp)
+    spec = {"role": "receiver", "from_stage": 0, "to_stage": 1, "endpoints": endpoints}
+    threaded = make(connectors, **spec)
+    looped = make(connectors, **spec)
+    upstream = make(connectors, role="sender", from_stage=0, to_stage=1, endpoints=endpoints)
+
+    async def run() -> list[Any]:
+        async with AsyncConnector(looped, close_connector=False) as aio:
+            waiting = [asyncio.ensure_future(aio.get("0", "1", f"a{i}", timeout=10)) for i in range(20)]
+            await asyncio.sleep(0)
+            for i in range(20):
+                assert upstream.put("0", "1", f"a{i}", i)[0]
+                assert upstream.put("0", "1", f"t{i}", i)[0]
+            got = await asyncio.gather(*waiting)
+            return [None if g is None else g[0] for g in got]
+
+    assert asyncio.run(run()) == list(range(20))
+    assert [_get(threaded, "0", "1", f"t{i}") for i in range(20)] == list(range(20))
