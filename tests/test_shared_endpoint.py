@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,40 @@ def test_two_push_receivers_from_one_spec_share_one_endpoint_and_one_mailbox(
     assert again.endpoint == endpoints["1"]
     assert upstream.put("0", "1", "again", {"k": "again"})[0]
     assert _get(again, "0", "1", "again") == {"k": "again"}
+
+
+def test_closing_a_holder_wakes_its_own_waiting_get_and_not_the_others(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    endpoints = _edges("ipc", short_tmp)
+    spec = {"role": "receiver", "from_stage": 0, "to_stage": 1, "endpoints": endpoints}
+    closing, staying = make(connectors, **spec), make(connectors, **spec)
+    results: dict[str, Any] = {}
+
+    def wait(name: str, conn: ZmqConnector, key: str) -> None:
+        results[name] = conn.get_with_deadline("0", "1", key, deadline=float("inf"))
+
+    def watch() -> None:
+        results["gen"] = closing.wait_for_change(closing.get_wakeup_generation() or 0, timeout=60)
+
+    threads = [
+        threading.Thread(target=wait, args=("closing", closing, "never")),
+        threading.Thread(target=wait, args=("staying", staying, "later")),
+        threading.Thread(target=watch),
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)  # let them wait
+    start = time.monotonic()
+    closing.close()
+    threads[0].join(5)
+    threads[2].join(5)
+    assert not threads[0].is_alive() and not threads[2].is_alive()
+    assert time.monotonic() - start < 3.0 and results["closing"] is None
+    upstream = make(connectors, role="sender", from_stage=0, to_stage=1, endpoints=endpoints)
+    assert upstream.put("0", "1", "later", "v")[0]
+    threads[1].join(10)
+    assert results["staying"] is not None and results["staying"][0] == "v"
 
 
 def test_another_process_still_cannot_take_a_shared_endpoint(connectors: list[ZmqConnector], short_tmp: Path) -> None:

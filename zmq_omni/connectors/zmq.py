@@ -82,6 +82,9 @@ _BIND_WAIT_S = 10.0
 _PUSH_METADATA_TAG = "zmq_omni.push"
 
 _T = TypeVar("_T")
+#: A get or wait_for_change on a push receiver re-arms its wait this often, to see its own connector's close
+#: (a receiver other connectors of the process still hold stays open, and so does not wake it).
+_HOLD_CHECK_S = 0.5
 
 
 class ZmqConnector(OmniConnectorBase):
@@ -616,7 +619,13 @@ class ZmqConnector(OmniConnectorBase):
         timeout = bounded_timeout(timeout)
         receiver = self._receiver
         if receiver is not None:
-            return receiver.wait_for_change(gen, timeout)
+            end = time.monotonic() + timeout
+            while True:
+                # The receiver outlives this connector while others hold it: see our close within a slice.
+                remaining = end - time.monotonic()
+                now_gen = receiver.wait_for_change(gen, min(remaining, _HOLD_CHECK_S))
+                if now_gen != gen or remaining <= _HOLD_CHECK_S or self._closed:
+                    return now_gen
         if not self._closed:
             self._idle.wait(timeout)
         return gen
@@ -716,7 +725,12 @@ class ZmqConnector(OmniConnectorBase):
                             got = receiver.take_by(from_stage, to_stage, key, until)
                     shared.settle(slot)
                 return got
-            got = receiver.take_by(from_stage, to_stage, key, deadline)
+            while True:
+                # The receiver outlives this connector while others hold it: see our close within a slice.
+                until = min(deadline, time.monotonic() + _HOLD_CHECK_S)
+                got = receiver.take_by(from_stage, to_stage, key, until)
+                if got is not None or until >= deadline or self._closed:
+                    break
             if got is not None and shared.expected:
                 shared.settle((from_stage, to_stage, key))
             return got
