@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.conftest import wait_until
 from zmq_omni.aio import AsyncConnector
 from zmq_omni.connectors._shared_endpoint import served
 from zmq_omni.connectors.zmq import ZmqConnector
@@ -225,6 +226,45 @@ def test_put_then_get_in_one_process_never_misses(
         missed += got is None or got[0] != {"i": i}
     assert missed == 0
     assert conn.health()["mailbox"] == 0
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_a_connector_without_a_role_puts_then_gets_before_it_ever_bound(
+    connectors: list[ZmqConnector], short_tmp: Path, transport: str
+) -> None:
+    # vllm-omni main's tests: SharedMemoryConnector({}), put, then get by key; here the first put goes
+    # out before the connector bound its endpoint (its first get binds it).
+    conn = make(connectors, endpoints=_edges(transport, short_tmp))
+    for i in range(200):
+        assert conn.put("0", "1", f"k{i}", i)[0]
+        got = conn.get("0", "1", f"k{i}")
+        assert got is not None and got[0] == i, i
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_cleanup_cancels_our_own_puts_still_on_their_way_to_us(
+    connectors: list[ZmqConnector], short_tmp: Path, bound: bool
+) -> None:
+    conn = make(connectors, endpoints=_edges("ipc", short_tmp), metadata_get_timeout_s=30)
+    if bound:
+        assert conn.get("0", "1", "warm-up") is None  # binds
+    for key in ("cleanup_req_42", "req_42_0_1", "req_42", "keep"):
+        assert conn.put("0", "1", key, key)[0]
+    conn.cleanup("req_42")
+    if not bound:
+        assert conn.get("0", "1", "warm-up") is None  # binds now
+    assert conn.flush(10.0)  # every put arrived: the cancelled ones were dropped there, not kept
+
+    def settled() -> bool:
+        health = conn.health()
+        return bool(health["mailbox"] == 1 and health["dropped_late"] + health["dropped_cleanup"] == 3)
+
+    assert wait_until(settled, 10.0), conn.health()
+    start = time.monotonic()
+    for key in ("cleanup_req_42", "req_42_0_1", "req_42"):
+        assert conn.get("0", "1", key) is None, key
+    assert time.monotonic() - start < 10.0  # nothing cancelled is waited for
+    assert _get(conn, "0", "1", "keep") == "keep"
 
 
 def test_put_by_one_connector_then_get_by_another_of_the_spec(connectors: list[ZmqConnector], short_tmp: Path) -> None:

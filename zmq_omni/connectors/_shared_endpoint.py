@@ -230,11 +230,13 @@ class SharedEndpoint:
         with self._lock:
             self.expected.pop(slot, None)
 
-    def settle_where(self, match: Callable[[str], bool]) -> None:
-        """Stop expecting every slot whose key matches (``cleanup``)."""
+    def settle_where(self, match: Callable[[str], bool]) -> list[str]:
+        """Stop expecting every slot whose key matches (``cleanup``); return their keys."""
         with self._lock:
-            for slot in [slot for slot in self.expected if match(slot[2])]:
+            slots = [slot for slot in self.expected if match(slot[2])]
+            for slot in slots:
                 del self.expected[slot]
+        return [slot[2] for slot in slots]
 
 
 _registry_lock = threading.Lock()

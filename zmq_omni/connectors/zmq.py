@@ -25,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -85,6 +87,8 @@ _T = TypeVar("_T")
 #: A get or wait_for_change on a push receiver re-arms its wait this often, to see its own connector's close
 #: (a receiver other connectors of the process still hold stays open, and so does not wake it).
 _HOLD_CHECK_S = 0.5
+#: Most push puts a connector keeps in mind from before it bound their endpoint (the oldest go first).
+_MAX_EARLY_PUTS = 65536
 
 
 class ZmqConnector(OmniConnectorBase):
@@ -113,6 +117,10 @@ class ZmqConnector(OmniConnectorBase):
         self._shm_receive: ShmReceive | None = None
         self._shm_degraded = False
         self._shared: SharedEndpoint | None = None  # the bound part's endpoint, held with the other connectors on it
+        # Push puts made before this connector bound the endpoint they go to (it binds at its first get):
+        # slot -> until when a get may wait for it; handed to the endpoint when bound (under _bind_lock).
+        self._early_puts: OrderedDict[tuple[str, str, str], float] = OrderedDict()
+        self._early_cancelled: OrderedDict[str, None] = OrderedDict()  # keys of those cleaned up since: buried at bind
         self._close_lock = threading.Lock()
         self._bind_lock = threading.Lock()  # one lazy bind at a time (the receive and save threads race to it)
         self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
@@ -302,6 +310,13 @@ class ZmqConnector(OmniConnectorBase):
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
+            early, self._early_puts = self._early_puts, OrderedDict()
+            for slot, until in early.items():  # our puts on their way here since before the bind
+                if served(self._endpoints.get(slot[1])) is shared:
+                    shared.expect(slot, until)
+            cancelled, self._early_cancelled = self._early_cancelled, OrderedDict()
+            for key in cancelled:  # ...and those of them cleaned up meanwhile: dropped (already in, or as they come)
+                part.forget(functools.partial(operator.eq, key), key=key)
             self._receiver = part
         else:
             assert part is not None
@@ -528,6 +543,8 @@ class ZmqConnector(OmniConnectorBase):
                 local = served(self._endpoints.get(to_stage)) if has_served() else None
                 if local is not None:
                     local.expect((from_stage, to_stage, key), time.monotonic() + cfg.metadata_get_timeout_s)
+                elif self._receiver is None and self._bind_stage(to_stage) == to_stage:
+                    local = self._early_put((from_stage, to_stage, key))
                 try:
                     sender.send(from_stage, to_stage, key, frames, nbytes, loc, block=block)
                 except BaseException:
@@ -548,6 +565,26 @@ class ZmqConnector(OmniConnectorBase):
         if self._put_failed_at is not None:  # puts go through again: health() need not wait degraded_hold_s
             self._put_failed_at = None
         return True, nbytes, metadata
+
+    def _early_put(self, slot: tuple[str, str, str]) -> SharedEndpoint | None:
+        """A push put to the endpoint this connector binds at its first get, made before that get.
+
+        Kept, so that the bind hands it to the endpoint as expected there; if the endpoint was
+        bound meanwhile (by us or another connector of this process), expected there now.
+        """
+        now = time.monotonic()
+        until = now + self.settings.metadata_get_timeout_s
+        with self._bind_lock:
+            local = served(self._endpoints.get(slot[1]))
+            if local is not None:
+                local.expect(slot, until)
+                return local
+            early = self._early_puts
+            early[slot] = until
+            early.move_to_end(slot)
+            while len(early) > _MAX_EARLY_PUTS or early[next(iter(early))] <= now:  # the oldest first
+                early.popitem(last=False)
+        return None
 
     def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int, block: bool = True) -> bytes | None:
         """Write a large payload into a slot for a same-host receiver; the packed handle, or None (frames)."""
@@ -889,10 +926,23 @@ class ZmqConnector(OmniConnectorBase):
 
     def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
         dropped = 0
+        # Puts of this process still on their way to our own endpoint are dropped as they arrive: each key
+        # gets a tombstone (receiver-side cleanup; puts to other endpoints go on, #6670).
+        in_flight: list[str] = []
         if self._shared is not None and self._shared.expected:
-            self._shared.settle_where(match)
+            in_flight = self._shared.settle_where(match)
+        if self._early_puts:
+            with self._bind_lock:
+                for slot in [slot for slot in self._early_puts if match(slot[2])]:
+                    del self._early_puts[slot]
+                    self._early_cancelled[slot[2]] = None
+                    while len(self._early_cancelled) > _MAX_EARLY_PUTS:
+                        self._early_cancelled.popitem(last=False)
         if self._receiver is not None:
             dropped += self._receiver.forget(match, key=key, prefix=prefix)
+            for buried in in_flight:
+                if buried != key:
+                    self._receiver.forget(functools.partial(operator.eq, buried), key=buried)
         if self._server is not None:
             dropped += self._server.forget(match)
         if self._sender is not None:
