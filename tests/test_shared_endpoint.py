@@ -191,20 +191,26 @@ def test_two_pull_servers_from_one_spec_share_one_store(connectors: list[ZmqConn
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_middle_stages_receiver_puts_downstream(connectors: list[ZmqConnector], short_tmp: Path, mode: str) -> None:
+def test_a_middle_stages_receiver_puts_downstream(
+    connectors: list[ZmqConnector], short_tmp: Path, shm_dir: str, mode: str
+) -> None:
     endpoints = _edges("ipc", short_tmp)
     # get_connectors_config_for_stage(…, 1): from_stage_0 -> role receiver; stage 2's from_stage_1 -> receiver.
-    first = make(connectors, role="sender", mode=mode, from_stage=0, to_stage=1, endpoints=endpoints)
-    middle = make(connectors, role="receiver", mode=mode, from_stage=0, to_stage=1, endpoints=endpoints)
-    last = make(connectors, role="receiver", mode=mode, from_stage=1, to_stage=2, endpoints=endpoints)
-    ok, _, meta = first.put("0", "1", "r", {"x": np.arange(4)})
-    assert ok
-    got = middle.get_with_deadline("0", "1", "r", meta, deadline=time.monotonic() + 10)
-    assert got is not None
-    ok, _, meta = middle.put("1", "2", "r", {"y": got[0]["x"] * 2})
-    assert ok, middle.drain_failures()
-    got = last.get_with_deadline("1", "2", "r", meta, deadline=time.monotonic() + 10)
-    assert got is not None and got[0]["y"].tolist() == [0, 2, 4, 6]
+    common = {"mode": mode, "endpoints": endpoints, "shm_dir": shm_dir}
+    first = make(connectors, role="sender", from_stage=0, to_stage=1, **common)
+    middle = make(connectors, role="receiver", from_stage=0, to_stage=1, **common)
+    last = make(connectors, role="receiver", from_stage=1, to_stage=2, **common)
+    for n, size in enumerate((4, 300_000, 300_000)):  # small, then large ones (the same-host fast path)
+        key = f"r{n}"
+        ok, _, meta = first.put("0", "1", key, {"x": np.arange(size)})
+        assert ok
+        got = middle.get_with_deadline("0", "1", key, meta, deadline=time.monotonic() + 10)
+        assert got is not None
+        ok, _, meta = middle.put("1", "2", key, {"y": got[0]["x"] * 2})
+        assert ok, middle.drain_failures()
+        got = last.get_with_deadline("1", "2", key, meta, deadline=time.monotonic() + 10)
+        assert got is not None and np.array_equal(got[0]["y"], np.arange(size) * 2)
+    assert middle.health()["status"] == "ok" and middle.drain_failures() == []
     if mode == "pull":  # the middle stage's puts are served from its own stage's endpoint
         assert middle.endpoint == endpoints["1"]
 
