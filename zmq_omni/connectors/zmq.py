@@ -306,7 +306,8 @@ class ZmqConnector(OmniConnectorBase):
         require_curve([("bind", bind_at)], curve=self._curve is not None, insecure=self._insecure)
         # Connectors on one endpoint agree on everything but who they are.
         agreed = dataclasses.replace(cfg, stage_id=None, role=None, from_stage=None, to_stage=None)
-        shared = acquire(bind_at, agreed, self, functools.partial(self._open_endpoint, bind_at, advertised), advertised)
+        build = functools.partial(self._open_endpoint, stage, bind_at, advertised, agreed)
+        shared = acquire(bind_at, agreed, self, build, advertised)
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
@@ -326,16 +327,18 @@ class ZmqConnector(OmniConnectorBase):
             self._hook_watches()
         log.info("ZmqConnector stage=%s bound %s (%d connectors there)", stage, self.endpoint, shared.holders)
 
-    def _open_endpoint(self, bind_at: str, advertised: str | None) -> SharedEndpoint:
-        """Bind a new :class:`SharedEndpoint` at ``bind_at`` with its own I/O thread, started."""
+    def _open_endpoint(self, stage: str, bind_at: str, advertised: str | None, agreed: Any) -> SharedEndpoint:
+        """Bind a new :class:`SharedEndpoint` for ``stage`` at ``bind_at`` with its own I/O thread, started."""
         cfg = self.settings
         # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
         own_context = self._curve is not None and self._curve.allowed_clients is not None
-        loop = IoLoop(f"zmq-omni-bound-{cfg.stage_id}", private_context=own_context)
+        loop = IoLoop(f"zmq-omni-bound-{stage}", private_context=own_context)
         fast_path = cfg.shm != "off"
-        shm_receive = ShmReceive(directory=cfg.shm_dir) if fast_path and cfg.mode == "push" else None
-        shm_send = None
+        shm_receive: ShmReceive | None = None
+        shm_send: ShmSend | None = None
         try:
+            if fast_path and cfg.mode == "push":
+                shm_receive = ShmReceive(directory=cfg.shm_dir)
             if fast_path and cfg.mode == "pull":
                 shm_send = ShmSend(
                     directory=cfg.shm_dir,
@@ -349,7 +352,6 @@ class ZmqConnector(OmniConnectorBase):
                 auth = self._curve.start_authenticator(loop.ctx)
                 if auth is not None:
                     loop.on_term(auth.stop)
-            agreed = dataclasses.replace(cfg, stage_id=None, role=None, from_stage=None, to_stage=None)
             shared = SharedEndpoint(bind_at, agreed, loop, shm_receive=shm_receive, shm_send=shm_send)
             if cfg.mode == "push":
                 shared.part = PushReceiver(
