@@ -54,11 +54,15 @@ class ZmqConnectorConfig:
     Attributes:
         stage_id: this stage's id as a string (routing compares strings); the
             connector's ``.stage_id`` keeps the type it was given. Absent: a
-            receiver takes ``to_stage`` (push) and a pull-mode sender ``from_stage``
-            when those are given, else the stage of its first ``get``/``put``.
-        role: ``sender`` (puts only), ``receiver`` (gets only), ``dual``, or
-            None (not given: puts at once, and binds only when it first has to
-            receive, so one ``extra`` serves both ends of an edge).
+            receiver takes ``to_stage`` and a sender ``from_stage`` (no role:
+            push ``to_stage``, pull ``from_stage``) when those are given, else
+            the stage of its first ``get``/``put``.
+        role: which side binds at construction: ``receiver`` (push), ``sender``
+            (pull), ``dual`` (both directions from the start), or None (not given:
+            puts at once, and binds only when it first has to receive, so one
+            ``extra`` serves both ends of an edge). No role forbids a direction:
+            a receiver's first put builds its sending side, a sender's first get
+            its receiving side.
         mode: ``push`` (the receiver binds, senders push and keep payloads until
             consumed) or ``pull`` (the sender binds and keeps payloads; receivers fetch).
         endpoints: stage id -> the endpoint peers connect to for that stage

@@ -477,11 +477,14 @@ class ZmqConnector(OmniConnectorBase):
         the put took the same-host fast path (its bytes were copied into
         shared memory; ``health()["shm_puts"]`` counts those).
 
-        A pull-mode connector without a role binds its server at its first put.
+        A pull-mode connector without a role, or with role ``receiver``, binds its
+        server at its first put (joining the connector of this process bound there,
+        if any); a push-mode ``receiver`` builds its sender then.
 
         Raises:
             EncodeError: ``data`` holds an unsupported type (a programming error).
-            ValueError: this connector's role cannot put.
+            ConfigError: a ``receiver``'s first put finds an endpoint it may not reach in plaintext
+                (see ``docs/security.md``), or its bind finds other settings on that address.
             TransportError: a first put had to bind and the bind failed (the endpoint is named).
         """
         got = self._put(from_stage, to_stage, put_key, data, True)
