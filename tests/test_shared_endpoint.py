@@ -348,6 +348,35 @@ def test_a_threaded_and_an_asyncio_connector_share_an_endpoint(connectors: list[
     assert [_get(threaded, "0", "1", f"t{i}") for i in range(20)] == list(range(20))
 
 
+def test_two_event_loops_share_an_endpoint(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    endpoints = _edges("ipc", short_tmp)
+    spec = {"role": "receiver", "from_stage": 0, "to_stage": 1, "endpoints": endpoints}
+    first, second = make(connectors, **spec), make(connectors, **spec)
+    upstream = make(connectors, role="sender", from_stage=0, to_stage=1, endpoints=endpoints)
+    got: dict[str, list[Any]] = {}
+    waiting = threading.Barrier(3)
+
+    def serve(conn: ZmqConnector, prefix: str) -> None:
+        async def run() -> None:
+            async with AsyncConnector(conn, close_connector=False) as aio:
+                gets = [asyncio.ensure_future(aio.get("0", "1", f"{prefix}{i}", timeout=20)) for i in range(100)]
+                await asyncio.sleep(0)
+                waiting.wait(10)
+                got[prefix] = [None if g is None else g[0] for g in await asyncio.gather(*gets)]
+
+        asyncio.run(run())
+
+    loops = [threading.Thread(target=serve, args=(conn, prefix)) for conn, prefix in ((first, "a"), (second, "b"))]
+    for loop in loops:
+        loop.start()
+    waiting.wait(10)
+    for i in range(100):
+        assert upstream.put("0", "1", f"a{i}", i)[0] and upstream.put("0", "1", f"b{i}", i)[0]
+    for loop in loops:
+        loop.join(30)
+    assert got == {"a": list(range(100)), "b": list(range(100))}
+
+
 # -- the expectations' bookkeeping, without sockets ---------------------------------------------------------------
 
 
