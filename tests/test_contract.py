@@ -139,6 +139,21 @@ def test_cleanup_drops_an_unconsumed_key(pair: Pair) -> None:
     assert not receiver.cleanup("doomed")
 
 
+def test_cleanup_drops_the_requests_keys_the_key_rid_underscore_and_underscore_rid(pair: Pair) -> None:
+    sender, receiver, edge = pair
+    doomed = ["rid", "rid_0_1", "rid_1_0", "kv_rid", "a_b_rid"]
+    kept = ["rid2", "xrid", "rid2_0_1", "kv_rid2", "ridx_rid2"]
+    for key in doomed + kept:
+        assert sender.put(*edge, key, key)[0]
+    flush(sender, receiver, edge)
+    assert receiver.cleanup("rid") | sender.cleanup("rid")
+    for key in doomed:
+        assert receiver.get(*edge, key) is None, key
+    for key in kept:
+        got = receiver.get(*edge, key)
+        assert got is not None and got[0] == key
+
+
 def test_cleanup_prefix_drops_only_digit_suffixed_keys(pair: Pair) -> None:
     sender, receiver, edge = pair
     doomed = [f"req7_0_{i}" for i in range(5)]

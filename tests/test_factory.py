@@ -75,5 +75,5 @@ def test_non_connector_results_are_rejected() -> None:
 
 
 def test_bad_extra_raises_config_error_naming_the_key() -> None:
-    with pytest.raises(ConfigError, match="colour"):
-        create_connector({"name": "InProcConnector", "extra": {"colour": "red"}})
+    with pytest.raises(ConfigError, match="stage_id"):
+        create_connector({"name": "InProcConnector", "extra": {"stage_id": 1.5}})

@@ -307,8 +307,8 @@ def test_free_space_floor_forces_the_fallback(config: dict[str, Any], tmp_path: 
 
 
 def test_bad_config_names_the_key(shm_dir: str) -> None:
-    with pytest.raises(ConfigError, match="bogus"):
-        SharedMemoryConnector({"bogus": 1, "shm_dir": shm_dir})
+    with pytest.raises(ConfigError, match="inline_max_bytes"):
+        SharedMemoryConnector({"inline_max_bytes": "big", "shm_dir": shm_dir})
     with pytest.raises(ConfigError, match="namespace"):
         SharedMemoryConnector({"namespace": "../etc", "shm_dir": shm_dir})
     with pytest.raises(ConfigError, match="ttl_s"):

@@ -23,7 +23,6 @@ def test_defaults_are_bounded() -> None:
     ("extra", "named"),
     [
         ({"stage_id": True}, "stage_id"),  # optional (vllm-omni may not inject it), but typed
-        ({"stage_id": "0", "colour": "red"}, "colour"),
         ({"stage_id": "0", "role": "boss"}, "role"),
         ({"stage_id": "0", "mode": "shove"}, "mode"),
         ({"stage_id": "0", "hwm": 0}, "hwm"),

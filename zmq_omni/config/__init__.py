@@ -1,10 +1,16 @@
 """Config: frozen dataclasses built from plain dicts (YAML, JSON, environment).
 
-Unknown or bad keys raise :class:`~zmq_omni.errors.ConfigError` naming the key.
+A bad value, or an unknown key where only ours belong (pipeline files, adapter
+configs), raises :class:`~zmq_omni.errors.ConfigError` naming the key. A
+connector's ``extra`` is the exception: it may carry keys for other components
+(vllm-omni's stage input processors), which are kept and exposed as
+``connector.config`` (a :class:`ConnectorExtra`); a near-miss of one of our keys
+is logged as a warning.
 """
 
 from __future__ import annotations
 
+from .extra import ConnectorExtra
 from .pipeline import (
     ConnectorSpec,
     OmniTransferConfig,
@@ -15,6 +21,7 @@ from .pipeline import (
 from .zmq import ZmqConnectorConfig
 
 __all__ = [
+    "ConnectorExtra",
     "ConnectorSpec",
     "OmniTransferConfig",
     "ZmqConnectorConfig",

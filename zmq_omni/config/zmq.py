@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from ..errors import ConfigError
 from .device import read_device
+from .extra import foreign_keys
 from .fields import (
-    check_known_keys,
     read_bool,
     read_choice,
     read_float,
@@ -54,11 +54,15 @@ class ZmqConnectorConfig:
     Attributes:
         stage_id: this stage's id as a string (routing compares strings); the
             connector's ``.stage_id`` keeps the type it was given. Absent: a
-            receiver takes ``to_stage`` (push) and a pull-mode sender ``from_stage``
-            when those are given, else the stage of its first ``get``/``put``.
-        role: ``sender`` (puts only), ``receiver`` (gets only), ``dual``, or
-            None (not given: puts at once, and binds only when it first has to
-            receive, so one ``extra`` serves both ends of an edge).
+            receiver takes ``to_stage`` and a sender ``from_stage`` (no role:
+            push ``to_stage``, pull ``from_stage``) when those are given, else
+            the stage of its first ``get``/``put``.
+        role: which side binds at construction: ``receiver`` (push), ``sender``
+            (pull), ``dual`` (both directions from the start), or None (not given:
+            puts at once, and binds only when it first has to receive, so one
+            ``extra`` serves both ends of an edge). No role forbids a direction:
+            a receiver's first put builds its sending side, a sender's first get
+            its receiving side.
         mode: ``push`` (the receiver binds, senders push and keep payloads until
             consumed) or ``pull`` (the sender binds and keeps payloads; receivers fetch).
         endpoints: stage id -> the endpoint peers connect to for that stage
@@ -186,8 +190,13 @@ class ZmqConnectorConfig:
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any]) -> ZmqConnectorConfig:
-        """Build from a plain dict; unknown, missing or bad keys raise ``ConfigError`` naming the key."""
-        check_known_keys(extra, cls.keys(), _PATH)
+        """Build from a plain dict; a bad value of one of our keys raises ``ConfigError`` naming the key.
+
+        Keys that are not ours are left alone (vllm-omni's deploy YAMLs put keys for its
+        stage input processors into a connector's ``extra``); one that closely matches
+        one of ours is logged as a WARNING naming the key we expected.
+        """
+        foreign_keys(extra, cls.keys(), _PATH)
         extra = dict(extra)
         for alias, name in _ALIASES.items():
             if alias in extra:

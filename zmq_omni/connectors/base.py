@@ -38,6 +38,7 @@ __all__ = [
     "bounded_deadline",
     "bounded_timeout",
     "key_matches_prefix",
+    "key_matches_request",
 ]
 
 #: The longest one call waits, whatever deadline or timeout it is given (``float("inf")`` included):
@@ -96,6 +97,17 @@ def key_matches_prefix(key: str, prefix: str) -> bool:
     another request such as ``req1_0_7_x`` or ``req1_0_x``.
     """
     return len(key) > len(prefix) and key.startswith(prefix) and key[len(prefix) :].isdigit()
+
+
+def key_matches_request(key: str, request_id: str) -> bool:
+    """The ``cleanup`` rule (vllm-omni's): ``key`` is ``request_id``, ``request_id_*`` or ``*_request_id``.
+
+    A request's keys are its id alone, the id followed by ``_`` and more (chunk keys
+    ``{req}_{stage}_{n}``), or something followed by ``_`` and the id. An empty id matches nothing.
+    """
+    if not request_id:
+        return False
+    return key == request_id or key.startswith(request_id + "_") or key.endswith("_" + request_id)
 
 
 @dataclass(frozen=True)
@@ -485,7 +497,11 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
 
     @abstractmethod
     def cleanup(self, request_id: str) -> bool:
-        """Drop everything held for the key ``request_id`` (exact match); True when something was dropped."""
+        """Drop everything held for the request ``request_id``; True when something was dropped.
+
+        The keys dropped are vllm-omni's (:func:`key_matches_request`): ``request_id`` itself,
+        ``request_id_*`` and ``*_request_id``.
+        """
 
     @abstractmethod
     def cleanup_prefix(self, prefix: str) -> int:

@@ -19,10 +19,11 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from ..config.fields import check_known_keys, read_stage_id, read_str
+from ..config.extra import ConnectorExtra, foreign_keys
+from ..config.fields import read_stage_id, read_str
 from ..errors import ClosedResourceError
 from ..wire import decode, encode
-from .base import ArrivalWatch, OmniConnectorBase, bounded_deadline, key_matches_prefix
+from .base import ArrivalWatch, OmniConnectorBase, bounded_deadline, key_matches_prefix, key_matches_request
 
 __all__ = ["InProcConnector"]
 
@@ -58,12 +59,17 @@ class InProcConnector(OmniConnectorBase):
         namespace: connectors with the same namespace share payloads (default ``"default"``).
         stage_id: informational, exposed as ``.stage_id`` with the type it was given.
         role, from_stage, to_stage: accepted (vllm-omni injects them) and ignored.
+
+    Other keys are kept for other components (``config`` is the ``extra`` as given,
+    a dict); a close match of one of the keys above is logged as a warning.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__()
+        foreign_keys(config or {}, ("namespace", "stage_id", "role", "from_stage", "to_stage"), "InProcConnector")
+        #: The ``extra`` dict as given, every key kept (the typed settings are the attributes below).
+        self.config = ConnectorExtra(config or {}, None)
         config = dict(config or {})
-        check_known_keys(config, ("namespace", "stage_id", "role", "from_stage", "to_stage"), "InProcConnector")
         self.namespace: str = read_str(config, "namespace", "default")
         self.stage_id: str | int | None = read_stage_id(config, "stage_id", "InProcConnector")
         # Holding a strong reference keeps the namespace's mailbox alive while any connector uses it.
@@ -155,10 +161,10 @@ class InProcConnector(OmniConnectorBase):
         return watch
 
     def cleanup(self, request_id: str) -> bool:
-        """Drop every unconsumed payload stored under the key ``request_id``."""
-        key = str(request_id)
+        """Drop every unconsumed payload of the request: keys ``request_id``, ``request_id_*``, ``*_request_id``."""
+        rid = str(request_id)
         with self._box.cond:
-            doomed = [slot for slot in self._box.items if slot[2] == key]
+            doomed = [slot for slot in self._box.items if key_matches_request(slot[2], rid)]
             for slot in doomed:
                 del self._box.items[slot]
         return bool(doomed)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.device import read_device
-from ..config.fields import check_known_keys, read_float, read_int, read_stage_id, read_str
+from ..config.extra import ConnectorExtra, foreign_keys
+from ..config.fields import read_float, read_int, read_stage_id, read_str
 from ..errors import ClosedResourceError, ConfigError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
 from ..shm import (
     DirEvents,
@@ -54,7 +55,7 @@ from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
 from ..shm.segment import shm_error
 from ..wire import decode, encode, frames_nbytes, resolve_device
-from .base import ArrivalWatch, OmniConnectorBase, Slot, bounded_deadline, key_matches_prefix
+from .base import ArrivalWatch, OmniConnectorBase, Slot, bounded_deadline, key_matches_prefix, key_matches_request
 
 __all__ = ["SharedMemoryConfig", "SharedMemoryConnector"]
 
@@ -110,10 +111,14 @@ class SharedMemoryConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> SharedMemoryConfig:
-        """Build from a plain dict. Raises :class:`~zmq_omni.errors.ConfigError` naming a bad key."""
+        """Build from a plain dict. Raises :class:`~zmq_omni.errors.ConfigError` naming a bad key.
+
+        Keys that are not ours are left alone (they belong to other components);
+        a close match of one of ours is logged as a WARNING naming it.
+        """
         data = dict(data or {})
         where = "SharedMemoryConnector"
-        check_known_keys(data, [*cls.__dataclass_fields__, "shm_threshold_bytes"], where)
+        foreign_keys(data, [*cls.__dataclass_fields__, "shm_threshold_bytes"], where)
         if "shm_threshold_bytes" in data:
             if "inline_max_bytes" in data and data["inline_max_bytes"] != data["shm_threshold_bytes"]:
                 raise ConfigError(
@@ -190,7 +195,10 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         # Config first: a bad config then leaves nothing for __del__ to warn about.
-        self.config = cfg = SharedMemoryConfig.from_dict(config)
+        #: The typed settings (``config`` is the ``extra`` as given, a dict, as vllm-omni reads it).
+        self.settings = cfg = SharedMemoryConfig.from_dict(config)
+        #: The ``extra`` dict as given, every key kept (vllm-omni's stage input processors read theirs here).
+        self.config = ConnectorExtra(config or {}, cfg)
         self.stage_id = cfg.stage_id
         self.namespace = cfg.namespace
         self._device = resolve_device(cfg.decode_device, "SharedMemoryConnector.decode_device")
@@ -247,7 +255,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, key: str, frames: Sequence[Any], lengths: list[int], nbytes: int
     ) -> int:
         kind, body, undo = KIND_INLINE, list(frames), None
-        if nbytes > self.config.inline_max_bytes:
+        if nbytes > self.settings.inline_max_bytes:
             try:
                 handle = self._pool.write(frames)
                 kind, body = KIND_SLOT, [handle.pack()]
@@ -278,13 +286,13 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     def _note_fallback(self, exc: BaseException) -> None:
         if not self._degraded:
-            _log.warning("shared memory short (%s): spilling large payloads to %s", exc, self.config.spill_dir)
+            _log.warning("shared memory short (%s): spilling large payloads to %s", exc, self.settings.spill_dir)
         self._degraded = True
         self._counters.add("shm_fallbacks")
 
     def _spill(self, frames: Sequence[Any]) -> tuple[int, list[Any], Any]:
         name = make_name()
-        path = os.path.join(self.config.spill_dir, name)
+        path = os.path.join(self.settings.spill_dir, name)
         try:
             with open(path, "xb") as fh:
                 for frame in frames:
@@ -344,7 +352,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         name = record.spill_name()
         if not is_our_name(name):
             raise ShmError(f"refusing spill file name {name!r}")
-        path = os.path.join(self.config.spill_dir, name)
+        path = os.path.join(self.settings.spill_dir, name)
         try:
             with open(path, "rb") as fh:
                 data = bytearray(fh.read())
@@ -401,9 +409,13 @@ class SharedMemoryConnector(OmniConnectorBase):
 
     # -- cleanup -----------------------------------------------------------------
     def cleanup(self, request_id: str) -> bool:
-        """Drop every unconsumed put of the key ``request_id`` in the namespace (any edge)."""
-        key = str(request_id)
-        taken = self._box.take_where(lambda k: k == key)
+        """Drop every unconsumed put of the request ``request_id`` in the namespace (any edge).
+
+        Its keys are vllm-omni's: ``request_id``, ``request_id_*`` and ``*_request_id``
+        (:func:`~zmq_omni.connectors.base.key_matches_request`).
+        """
+        rid = str(request_id)
+        taken = self._box.take_where(lambda k: key_matches_request(k, rid))
         for record in taken:
             self._discard(record)
         return bool(taken)
@@ -426,7 +438,7 @@ class SharedMemoryConnector(OmniConnectorBase):
             elif record.kind == KIND_SPILL:
                 name = record.spill_name()
                 if is_our_name(name):
-                    _unlink_quietly(os.path.join(self.config.spill_dir, name))
+                    _unlink_quietly(os.path.join(self.settings.spill_dir, name))
         except (ShmError, OSError) as exc:
             _log.warning("could not release a discarded record of %r: %s", record.key, exc)
 
@@ -435,7 +447,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         if now < self._next_maintenance:
             return
         self._next_maintenance = now + self._maintain_every
-        expired = self._box.take_expired(self.config.ttl_s)
+        expired = self._box.take_expired(self.settings.ttl_s)
         for record in expired:
             self._discard(record)
         if expired:

@@ -22,14 +22,18 @@ an ``ipc://`` path where a live process listens fails instead of taking it over.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import operator
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from ..config import ConnectorExtra
 from ..config.zmq import ZmqConnectorConfig
 from ..errors import (
     ClosedResourceError,
@@ -60,7 +64,15 @@ from ..transport import (
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes, resolve_device
-from .base import ArrivalWatch, OmniConnectorBase, bounded_deadline, bounded_timeout, key_matches_prefix
+from ._shared_endpoint import SharedEndpoint, acquire, has_served, served
+from .base import (
+    ArrivalWatch,
+    OmniConnectorBase,
+    bounded_deadline,
+    bounded_timeout,
+    key_matches_prefix,
+    key_matches_request,
+)
 
 __all__ = ["ZmqConnector"]
 
@@ -71,6 +83,13 @@ _MAX_FRAMES = 65536
 _BIND_WAIT_S = 10.0
 #: Marks the metadata of our push-mode puts: a ``get`` handed it waits for that put to arrive.
 _PUSH_METADATA_TAG = "zmq_omni.push"
+
+_T = TypeVar("_T")
+#: A get or wait_for_change on a push receiver re-arms its wait this often, to see its own connector's close
+#: (a receiver other connectors of the process still hold stays open, and so does not wake it).
+_HOLD_CHECK_S = 0.5
+#: Most push puts a connector keeps in mind from before it bound their endpoint (the oldest go first).
+_MAX_EARLY_PUTS = 65536
 
 
 class ZmqConnector(OmniConnectorBase):
@@ -98,6 +117,11 @@ class ZmqConnector(OmniConnectorBase):
         self._shm_send: ShmSend | None = None
         self._shm_receive: ShmReceive | None = None
         self._shm_degraded = False
+        self._shared: SharedEndpoint | None = None  # the bound part's endpoint, held with the other connectors on it
+        # Push puts made before this connector bound the endpoint they go to (it binds at its first get):
+        # slot -> until when a get may wait for it; handed to the endpoint when bound (under _bind_lock).
+        self._early_puts: OrderedDict[tuple[str, str, str], float] = OrderedDict()
+        self._early_cancelled: OrderedDict[str, None] = OrderedDict()  # keys of those cleaned up since: buried at bind
         self._close_lock = threading.Lock()
         self._bind_lock = threading.Lock()  # one lazy bind at a time (the receive and save threads race to it)
         self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
@@ -107,7 +131,11 @@ class ZmqConnector(OmniConnectorBase):
         self._unclaimed_seen = 0
         self._unclaimed_at = 0.0
         cfg = ZmqConnectorConfig.from_dict(config)
-        self.config = cfg
+        #: The typed settings (see :class:`~zmq_omni.config.zmq.ZmqConnectorConfig`).
+        self.settings = cfg
+        #: The ``extra`` dict as given, every key kept: vllm-omni's stage input processors read their
+        #: keys (``codec_chunk_frames``, ...) back from it. Attribute reads reach ``settings``.
+        self.config = ConnectorExtra(config, cfg)
         #: The stage id exactly as given (vllm-omni's adapters compute ``stage_id - 1``); without one,
         #: the injected ``to_stage`` of a receiver or ``from_stage`` of a sender, as given.
         self.stage_id: str | int | None = config.get("stage_id")
@@ -130,12 +158,12 @@ class ZmqConnector(OmniConnectorBase):
         )
         # Without a role the connector can do both, but binds only when it first has to (a get in push
         # mode, a put in pull mode): one extra then serves both ends of an edge, and the end that never
-        # receives never takes the endpoint.
+        # receives never takes the endpoint. A role says which side binds at once; the other direction
+        # is built at its first use (a middle stage's "receiver" puts downstream).
         sends = cfg.role != "receiver"
         receives = cfg.role != "sender"
         bind_stage = self._bind_stage(None)
         binds_now = cfg.role in ("dual", "receiver" if cfg.mode == "push" else "sender") and bind_stage is not None
-        fast_path = cfg.shm != "off"
         connects = (cfg.mode == "push" and sends) or (cfg.mode == "pull" and receives)
         self._insecure = cfg.insecure or insecure_from_env()
         exposed = list(self._endpoints.items()) if connects else []
@@ -154,76 +182,122 @@ class ZmqConnector(OmniConnectorBase):
         loop = self._loop = IoLoop(f"zmq-omni-{cfg.stage_id}", private_context=own_context)
         self._closed = False
         try:
-            if fast_path and receives:
-                self._shm_receive = ShmReceive(directory=cfg.shm_dir)
-            if fast_path and sends:
-                shm_send = self._shm_send = ShmSend(
-                    directory=cfg.shm_dir,
-                    threshold=cfg.shm_threshold,
-                    max_bytes=cfg.shm_pool_max_bytes,
-                    min_free_bytes=cfg.shm_min_free_bytes,
-                    ttl_s=cfg.shm_ttl_s,
-                )
-                loop.every(1.0, shm_send.reap)
             if binds_now:
                 assert bind_stage is not None
                 self._bind(bind_stage)
             if cfg.mode == "push" and sends:
-                self._sender = PushSender(
-                    loop,
-                    self._endpoints,
-                    sid=self.sid,
-                    put_timeout_s=cfg.put_timeout_s,
-                    delivery_timeout_s=cfg.delivery_timeout_s,
-                    heartbeat_s=cfg.heartbeat_s,
-                    peer_timeout_s=cfg.peer_timeout_s,
-                    max_unacked=cfg.max_unacked,
-                    max_unacked_bytes=cfg.max_unacked_bytes,
-                    hwm=cfg.hwm,
-                    counters=self._counters,
-                    on_failure=self._on_failure,
-                    curve=self._curve,
-                    shm=self._shm_send,
-                    batch_max_messages=cfg.batch_max_messages,
-                    batch_max_bytes=cfg.batch_max_bytes,
-                    batch_item_bytes=cfg.inline_threshold,
-                )
+                self._sender = self._build_sender()
             if cfg.mode == "pull" and receives:
-                self._client = PullClient(
-                    loop.ctx,
-                    hwm=cfg.hwm,
-                    max_message_bytes=cfg.max_message_bytes,
-                    decode=self._decode,
-                    counters=self._counters,
-                    curve=self._curve,
-                    shm=self._shm_receive,
-                )
+                self._client = self._build_client()
             loop.start()
         except BaseException:
             self.close()
             raise
         log.info("ZmqConnector stage=%s role=%s mode=%s endpoint=%s", cfg.stage_id, cfg.role, cfg.mode, self.endpoint)
 
+    # -- the parts built on demand --------------------------------------------------------
+    def _build_sender(self) -> PushSender:
+        """The push sender and its shared-memory pool (in the constructor, or on the I/O thread)."""
+        cfg, loop = self.settings, self._loop
+        assert loop is not None
+        if cfg.shm != "off" and self._shm_send is None:
+            shm_send = self._shm_send = ShmSend(
+                directory=cfg.shm_dir,
+                threshold=cfg.shm_threshold,
+                max_bytes=cfg.shm_pool_max_bytes,
+                min_free_bytes=cfg.shm_min_free_bytes,
+                ttl_s=cfg.shm_ttl_s,
+            )
+            loop.every(1.0, shm_send.reap)
+        return PushSender(
+            loop,
+            self._endpoints,
+            sid=self.sid,
+            put_timeout_s=cfg.put_timeout_s,
+            delivery_timeout_s=cfg.delivery_timeout_s,
+            heartbeat_s=cfg.heartbeat_s,
+            peer_timeout_s=cfg.peer_timeout_s,
+            max_unacked=cfg.max_unacked,
+            max_unacked_bytes=cfg.max_unacked_bytes,
+            hwm=cfg.hwm,
+            counters=self._counters,
+            on_failure=self._on_failure,
+            curve=self._curve,
+            shm=self._shm_send,
+            batch_max_messages=cfg.batch_max_messages,
+            batch_max_bytes=cfg.batch_max_bytes,
+            batch_item_bytes=cfg.inline_threshold,
+        )
+
+    def _build_client(self) -> PullClient:
+        """The pull-mode fetcher and the shared-memory reader of its replies."""
+        cfg, loop = self.settings, self._loop
+        assert loop is not None
+        if cfg.shm != "off" and self._shm_receive is None:
+            self._shm_receive = ShmReceive(directory=cfg.shm_dir)
+        return PullClient(
+            loop.ctx,
+            hwm=cfg.hwm,
+            max_message_bytes=cfg.max_message_bytes,
+            decode=self._decode,
+            counters=self._counters,
+            curve=self._curve,
+            shm=self._shm_receive,
+        )
+
+    def _ensure_sender(self) -> PushSender | None:
+        """The push sender, built at the first put of a connector whose role is ``receiver``; None once closed.
+
+        Raises:
+            ConfigError: an endpoint it would connect to is plaintext TCP off the host (see ``docs/security.md``).
+        """
+        with self._bind_lock:
+            if self._sender is None and not self._closed:
+                require_curve(list(self._endpoints.items()), curve=self._curve is not None, insecure=self._insecure)
+                self._sender = self._on_loop(self._build_sender)
+                if self._watches:
+                    self._hook_watches()
+        return self._sender
+
+    def _ensure_client(self) -> PullClient | None:
+        """The pull-mode fetcher, built at the first get of a connector whose role is ``sender``; None once closed."""
+        with self._bind_lock:
+            if self._client is None and not self._closed:
+                require_curve(list(self._endpoints.items()), curve=self._curve is not None, insecure=self._insecure)
+                self._client = self._build_client()
+        return self._client
+
     # -- binding ----------------------------------------------------------------------
     def _bind_stage(self, call_stage: str | None) -> str | None:
-        """The stage whose endpoint this connector binds: its own id, else the injected edge end, else the call's."""
-        cfg = self.config
+        """The stage whose endpoint this connector binds: its own id, else its end of the edge, else the call's.
+
+        Its end of the edge: ``to_stage`` for a receiver, ``from_stage`` for a sender; without a role (or
+        ``dual``), the end that binds in its mode (push: ``to_stage``; pull: ``from_stage``).
+        """
+        cfg = self.settings
         if cfg.stage_id is not None:
             return cfg.stage_id
-        own = cfg.to_stage if cfg.mode == "push" else cfg.from_stage
+        if cfg.role == "receiver":
+            own = cfg.to_stage
+        elif cfg.role == "sender":
+            own = cfg.from_stage
+        else:
+            own = cfg.to_stage if cfg.mode == "push" else cfg.from_stage
         return own if own is not None else call_stage
 
     def _bind(self, stage: str) -> None:
-        """Bind ``stage``'s endpoint: the push receiver or the pull server (constructor, or under ``_bind_lock``).
+        """Bind ``stage``'s endpoint, or join the connector of this process bound there (under ``_bind_lock``).
 
-        Once the I/O thread runs, the part is built on it (it owns the poller).
+        The bound part (push receiver or pull server) is a :class:`SharedEndpoint` with its own
+        I/O thread, held by every connector of this process bound at that address.
 
         Raises:
-            ConfigError: no endpoint is configured for ``stage``.
+            ConfigError: no endpoint is configured for ``stage``, or a connector of this process is
+                bound there with other settings.
             TransportError: the bind failed, or a live process listens on that ipc path (the endpoint is named).
         """
-        cfg, loop = self.config, self._loop
-        if loop is None:
+        cfg = self.settings
+        if self._loop is None:
             raise ClosedResourceError("connector closed")
         advertised = self._endpoints.get(stage)
         bind_at = self._endpoints.env_bind or cfg.bind or advertised
@@ -231,14 +305,57 @@ class ZmqConnector(OmniConnectorBase):
             raise ConfigError(f"stage {stage!r} must bind: set config key 'endpoints.{stage}' or 'bind'")
         # A lazy bind (no role given) is checked here; a bind at construction was checked before any socket.
         require_curve([("bind", bind_at)], curve=self._curve is not None, insecure=self._insecure)
-        if self._curve is not None:
-            auth = self._curve.start_authenticator(loop.ctx)
-            if auth is not None:
-                loop.on_term(auth.stop)
-        if cfg.mode == "push":
+        # Connectors on one endpoint agree on everything but who they are.
+        agreed = dataclasses.replace(cfg, stage_id=None, role=None, from_stage=None, to_stage=None)
+        build = functools.partial(self._open_endpoint, stage, bind_at, advertised, agreed)
+        shared = acquire(bind_at, agreed, self, build, advertised)
+        self._shared = shared
+        part = shared.part
+        if isinstance(part, PushReceiver):
+            early, self._early_puts = self._early_puts, OrderedDict()
+            for slot, until in early.items():  # our puts on their way here since before the bind
+                if served(self._endpoints.get(slot[1])) is shared:
+                    shared.expect(slot, until)
+            cancelled, self._early_cancelled = self._early_cancelled, OrderedDict()
+            for key in cancelled:  # ...and those of them cleaned up meanwhile: dropped (already in, or as they come)
+                part.forget(functools.partial(operator.eq, key), key=key)
+            self._receiver = part
+        else:
+            assert part is not None
+            self._server = part
+        self.endpoint = part.endpoint
+        if self._watches:  # a watch taken before this lazy bind hears the new part too
+            self._hook_watches()
+        log.info("ZmqConnector stage=%s bound %s (%d connectors there)", stage, self.endpoint, shared.holders)
 
-            def build() -> PushReceiver | PullServer:
-                return PushReceiver(
+    def _open_endpoint(self, stage: str, bind_at: str, advertised: str | None, agreed: Any) -> SharedEndpoint:
+        """Bind a new :class:`SharedEndpoint` for ``stage`` at ``bind_at`` with its own I/O thread, started."""
+        cfg = self.settings
+        # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
+        own_context = self._curve is not None and self._curve.allowed_clients is not None
+        loop = IoLoop(f"zmq-omni-bound-{stage}", private_context=own_context)
+        fast_path = cfg.shm != "off"
+        shm_receive: ShmReceive | None = None
+        shm_send: ShmSend | None = None
+        try:
+            if fast_path and cfg.mode == "push":
+                shm_receive = ShmReceive(directory=cfg.shm_dir)
+            if fast_path and cfg.mode == "pull":
+                shm_send = ShmSend(
+                    directory=cfg.shm_dir,
+                    threshold=cfg.shm_threshold,
+                    max_bytes=cfg.shm_pool_max_bytes,
+                    min_free_bytes=cfg.shm_min_free_bytes,
+                    ttl_s=cfg.shm_ttl_s,
+                )
+                loop.every(1.0, shm_send.reap)
+            if self._curve is not None:
+                auth = self._curve.start_authenticator(loop.ctx)
+                if auth is not None:
+                    loop.on_term(auth.stop)
+            shared = SharedEndpoint(bind_at, agreed, loop, shm_receive=shm_receive, shm_send=shm_send)
+            if cfg.mode == "push":
+                shared.part = PushReceiver(
                     loop,
                     bind_at,
                     incarnation=uuid.uuid4().hex[:16],
@@ -250,21 +367,18 @@ class ZmqConnector(OmniConnectorBase):
                     max_message_bytes=cfg.max_message_bytes,
                     max_frames=_MAX_FRAMES,
                     source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
-                    counters=self._counters,
+                    counters=shared.counters,
                     unclaimed_ttl_s=cfg.unclaimed_ttl_s,
                     ack_delay_s=cfg.ack_delay_s,
                     tombstone_ttl_s=cfg.tombstone_ttl_s,
                     max_tombstones=cfg.max_tombstones,
-                    health=self.health,
+                    health=shared.health,
                     curve=self._curve,
-                    shm=self._shm_receive,
+                    shm=shm_receive,
                 )
-
-        else:
-            fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
-
-            def build() -> PushReceiver | PullServer:
-                return PullServer(
+            else:
+                fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
+                shared.part = PullServer(
                     loop,
                     bind_at,
                     fixed,
@@ -274,28 +388,26 @@ class ZmqConnector(OmniConnectorBase):
                     max_unacked_bytes=cfg.max_unacked_bytes,
                     hwm=cfg.hwm,
                     max_frames=_MAX_FRAMES,
-                    counters=self._counters,
-                    on_failure=self._on_failure,
-                    health=self.health,
+                    counters=shared.counters,
+                    on_failure=shared.on_failure,
+                    health=shared.health,
                     curve=self._curve,
-                    shm=self._shm_send,
+                    shm=shm_send,
                 )
+            loop.start()
+        except BaseException:
+            loop.stop(timeout=1.0)
+            for shm in (shm_send, shm_receive):
+                if shm is not None:
+                    shm.close()
+            raise
+        return shared
 
-        part = self._on_loop(build) if loop.started else build()
-        if isinstance(part, PushReceiver):
-            self._receiver = part
-        else:
-            self._server = part
-        self.endpoint = part.endpoint
-        if self._watches:  # a watch taken before this lazy bind hears the new part too
-            self._hook_watches()
-        log.info("ZmqConnector stage=%s bound %s", stage, self.endpoint)
-
-    def _on_loop(self, build: Callable[[], PushReceiver | PullServer]) -> PushReceiver | PullServer:
+    def _on_loop(self, build: Callable[[], _T]) -> _T:
         """Run ``build`` on the I/O thread and return its result (or raise its error)."""
         assert self._loop is not None
         done = threading.Event()
-        result: list[PushReceiver | PullServer | BaseException] = []
+        result: list[_T | BaseException] = []
 
         def run() -> None:
             try:
@@ -307,10 +419,11 @@ class ZmqConnector(OmniConnectorBase):
 
         self._loop.call_soon(run)
         if not done.wait(_BIND_WAIT_S) or not result:
-            raise TransportTimeoutError(f"the I/O thread did not bind within {_BIND_WAIT_S}s")
-        if isinstance(result[0], BaseException):
-            raise result[0]
-        return result[0]
+            raise TransportTimeoutError(f"the I/O thread did not build its part within {_BIND_WAIT_S}s")
+        got = result[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     def _ensure_bound(self, call_stage: str) -> None:
         """Bind now, for a connector that binds lazily (no role, or no stage to bind at construction)."""
@@ -324,6 +437,10 @@ class ZmqConnector(OmniConnectorBase):
     # -- helpers ------------------------------------------------------------------
 
     def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+        if op != "get" and has_served():  # a failed put to ourselves is no longer expected
+            local = served(self._endpoints.get(to_stage))
+            if local is not None:
+                local.settle((from_stage, to_stage, key))
         self._record_failure("get" if op == "get" else "put", from_stage, to_stage, key, reason, error)
 
     def _record_failure(
@@ -361,11 +478,14 @@ class ZmqConnector(OmniConnectorBase):
         the put took the same-host fast path (its bytes were copied into
         shared memory; ``health()["shm_puts"]`` counts those).
 
-        A pull-mode connector without a role binds its server at its first put.
+        A pull-mode connector without a role, or with role ``receiver``, binds its
+        server at its first put (joining the connector of this process bound there,
+        if any); a push-mode ``receiver`` builds its sender then.
 
         Raises:
             EncodeError: ``data`` holds an unsupported type (a programming error).
-            ValueError: this connector's role cannot put.
+            ConfigError: a ``receiver``'s first put finds an endpoint it may not reach in plaintext
+                (see ``docs/security.md``), or its bind finds other settings on that address.
             TransportError: a first put had to bind and the bind failed (the endpoint is named).
         """
         got = self._put(from_stage, to_stage, put_key, data, True)
@@ -401,12 +521,15 @@ class ZmqConnector(OmniConnectorBase):
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if self._closed:
             return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
+        cfg = self.settings
         sender = self._sender
         if sender is None and self._server is None:
-            if self.config.role == "receiver" or self.config.mode == "push":
-                raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot put")
-            self._ensure_bound(from_stage)
-        cfg = self.config
+            if cfg.mode == "push":  # a receiver putting downstream: its send side, built now
+                sender = self._ensure_sender()
+                if sender is None:
+                    return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
+            else:
+                self._ensure_bound(from_stage)
         frames = encode(data, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle)
         nbytes = len(frames[0]) if len(frames) == 1 else frames_nbytes(frames)  # frame 0 is bytes
         if nbytes > cfg.max_message_bytes:
@@ -422,28 +545,59 @@ class ZmqConnector(OmniConnectorBase):
             frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
         try:
             if sender is not None:
+                # A put to an endpoint this process binds is expected there: a get of it waits for it.
+                local = served(self._endpoints.get(to_stage)) if has_served() else None
+                if local is not None:
+                    local.expect((from_stage, to_stage, key), time.monotonic() + cfg.metadata_get_timeout_s)
+                elif self._receiver is None and self._bind_stage(to_stage) == to_stage:
+                    local = self._early_put((from_stage, to_stage, key))
                 try:
                     sender.send(from_stage, to_stage, key, frames, nbytes, loc, block=block)
                 except BaseException:
+                    if local is not None:
+                        local.settle((from_stage, to_stage, key))
                     if loc is not None and shm is not None:
                         shm.discard(loc)
                     raise
                 metadata: dict[str, Any] = {"key": key, "size": nbytes, "transport": _PUSH_METADATA_TAG}
             else:
-                assert self._server is not None
-                metadata = self._server.store(from_stage, to_stage, key, frames, nbytes, block=block)
+                server, shared = self._server, self._shared
+                assert server is not None and shared is not None
+                if shared.holders > 1:  # the shared server's failures of this put come back to us
+                    shared.stored_by((from_stage, to_stage, key), self)
+                metadata = server.store(from_stage, to_stage, key, frames, nbytes, block=block)
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
         if self._put_failed_at is not None:  # puts go through again: health() need not wait degraded_hold_s
             self._put_failed_at = None
         return True, nbytes, metadata
 
+    def _early_put(self, slot: tuple[str, str, str]) -> SharedEndpoint | None:
+        """A push put to the endpoint this connector binds at its first get, made before that get.
+
+        Kept, so that the bind hands it to the endpoint as expected there; if the endpoint was
+        bound meanwhile (by us or another connector of this process), expected there now.
+        """
+        now = time.monotonic()
+        until = now + self.settings.metadata_get_timeout_s
+        with self._bind_lock:
+            local = served(self._endpoints.get(slot[1]))
+            if local is not None:
+                local.expect(slot, until)
+                return local
+            early = self._early_puts
+            early[slot] = until
+            early.move_to_end(slot)
+            while len(early) > _MAX_EARLY_PUTS or early[next(iter(early))] <= now:  # the oldest first
+                early.popitem(last=False)
+        return None
+
     def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int, block: bool = True) -> bytes | None:
         """Write a large payload into a slot for a same-host receiver; the packed handle, or None (frames)."""
         shm, sender = self._shm_send, self._sender
         if shm is None or sender is None or nbytes < shm.threshold:
             return None
-        wait_s = self.config.put_timeout_s if self.config.shm == "on" and block else 0.0
+        wait_s = self.settings.put_timeout_s if self.settings.shm == "on" and block else 0.0
         if shm.probe is None or not sender.reads_shm(to_stage, wait_s):
             return None
         loc = shm.write(frames)
@@ -480,12 +634,14 @@ class ZmqConnector(OmniConnectorBase):
 
         Connectors nobody watches pay nothing for watches on their hot paths.
         """
-        if self._receiver is not None:
-            self._receiver.on_arrivals = self._notify_watches
-            self._receiver.watch_soon()  # arrivals reach the watches without waiting for a get
-        for part in (self._sender, self._server):
-            if part is not None:
-                part.on_window_change(self._notify_room)
+        shared = self._shared
+        if shared is not None:  # arrivals reach the watches without waiting for a get
+            if self._receiver is not None:
+                shared.hook_arrivals(self._notify_watches)
+            else:
+                shared.hook_room(self._notify_room)
+        if self._sender is not None:
+            self._sender.on_window_change(self._notify_room)
 
     def get_wakeup_generation(self) -> int | None:
         """A counter that changes whenever items arrive in the push receiver's mailbox.
@@ -506,7 +662,13 @@ class ZmqConnector(OmniConnectorBase):
         timeout = bounded_timeout(timeout)
         receiver = self._receiver
         if receiver is not None:
-            return receiver.wait_for_change(gen, timeout)
+            end = time.monotonic() + timeout
+            while True:
+                # The receiver outlives this connector while others hold it: see our close within a slice.
+                remaining = end - time.monotonic()
+                now_gen = receiver.wait_for_change(gen, min(remaining, _HOLD_CHECK_S))
+                if now_gen != gen or remaining <= _HOLD_CHECK_S or self._closed:
+                    return now_gen
         if not self._closed:
             self._idle.wait(timeout)
         return gen
@@ -529,7 +691,7 @@ class ZmqConnector(OmniConnectorBase):
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if metadata is not None and self._receiver_or_bind(to_stage) and _announces(metadata, key):
-            deadline = time.monotonic() + self.config.metadata_get_timeout_s
+            deadline = time.monotonic() + self.settings.metadata_get_timeout_s
             got = self._get(from_stage, to_stage, key, metadata, deadline)
             if got is None and not self._closed:
                 self._record_failure(
@@ -538,7 +700,7 @@ class ZmqConnector(OmniConnectorBase):
                     to_stage,
                     key,
                     f"the put of {key!r} its metadata announced did not arrive within "
-                    f"metadata_get_timeout_s={self.config.metadata_get_timeout_s}s",
+                    f"metadata_get_timeout_s={self.settings.metadata_get_timeout_s}s",
                     TransportTimeoutError(f"put of {key!r} not arrived", endpoint=self.endpoint),
                 )
             return got
@@ -560,8 +722,12 @@ class ZmqConnector(OmniConnectorBase):
         return self._get(from_stage, to_stage, key, metadata, bounded_deadline(deadline))
 
     def _receiver_or_bind(self, to_stage: str) -> bool:
-        """True when gets go to a push receiver, binding it first for a connector that binds lazily."""
-        if self._receiver is None and self.config.mode == "push" and self.config.role != "sender" and not self._closed:
+        """True when gets go to a push receiver, binding it first for a connector that binds lazily.
+
+        A push-mode ``sender`` that gets binds its own stage's endpoint (``stage_id``, else its
+        ``from_stage``), joining the connector of this process already bound there, if any.
+        """
+        if self._receiver is None and self.settings.mode == "push" and not self._closed:
             self._ensure_bound(to_stage)
         return self._receiver is not None
 
@@ -571,11 +737,12 @@ class ZmqConnector(OmniConnectorBase):
         if self._closed:
             return None
         if self._receiver is None and self._client is None:
-            self._receiver_or_bind(to_stage)
+            if self.settings.mode == "push":
+                self._receiver_or_bind(to_stage)
+            elif self._ensure_client() is None:  # a pull-mode sender's first get; None: closed meanwhile
+                return None
         if self._receiver is not None:  # push-mode gets are counted by the mailbox
             return self._take(from_stage, to_stage, key, deadline)
-        if self._client is None:
-            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode cannot get")
         got = self._fetch(from_stage, to_stage, key, metadata, deadline)
         if got is not None:
             self._counters.add("gets")
@@ -583,24 +750,47 @@ class ZmqConnector(OmniConnectorBase):
         return got
 
     def _take(self, from_stage: str, to_stage: str, key: str, deadline: float | None) -> tuple[Any, int] | None:
-        """A push-mode get from the receiver's mailbox (waiting until ``deadline``, if given); failures recorded."""
-        receiver = self._receiver
-        assert receiver is not None
+        """A push-mode get from the receiver's mailbox (waiting until ``deadline``, if given); failures recorded.
+
+        Without a deadline it never waits, except for a put of this very key that this process
+        made and that has not arrived yet: it waits for that one, until its window ends.
+        """
+        receiver, shared = self._receiver, self._shared
+        assert receiver is not None and shared is not None
         try:
             if deadline is None:
-                return receiver.take(from_stage, to_stage, key)
-            return receiver.take_by(from_stage, to_stage, key, deadline)
+                got = receiver.take(from_stage, to_stage, key)
+                if shared.expected:
+                    slot = (from_stage, to_stage, key)
+                    if got is None:
+                        until = shared.expected_until(slot)
+                        if until is not None:
+                            got = receiver.take_by(from_stage, to_stage, key, until)
+                    shared.settle(slot)
+                return got
+            while True:
+                # The receiver outlives this connector while others hold it: see our close within a slice.
+                until = min(deadline, time.monotonic() + _HOLD_CHECK_S)
+                got = receiver.take_by(from_stage, to_stage, key, until)
+                if got is not None or until >= deadline or self._closed:
+                    break
+            if got is not None and shared.expected:
+                shared.settle((from_stage, to_stage, key))
+            return got
         except ZmqOmniError as exc:
             self._take_failed(from_stage, to_stage, key, exc)
             return None
 
     def _take_queued(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
         """What a :class:`LoopReader` takes: the mailbox alone (the loop reads the socket itself)."""
-        receiver = self._receiver
+        receiver, shared = self._receiver, self._shared
         if self._closed or receiver is None:
             return None
         try:
-            return receiver.take(from_stage, to_stage, key, look=False)
+            got = receiver.take(from_stage, to_stage, key, look=False)
+            if got is not None and shared is not None and shared.expected:
+                shared.settle((from_stage, to_stage, key))
+            return got
         except ZmqOmniError as exc:
             self._take_failed(from_stage, to_stage, key, exc)
             return None
@@ -619,7 +809,7 @@ class ZmqConnector(OmniConnectorBase):
         endpoint, server_key = route
         now = time.monotonic()
         if deadline is None:
-            wait_s, reply_by = 0.0, now + self.config.fetch_timeout_s
+            wait_s, reply_by = 0.0, now + self.settings.fetch_timeout_s
         else:
             # The server answers "not found" a little before the deadline, so the reply is in by then.
             wait_s = max(0.0, (deadline - now) * 0.8)
@@ -645,7 +835,7 @@ class ZmqConnector(OmniConnectorBase):
     @property
     def pull_receiver(self) -> bool:
         """True when gets fetch from the sender (pull mode): wait for them with a :class:`FetchChannel`."""
-        return self._client is not None
+        return self.settings.mode == "pull"
 
     def fetch_route(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None
@@ -658,11 +848,11 @@ class ZmqConnector(OmniConnectorBase):
         get's failure and the get finds nothing.
 
         Raises:
-            ValueError: this connector does not get in pull mode.
+            ValueError: this connector does not get in pull mode (or is closed).
             ConfigError: no endpoint is known for ``from_stage``.
         """
-        if self._client is None:
-            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode does not fetch")
+        if self.settings.mode != "pull" or self._ensure_client() is None:
+            raise ValueError(f"a {self.settings.role!r} ZmqConnector in {self.settings.mode} mode does not fetch")
         from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if isinstance(metadata, dict) and key in metadata and isinstance(metadata[key], dict):
             metadata = metadata[key]  # vllm-omni's {key: meta} wrapper
@@ -679,9 +869,10 @@ class ZmqConnector(OmniConnectorBase):
 
     def open_fetch_channel(self, ctx: Any, endpoint: str, server_key: bytes | None) -> FetchChannel:
         """A :class:`FetchChannel` to ``endpoint`` on the caller's ZeroMQ context (the caller closes it)."""
-        if self._client is None:
-            raise ValueError(f"a {self.config.role!r} ZmqConnector in {self.config.mode} mode does not fetch")
-        return self._client.open_channel(ctx, endpoint, server_key)
+        client = self._ensure_client() if self.settings.mode == "pull" else None
+        if client is None:
+            raise ValueError(f"a {self.settings.role!r} ZmqConnector in {self.settings.mode} mode does not fetch")
+        return client.open_channel(ctx, endpoint, server_key)
 
     def fetch_done(
         self, from_stage: str, to_stage: str, key: str, endpoint: str, result: Any
@@ -707,14 +898,20 @@ class ZmqConnector(OmniConnectorBase):
         return got
 
     def cleanup(self, request_id: str) -> bool:
-        """Drop everything held for the key ``request_id`` (mailbox, retained sends, unfetched payloads).
+        """Drop everything held for the request ``request_id`` (mailbox, retained sends, unfetched payloads).
 
-        Push mode: a put of that key arriving within ``tombstone_ttl_s`` is dropped at once (a tombstone).
-        A push sender cancels none of its puts still on their way (vllm-omni #6670): it releases only
-        its copies of those the receiver holds; the others are released once they arrive.
+        The keys dropped are vllm-omni's: ``request_id`` itself, ``request_id_*`` (its chunk keys
+        ``{req}_{stage}_{n}``) and ``*_request_id``. On a shared endpoint it drops them for every
+        connector of this process bound there (they share one mailbox).
+
+        Push mode: a put of the key ``request_id`` itself arriving within ``tombstone_ttl_s`` is dropped
+        at once (a tombstone); later arrivals of the other keys wait for a get as usual (bury a chunk
+        stream with :meth:`cleanup_prefix`). A push sender cancels none of its puts still on their way
+        (vllm-omni #6670): it releases only its copies of those the receiver holds; the others are
+        released once they arrive.
         """
-        key = str(request_id)
-        return self._forget(lambda k: k == key, key=key) > 0
+        rid = str(request_id)
+        return self._forget(lambda k: key_matches_request(k, rid), key=rid) > 0
 
     def cleanup_prefix(self, prefix: str) -> int:
         """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many.
@@ -735,11 +932,28 @@ class ZmqConnector(OmniConnectorBase):
         key = str(get_key)
         if self._receiver is not None:
             self._receiver.forget(lambda k: k == key, key=key)
+            if self._shared is not None and self._shared.expected:
+                self._shared.settle_where(lambda k: k == key)
 
     def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
         dropped = 0
+        # Puts of this process still on their way to our own endpoint are dropped as they arrive: each key
+        # gets a tombstone (receiver-side cleanup; puts to other endpoints go on, #6670).
+        in_flight: list[str] = []
+        if self._shared is not None and self._shared.expected:
+            in_flight = self._shared.settle_where(match)
+        if self._early_puts:
+            with self._bind_lock:
+                for slot in [slot for slot in self._early_puts if match(slot[2])]:
+                    del self._early_puts[slot]
+                    self._early_cancelled[slot[2]] = None
+                    while len(self._early_cancelled) > _MAX_EARLY_PUTS:
+                        self._early_cancelled.popitem(last=False)
         if self._receiver is not None:
             dropped += self._receiver.forget(match, key=key, prefix=prefix)
+            for buried in in_flight:
+                if buried != key:
+                    self._receiver.forget(functools.partial(operator.eq, buried), key=buried)
         if self._server is not None:
             dropped += self._server.forget(match)
         if self._sender is not None:
@@ -763,14 +977,16 @@ class ZmqConnector(OmniConnectorBase):
             self._counters.set("bytes_received", receiving["bytes_received"])
             self._counters.set("batches_received", receiving["batches_received"])
         base = super().health()
+        if self._shared is not None:  # what the bound part counted (shared by the connectors bound there)
+            for name, value in self._shared.counters.snapshot().items():
+                base[name] = base.get(name, 0) + value
         for name in ("resends", "rejected_frames", "duplicates_dropped", "delivery_failures"):
             base.setdefault(name, 0)
         if self._sender is not None:  # what its receivers dropped unconsumed (and acknowledged, freeing the window)
             for name in ("receiver_dropped_unclaimed", "receiver_dropped_cancelled"):
                 base.setdefault(name, 0)
-        base.update(
-            {"stage_id": self.stage_id, "role": self.config.role, "mode": self.config.mode, "endpoint": self.endpoint}
-        )
+        cfg = self.settings
+        base.update({"stage_id": self.stage_id, "role": cfg.role, "mode": cfg.mode, "endpoint": self.endpoint})
         base["pending"] = 0 if sending is None else sending["pending"]
         if sending is not None:
             base["pending_bytes"] = sending["pending_bytes"]
@@ -806,7 +1022,7 @@ class ZmqConnector(OmniConnectorBase):
         ``degraded_hold_s``, and a put that failed within ``degraded_hold_s`` with none
         succeeding since.
         """
-        cfg, now = self.config, time.monotonic()
+        cfg, now = self.settings, time.monotonic()
         problems = []
         if sending is not None:
             if sending.get("window_full"):
@@ -845,7 +1061,7 @@ class ZmqConnector(OmniConnectorBase):
         Degraded: our pool cannot take large puts, or, with ``shm: on``, a receiver cannot read our shared
         memory (push) or we cannot read a server's (pull).
         """
-        base["shm"] = self.config.shm
+        base["shm"] = self.settings.shm
         for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
             base.setdefault(name, 0)
         problems = []
@@ -854,9 +1070,11 @@ class ZmqConnector(OmniConnectorBase):
             servers = self._client.shm_verdicts()
             base["shm_servers"] = servers
             unread = sorted(endpoint for endpoint, readable in servers.items() if not readable)
-            if unread and self.config.shm == "on":
+            if unread and self.settings.shm == "on":
                 problems.append(f"we cannot read the shared memory of pull servers {unread}: their replies are frames")
-        shm = self._shm_send
+        shm = self._shm_send  # a push sender's pool, or the bound pull server's
+        if shm is None and self._shared is not None:
+            shm = self._shared.shm_send
         if shm is not None:
             base.update({f"shm_{k}": v for k, v in shm.stats().items()})
             if shm.error is not None:
@@ -865,7 +1083,7 @@ class ZmqConnector(OmniConnectorBase):
                 problems.append(
                     "large puts fall back to frames: no shared-memory slot (shm_dir full or pool at its limit)"
                 )
-            if self.config.shm == "on":
+            if self.settings.shm == "on":
                 refused = [stage for stage, p in base.get("peers", {}).items() if p.get("shm") is False]
                 if refused:
                     problems.append(f"receivers of stages {refused} cannot read our shared memory")
@@ -899,7 +1117,7 @@ class ZmqConnector(OmniConnectorBase):
 
         See :meth:`close_with_linger`.
         """
-        self.close_with_linger(self.config.close_timeout_s)
+        self.close_with_linger(self.settings.close_timeout_s)
 
     def close_with_linger(self, linger_s: float) -> None:
         """Stop the I/O thread and close every socket; idempotent.
@@ -918,15 +1136,16 @@ class ZmqConnector(OmniConnectorBase):
             linger = max(0.0, linger_s)
             if linger > 0:
                 self.flush(linger)
-            self._closed = True
+            with self._bind_lock:  # no part is built from now on
+                self._closed = True
             self._idle.set()
             lost: list[str] = []
-            for part in (self._sender, self._server):
-                if part is not None:
-                    lost += part.close()  # fails waiting puts and reports what is unconfirmed
-            for reader in (self._receiver, self._client):
-                if reader is not None:
-                    reader.close()  # wakes waiting gets; the client also gives back its sockets
+            if self._sender is not None:
+                lost += self._sender.close()  # fails waiting puts and reports what is unconfirmed
+            if self._client is not None:
+                self._client.close()  # wakes waiting gets and gives back its sockets
+            if self._shared is not None:  # the last connector bound there closes the receiver or server
+                lost += self._shared.release(self, (self._notify_watches, self._notify_room))
             if lost:
                 shown = ", ".join(repr(key) for key in lost[:10])
                 more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
@@ -948,7 +1167,7 @@ class ZmqConnector(OmniConnectorBase):
                     shm.close()
 
     def __repr__(self) -> str:
-        cfg = getattr(self, "config", None)
+        cfg = getattr(self, "settings", None)
         if cfg is None:
             return "<ZmqConnector (not configured)>"
         return f"<ZmqConnector stage={cfg.stage_id} role={cfg.role} mode={cfg.mode} endpoint={self.endpoint}>"

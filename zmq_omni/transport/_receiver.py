@@ -279,7 +279,7 @@ class PushReceiver:
             if self._tombs.entries:
                 self._tombs.lift(key)
             item = self._box.pop(slot, None)
-            if item is not None:
+            if item is not None and item.loc is None:  # a slot's consumption is acked once it is open
                 self._ack_taken(item)
         return item
 
@@ -308,7 +308,8 @@ class PushReceiver:
                     self._waiting -= 1
                 item = self._box.pop(slot, None)
             else:
-                self._ack_taken(item)
+                if item.loc is None:
+                    self._ack_taken(item)
         if item is None:  # we hold _owner: read until our item comes
             with self._closing_is_none():
                 item = self._read_for(slot, deadline)
@@ -347,7 +348,8 @@ class PushReceiver:
                 with self._lock:
                     item = self._box.pop(slot, None)
                     if item is not None:
-                        self._ack_taken(item)
+                        if item.loc is None:
+                            self._ack_taken(item)
                     elif self._closed:
                         return None
                 if item is not None:
@@ -481,9 +483,18 @@ class PushReceiver:
             self._wake_loops()
 
     def _open(self, item: _Item) -> tuple[Any, int]:
-        """Decode the payload of an item whose ``loc`` names a shared-memory slot."""
+        """Decode the payload of an item whose ``loc`` names a shared-memory slot, taken out of the mailbox.
+
+        Its consumption is acknowledged only once the slot is mapped (or found gone): a sender that
+        hears "consumed" may unlink the slot, and one unlinked before the mapping would be lost
+        while its sender counts it delivered.
+        """
         assert self._shm is not None and item.loc is not None
-        views = self._shm.open(item.loc)
+        try:
+            views = self._shm.open(item.loc)
+        finally:
+            with self._lock:
+                self._ack_taken(item)
         if views is None:
             self._counters.add("shm_stale")
             raise ShmError("its shared-memory payload expired or its sender withdrew it")

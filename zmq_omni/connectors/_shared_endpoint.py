@@ -1,0 +1,311 @@
+"""One bound receive side per process and address, shared by every ``ZmqConnector`` bound there.
+
+vllm-omni builds two connectors from one spec in one stage process (the
+scheduler's chunk adapter and the model runner's mixin); both must receive on
+the stage's one endpoint. So the bound part of a ``ZmqConnector`` (the push
+mode receiver, or the pull mode server) is not the connector's own: it is a
+:class:`SharedEndpoint`, kept in a process-wide registry under its resolved
+bind address, with its own I/O thread that owns its socket. Each connector
+bound at that address holds it (a reference count); the last one to close
+closes it.
+
+* **One mailbox.** Connectors on one endpoint take from one mailbox: each key
+  is delivered once, to whichever connector asks first.
+* **One set of settings.** Connectors sharing an address must agree on every
+  setting except their role and stage ids (they normally come from one spec);
+  a connector that differs is refused with a :class:`~zmq_omni.errors.ConfigError`.
+* **Addresses that cannot be shared**: a TCP bind on port 0 or ``*`` takes a
+  new port each time, so each such bind is an endpoint of its own.
+
+The registry also answers "does this process serve that endpoint?" for
+put-then-get in one process (push mode): a put to an endpoint this process
+binds is *expected* there until it arrives, and a ``get`` of its key that
+finds nothing waits for it, bounded by the put's window
+(``metadata_get_timeout_s``) instead of returning ``None`` while the put is
+on its way through ZeroMQ.
+
+Threads and locks: the registry's dicts change under ``_registry_lock``
+(readers on hot paths look them up without it: a dict lookup is atomic).
+A :class:`SharedEndpoint`'s holders, hooks and expectations change under its
+``_lock``; its part is driven by its own I/O thread as before (see
+:mod:`zmq_omni.transport._receiver`, :mod:`zmq_omni.transport._pull_server`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..errors import ConfigError, ZmqOmniError
+from ..metrics import Counters
+from ..transport import IoLoop, PullServer, PushReceiver, ShmReceive, ShmSend
+
+__all__ = ["Holder", "SharedEndpoint", "acquire", "has_served", "served"]
+
+log = logging.getLogger("zmq_omni.connectors")
+
+#: Slots whose putting holder is remembered for failure routing (pull mode); older ones go to the first holder.
+_MAX_PUT_OWNERS = 65536
+
+Slot = tuple[str, str, str]
+
+
+class Holder(Protocol):
+    """What a :class:`SharedEndpoint` calls back on the connectors holding it."""
+
+    def health(self) -> dict[str, Any]:
+        """The connector's health (a health probe's answer)."""
+        ...
+
+    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+        """Keep a failure found by the shared part for a put of this connector."""
+        ...
+
+
+class SharedEndpoint:
+    """A bound push receiver or pull server with its own I/O thread, held by one or more connectors.
+
+    Build it with :func:`acquire`; give it back with :meth:`release`.
+
+    Attributes:
+        address: the bind address it is registered under.
+        loop: its I/O thread (it owns the part's socket).
+        part: the bound :class:`PushReceiver` or :class:`PullServer` (set once built).
+        counters: the counters the part reports into (each holder's ``health()`` adds them).
+        settings: what its holders must agree on (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        settings: Any,
+        loop: IoLoop,
+        *,
+        shm_receive: ShmReceive | None = None,
+        shm_send: ShmSend | None = None,
+    ) -> None:
+        self.address = address
+        self.settings = settings
+        self.loop = loop
+        self.part: PushReceiver | PullServer | None = None
+        self.counters = Counters()
+        self.shm_receive = shm_receive
+        self.shm_send = shm_send
+        self._lock = threading.Lock()
+        self._holders: list[Holder] = []  # copy-on-write: callbacks iterate without the lock
+        self._arrival_hooks: tuple[Callable[[list[Slot]], None], ...] = ()
+        self._room_hooks: tuple[Callable[[], None], ...] = ()
+        self._served: tuple[str, ...] = ()  # endpoints under which _by_endpoint knows it
+        # Push mode: slot -> until when a put of it from this process is expected here (in put order).
+        # Public for one use: ``if shared.expected:`` is the get path's test for "none" (a dict's truth).
+        self.expected: OrderedDict[Slot, float] = OrderedDict()
+        # Pull mode: slot -> the holder that stored it, for routing the server's failures to it.
+        self._put_by: OrderedDict[Slot, Holder] = OrderedDict()
+        self._closed = False
+
+    # -- holders ---------------------------------------------------------------------------
+    @property
+    def holders(self) -> int:
+        """How many connectors hold it now."""
+        return len(self._holders)
+
+    def health(self) -> dict[str, Any]:
+        """The first holder's health: what a health probe sent to this endpoint is answered."""
+        holders = self._holders
+        return holders[0].health() if holders else {"status": "closed"}
+
+    def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+        """The part's failure callback: the holder that put ``key`` keeps it (else the first holder)."""
+        with self._lock:
+            holder = self._put_by.pop((from_stage, to_stage, key), None)
+            if holder is None or holder not in self._holders:
+                holder = self._holders[0] if self._holders else None
+        if holder is not None:
+            holder._on_failure(op, from_stage, to_stage, key, reason, error)
+
+    def stored_by(self, slot: Slot, holder: Holder) -> None:
+        """Pull mode: ``holder`` stored ``slot`` (its failures go to it)."""
+        with self._lock:
+            self._put_by[slot] = holder
+            self._put_by.move_to_end(slot)
+            while len(self._put_by) > _MAX_PUT_OWNERS:
+                self._put_by.popitem(last=False)
+
+    def hook_arrivals(self, fn: Callable[[list[Slot]], None]) -> None:
+        """Call ``fn`` with the slots of each drain's arrivals (push mode; a holder's watches)."""
+        with self._lock:
+            if fn not in self._arrival_hooks:
+                self._arrival_hooks = (*self._arrival_hooks, fn)
+            self._set_hooks()
+
+    def hook_room(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` whenever room may have freed in the pull server's store."""
+        with self._lock:
+            if fn not in self._room_hooks:
+                self._room_hooks = (*self._room_hooks, fn)
+            self._set_hooks()
+
+    def _set_hooks(self) -> None:
+        """Point the part's single hooks at the fan-outs (under ``_lock``); none while nobody listens."""
+        part = self.part
+        if isinstance(part, PushReceiver):
+            if self._arrival_hooks:
+                part.on_arrivals = self._arrived
+                part.watch_soon()
+            else:
+                part.on_arrivals = None
+        elif isinstance(part, PullServer):
+            part.on_window_change(self._room if self._room_hooks else None)
+
+    def _arrived(self, slots: list[Slot]) -> None:
+        for fn in self._arrival_hooks:
+            fn(slots)
+
+    def _room(self) -> None:
+        for fn in self._room_hooks:
+            fn()
+
+    def release(self, holder: Holder, hooks: tuple[Callable[..., Any], ...] = ()) -> list[str]:
+        """``holder`` closes: drop it and its ``hooks``; the last holder's release closes the part.
+
+        Waits at most about a second for the I/O thread to end (as a connector's ``close``).
+
+        Returns:
+            The keys of the puts the closing part reported lost (a pull server's payloads
+            nobody fetched); empty unless this was the last holder.
+        """
+        with _registry_lock, self._lock:
+            self._arrival_hooks = tuple(fn for fn in self._arrival_hooks if fn not in hooks)
+            self._room_hooks = tuple(fn for fn in self._room_hooks if fn not in hooks)
+            self._set_hooks()
+            last = self._holders == [holder] and not self._closed
+            if not last:
+                self._holders = [h for h in self._holders if h is not holder]
+            else:  # it stays the holder while the part closes: the puts it reports failed reach it
+                self._closed = True
+                if _by_address.get(self.address) is self:
+                    del _by_address[self.address]
+                for endpoint in self._served:
+                    if _by_endpoint.get(endpoint) is self:
+                        del _by_endpoint[endpoint]
+        if not last:
+            return []
+        lost = self._close()
+        with self._lock:
+            self._holders = []
+        return lost
+
+    def _close(self) -> list[str]:
+        lost = self.part.close() if self.part is not None else None
+        if not self.loop.stop(timeout=1.0):
+            log.warning("I/O thread of the endpoint %s did not stop within 1s", self.address)
+        for shm in (self.shm_send, self.shm_receive):
+            if shm is not None:
+                shm.close()
+        return lost or []
+
+    # -- put-then-get in one process (push mode) ---------------------------------------------
+    def expect(self, slot: Slot, until: float) -> None:
+        """A put of ``slot`` from this process is on its way here; a get may wait for it until ``until``."""
+        now = time.monotonic()
+        with self._lock:
+            expected = self.expected
+            while expected:  # the oldest first: drop those whose wait is over
+                first = next(iter(expected))
+                if expected[first] > now:
+                    break
+                del expected[first]
+            expected[slot] = until
+            expected.move_to_end(slot)
+
+    def expected_until(self, slot: Slot) -> float | None:
+        """Until when a get of ``slot`` may wait for a put of it from this process; None: nothing expected."""
+        with self._lock:
+            until = self.expected.get(slot)
+            if until is not None and until <= time.monotonic():
+                del self.expected[slot]
+                return None
+            return until
+
+    def settle(self, slot: Slot) -> None:
+        """``slot`` was taken, or its put failed: stop expecting it."""
+        with self._lock:
+            self.expected.pop(slot, None)
+
+    def settle_where(self, match: Callable[[str], bool]) -> list[str]:
+        """Stop expecting every slot whose key matches (``cleanup``); return their keys."""
+        with self._lock:
+            slots = [slot for slot in self.expected if match(slot[2])]
+            for slot in slots:
+                del self.expected[slot]
+        return [slot[2] for slot in slots]
+
+
+_registry_lock = threading.Lock()
+_by_address: dict[str, SharedEndpoint] = {}  # shareable bind address -> its endpoint
+_by_endpoint: dict[str, SharedEndpoint] = {}  # every endpoint a SharedEndpoint serves (bound and advertised)
+
+
+def shareable(address: str) -> bool:
+    """False for a TCP bind on port 0 or ``*``: each such bind takes a new port, an endpoint of its own."""
+    return not address.startswith("tcp://") or not address.endswith((":0", ":*"))
+
+
+def acquire(
+    address: str,
+    settings: Any,
+    holder: Holder,
+    build: Callable[[], SharedEndpoint],
+    advertised: str | None = None,
+) -> SharedEndpoint:
+    """The endpoint bound at ``address`` in this process, held by ``holder``: the one there, or a new one.
+
+    Args:
+        address: the resolved bind address (registry key).
+        settings: what holders must agree on; compared with ``==``.
+        holder: the connector that will hold it.
+        build: makes, binds and starts a new one (called under the registry lock).
+        advertised: the endpoint peers connect to, when it differs from the bound one.
+
+    Raises:
+        ConfigError: the endpoint there was built with other settings.
+        TransportError: the bind failed (from ``build``).
+    """
+    with _registry_lock:
+        shared = _by_address.get(address) if shareable(address) else None
+        if shared is not None and shared.settings != settings:
+            raise ConfigError(
+                f"another connector of this process is bound at {address} with other settings: connectors "
+                f"sharing an endpoint must be built from one spec (only role and stage ids may differ)"
+            )
+        if shared is None:
+            shared = build()
+            if shareable(address):
+                _by_address[address] = shared
+        with shared._lock:
+            shared._holders = [*shared._holders, holder]
+        part = shared.part
+        served = [address] if part is None else [address, part.endpoint]
+        if advertised is not None:
+            served.append(advertised)
+        new = tuple(endpoint for endpoint in served if endpoint not in shared._served)
+        shared._served = (*shared._served, *new)
+        for endpoint in new:
+            _by_endpoint.setdefault(endpoint, shared)
+        return shared
+
+
+def has_served() -> bool:
+    """True when this process binds any endpoint (the cheap test before :func:`served`)."""
+    return bool(_by_endpoint)
+
+
+def served(endpoint: str | None) -> SharedEndpoint | None:
+    """The endpoint this process binds at ``endpoint`` (as bound or as advertised), or None."""
+    if endpoint is None or not _by_endpoint:
+        return None
+    return _by_endpoint.get(endpoint)
