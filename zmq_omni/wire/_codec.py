@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import DecodeError, EncodeError
 from . import _dtypes, _registry, _staging
 from ._limits import DecodeLimits
-from ._shape import brief, check_shape
+from ._shape import CONTAINER_MAP, brief, check_shape
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -941,7 +941,8 @@ def decode_each(
             try:
                 # As decode's plain path: msgpack bounds every declared length by the input's.
                 body = frame[skip:]
-                check_shape(body, depth, objects)
+                if len(body) > objects or body.translate(CONTAINER_MAP).count(1) > depth:
+                    check_shape(body, depth, objects)
                 add(unpackb(body, ext_hook=reject, raw=False, strict_map_key=False))
             except DecodeError as exc:
                 add(exc)
@@ -1061,8 +1062,10 @@ def decode(
     ):
         _reject_preamble(head, flags, n_oob, count, size, lim)
     try:
-        # Depth and object count before msgpack builds anything (cheap unless the header could break them).
-        check_shape(body, lim.max_depth, lim.max_objects)
+        # Depth and object count before msgpack builds anything. Inlined here, check_shape's first test for
+        # the usual small header: too few bytes that may open an array or a map to nest past the limit.
+        if type(body) is not bytes or size > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
+            check_shape(body, lim.max_depth, lim.max_objects)
         if not flags:
             # Plain msgpack: the metadata-only hot path.
             # msgpack bounds every declared length by the input's length when no limit is
