@@ -230,7 +230,11 @@ def test_unroutable_replies_are_given_up_after_bounded_tries() -> None:
     assert sizes[:MAX_UNSENT_TRIES] == [(10 + i, 0) for i in range(MAX_UNSENT_TRIES)]
     assert sizes[MAX_UNSENT_TRIES] == (10 + MAX_UNSENT_TRIES, 10 + MAX_UNSENT_TRIES)
     assert sizes[MAX_UNSENT_TRIES + 1 :] == [(1, 1), (1, 1)]
-    source.consume(3)
+    source.drop(7, -2)
+    ((code, dropped),) = source.drops()
+    source.replied(False)
+    assert source.unsent(code, [], dropped) == 0  # a drop report is never given up: no later REPLY says it
+    assert source.drops() == [(-2, [7])]
     source.reported.update(range(1000))
     assert source.pong()[1] == []  # no route: the pong does not repeat every consumption
     source.replied(True)

@@ -26,10 +26,11 @@ from ..errors import DecodeError
 
 __all__ = ["MAX_UNCONFIRMED", "MAX_UNSENT_TRIES", "SourceState"]
 
-#: REPLYs to one sender ZeroMQ could not route, in a row, after which what a REPLY that fails says is
-#: given up rather than kept for the next (a sender whose control socket never connects would otherwise
-#: make every flush re-send everything it was ever told). Nothing is lost for good: a pong reports every
-#: consumption again, and the sender resends what it never heard arrived, which is acknowledged anew.
+#: REPLYs to one sender ZeroMQ could not route, in a row, after which the arrivals and consumptions a
+#: REPLY that fails says are given up rather than kept for the next (a sender whose control socket never
+#: connects would otherwise make every flush re-send everything it was ever told). Nothing is lost for
+#: good: a pong repeats every consumption, and the sender resends what it never heard arrived, which is
+#: acknowledged anew. Drop reports are kept whatever happens (see ``SourceState.unsent``).
 MAX_UNSENT_TRIES = 4
 #: Most puts taken in from a sender no REPLY has ever reached (its control socket never connected):
 #: past it, its puts are refused (``rejected_frames``) until one does; it resends them then.
@@ -168,27 +169,38 @@ class SourceState:
     def unsent(self, code: int, arrived: Sequence[int], consumed: Sequence[int]) -> int:
         """A REPLY saying ``arrived`` and ``consumed`` (``code`` as sent) could not go out: say it in the next.
 
-        Only while fewer than :data:`MAX_UNSENT_TRIES` REPLYs in a row failed; past that, it is
-        given up, and the count of seqs it named is returned (0 when kept): a drop report's
-        seqs stay in ``reported``, so pongs still tell them consumed.
-
         Arrivals go back in front of the next acknowledgement (a pong reports arrivals only
         since the last REPLY, and a sender resends what it never heard arrived); so do a
         plain acknowledgement's consumptions (they are in ``reported`` too, which every pong
         repeats, but the next acknowledgement frees the sender's window sooner). A drop report
         (``code`` below -1) goes back as such, and its seqs leave ``reported`` until it is sent
         (else a pong would call them consumed and the sender would never learn why).
+
+        Arrivals and consumptions go back only while at most :data:`MAX_UNSENT_TRIES` REPLYs
+        in a row failed; past that they are given up (a resend is acknowledged anew, a pong
+        repeats every consumption), so a sender that is never reachable does not make every
+        flush resend all it was ever told. Drop reports are always kept: no later REPLY would
+        say them, and they are bounded by the items held for this sender.
+
+        Returns:
+            How many seqs were given up (0 while tries remain).
         """
-        if self.unrouted > MAX_UNSENT_TRIES:
-            return len(arrived) + len(consumed)
+        given_up = 0
+        keep = self.unrouted <= MAX_UNSENT_TRIES
         if arrived:
-            self.arrived[:0] = arrived
+            if keep:
+                self.arrived[:0] = arrived
+            else:
+                given_up += len(arrived)
         if code == -1 and consumed:
-            self.consumed[:0] = consumed
+            if keep:
+                self.consumed[:0] = consumed
+            else:
+                given_up += len(consumed)
         elif code < -1 and consumed:
             self.reported.difference_update(consumed)
             self.dropped.setdefault(code, [])[:0] = consumed
-        return 0
+        return given_up
 
     def last_word(self) -> tuple[list[int], list[int]] | None:
         """What to tell the sender as the receiver closes: arrivals and every unconfirmed consumption."""
