@@ -575,7 +575,7 @@ def _measure(proc: subprocess.Popen[str], rconn: Any, sconn: Any) -> tuple[float
             got = rconn.get_with_deadline("0", "1", key, deadline=began + 10)
             assert got is not None
             latencies.append(time.monotonic() - began)
-            time.sleep(0.005)
+            time.sleep(0.002)
         elapsed = time.monotonic() - start
         proc.stdin.write("done\n")
         proc.stdin.flush()
