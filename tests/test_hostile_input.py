@@ -261,9 +261,12 @@ def test_a_handle_naming_another_senders_segment_is_rejected() -> None:
         other_owner = probe_seg.name.split("_")
         other_owner[3] = str(int(other_owner[3]) + 1)  # the pid part: another process's segment
         theirs = SlotHandle("_".join(other_owner), 1, ((0, 64),)).pack()
-        for handle, known in ((theirs, probe), (ours, None), (ours, ["zomni-not-ours", b""])):
+        for handle, known in ((theirs, probe), (ours, ["zomni-not-ours", b""])):
             with pytest.raises(DecodeError, match="not one of its sender's"):
                 ShmReceive.size(handle, known)
+        for known in (None, [], [7, b""]):
+            with pytest.raises(DecodeError, match="probe this side did not read"):
+                ShmReceive.size(ours, known)
     finally:
         probe_seg.unlink()
         probe_seg.close()

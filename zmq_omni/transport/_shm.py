@@ -154,7 +154,9 @@ class ShmReceive:
         except ShmError as exc:
             raise DecodeError(str(exc)) from exc
         owner = parse_name(segment.segment)
-        if owner is None or type(probe) is not list or not probe or owner != parse_name(probe[0]):
+        if owner is None or type(probe) is not list or not probe or type(probe[0]) is not str:
+            raise DecodeError("a shared-memory handle from a sender whose probe this side did not read")
+        if owner != parse_name(probe[0]):
             raise DecodeError(f"a shared-memory handle names segment {brief(segment.segment)}, not one of its sender's")
         return segment.nbytes
 
