@@ -49,6 +49,18 @@ WIRE = encode({"x": 1})[0]
 BIG = encode({"a": np.zeros(8192)})  # frame 0 refers to one out-of-band frame
 HANDLE = SlotHandle("zomni-0-0-feed", 7, ((0, 64),)).pack()
 
+
+def _nested(levels: int) -> Any:
+    value: Any = None
+    for i in range(levels):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+# Depth and breadth extremes: one past the header depth limit (32) and far past it (msgpack's packer nests at
+# most 512 deep; tests/test_hostile_input.py sends 1,000 and 10,000), and wider than any legitimate field.
+EXTREMES = [_nested(33), _nested(400), list(range(5000)), {str(i): i for i in range(2000)}]
+
 atoms = st.one_of(
     st.none(),
     st.booleans(),
@@ -59,6 +71,7 @@ atoms = st.one_of(
     st.sampled_from(["", "0", "1", "k", "sid", "x" * 65]),
     st.binary(max_size=64),
     st.sampled_from([WIRE, b"", b"\x00" * 40, HANDLE, HANDLE[:-3]]),
+    st.sampled_from(EXTREMES),
 )
 values = st.recursive(
     atoms,

@@ -95,6 +95,11 @@ class ZmqConnectorConfig:
         max_unacked: most puts held unconsumed by a sender (the window).
         max_unacked_bytes: most payload bytes held unconsumed by a sender.
         max_message_bytes: largest message; also ``MAXMSGSIZE`` of receiving sockets.
+        max_header_depth: most arrays and maps nested inside one another in a received
+            payload's header (lists, tuples, dicts, records); deeper is refused (1 to 256).
+        max_header_objects: most msgpack objects a received payload's header may decode
+            into (every list, map, key, value and scalar counts one); more is refused
+            before anything is built.
         hwm: ZeroMQ high-water mark (messages) of every socket; never 0.
         batch_max_messages: push mode: most small puts coalesced into one BATCH
             message when puts come faster than they can be sent (1 = never batch).
@@ -157,6 +162,8 @@ class ZmqConnectorConfig:
     max_unacked: int = 10_000
     max_unacked_bytes: int = 1 << 30
     max_message_bytes: int = 1 << 30
+    max_header_depth: int = 32
+    max_header_objects: int = 1 << 20
     hwm: int = 1000
     batch_max_messages: int = 256
     batch_max_bytes: int = 64 << 10
@@ -243,6 +250,9 @@ class ZmqConnectorConfig:
             max_unacked_bytes=read_int(extra, "max_unacked_bytes", 1 << 30, _PATH, minimum=1),
             # ZeroMQ takes MAXMSGSIZE as an int64 and the high-water marks as a C int.
             max_message_bytes=read_int(extra, "max_message_bytes", 1 << 30, _PATH, minimum=1024, maximum=2**63 - 1),
+            # 256: the ceiling DecodeLimits.max_depth accepts.
+            max_header_depth=read_int(extra, "max_header_depth", 32, _PATH, minimum=1, maximum=256),
+            max_header_objects=read_int(extra, "max_header_objects", 1 << 20, _PATH, minimum=1),
             hwm=read_int(extra, "hwm", 1000, _PATH, minimum=1, maximum=2**31 - 1),
             batch_max_messages=read_int(extra, "batch_max_messages", 256, _PATH, minimum=1),
             batch_max_bytes=read_int(extra, "batch_max_bytes", 64 << 10, _PATH, minimum=1024),

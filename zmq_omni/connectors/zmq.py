@@ -150,6 +150,8 @@ class ZmqConnector(OmniConnectorBase):
             max_header_bytes=min(cfg.max_message_bytes, 64 << 20),
             max_frames=_MAX_FRAMES,
             max_total_bytes=cfg.max_message_bytes,
+            max_depth=cfg.max_header_depth,
+            max_objects=cfg.max_header_objects,
         )
         self._device = device = resolve_device(cfg.decode_device, f"{type(self).__name__}.decode_device")
         # One call per received message (a partial saves a Python frame on the receive hot path).
@@ -1005,6 +1007,7 @@ class ZmqConnector(OmniConnectorBase):
             ):
                 base[name] = receiving[name]
             base.setdefault("acks_dropped", 0)  # REPLYs ZeroMQ could not route (their content waits for the next)
+            base.setdefault("acks_given_up", 0)  # ...seqs such REPLYs named once 4 in a row to one sender failed
             base["incarnation"] = self._receiver.incarnation
         reasons = self._reasons(sending, receiving)
         if reasons:

@@ -22,7 +22,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["SourceState"]
+from ..errors import DecodeError
+
+__all__ = ["MAX_UNCONFIRMED", "MAX_UNSENT_TRIES", "SourceState"]
+
+#: REPLYs to one sender ZeroMQ could not route, in a row, after which the arrivals and consumptions a
+#: REPLY that fails says are given up rather than kept for the next (a sender whose control socket never
+#: connects would otherwise make every flush re-send everything it was ever told). Nothing is lost for
+#: good: a pong repeats every consumption, and the sender resends what it never heard arrived, which is
+#: acknowledged anew. Drop reports are kept whatever happens (see ``SourceState.unsent``).
+MAX_UNSENT_TRIES = 4
+#: Most puts taken in from a sender no REPLY has ever reached (its control socket never connected):
+#: past it, its puts are refused (``rejected_frames``) until one does; it resends them then.
+MAX_UNCONFIRMED = 65536
 
 
 class SourceState:
@@ -30,6 +42,7 @@ class SourceState:
 
     __slots__ = (
         "arrived",
+        "confirmed",
         "consumed",
         "ctl",
         "dropped",
@@ -40,6 +53,7 @@ class SourceState:
         "reported",
         "seen",
         "shm",
+        "unrouted",
     )
 
     def __init__(self, sid: str, now: float) -> None:
@@ -54,11 +68,33 @@ class SourceState:
         self.last_heard = now
         self.probe: list[Any] | None = None  # the last probe answered
         self.shm: bool | None = None  # its verdict: may this sender send slot handles?
+        self.confirmed = False  # a REPLY to it was routed at least once
+        self.unrouted = 0  # REPLYs to it that could not be routed since the last one that could
 
     def note(self, low: int, now: float) -> None:
         """A message from this sender, naming its ``low`` mark."""
         self.last_heard = now
         self.low = max(self.low, low)
+
+    def check_room(self, puts: int = 1) -> None:
+        """Refuse ``puts`` more puts from a sender no REPLY ever reached, past :data:`MAX_UNCONFIRMED`.
+
+        Raises:
+            DecodeError: the sender is unconfirmed and holds its share already.
+        """
+        if not self.confirmed and len(self.seen) + puts > MAX_UNCONFIRMED:
+            raise DecodeError(
+                f"{len(self.seen)} puts taken in from a sender no REPLY has reached (its control socket "
+                "never connected): refused until one does"
+            )
+
+    def replied(self, routed: bool) -> None:
+        """A REPLY to this sender was sent (``routed``) or refused by ZeroMQ (unroutable or full)."""
+        if routed:
+            self.confirmed = True
+            self.unrouted = 0
+        else:
+            self.unrouted += 1
 
     def is_new(self, seq: int) -> bool:
         """True when ``seq`` was never accepted (and the sender still retains it)."""
@@ -121,12 +157,16 @@ class SourceState:
         if low > self.pruned_low:
             self.pruned_low = low
             self.seen = {s for s in self.seen if s >= low}
+        arrived, self.arrived = self.arrived, []
+        if self.unrouted > MAX_UNSENT_TRIES:
+            # Its REPLYs find no route: this pong only finds out whether one does now, at a cost that does
+            # not grow with what it would repeat (the first pong routed again repeats it all).
+            return arrived, []
         if reported and min(reported) < low:  # the sender forgot these: repeating them only grows the pong
             self.reported = reported = {s for s in reported if s >= low}
-        arrived, self.arrived = self.arrived, []
         return arrived, list(reported)
 
-    def unsent(self, code: int, arrived: Sequence[int], consumed: Sequence[int]) -> None:
+    def unsent(self, code: int, arrived: Sequence[int], consumed: Sequence[int]) -> int:
         """A REPLY saying ``arrived`` and ``consumed`` (``code`` as sent) could not go out: say it in the next.
 
         Arrivals go back in front of the next acknowledgement (a pong reports arrivals only
@@ -135,14 +175,32 @@ class SourceState:
         repeats, but the next acknowledgement frees the sender's window sooner). A drop report
         (``code`` below -1) goes back as such, and its seqs leave ``reported`` until it is sent
         (else a pong would call them consumed and the sender would never learn why).
+
+        Arrivals and consumptions go back only while at most :data:`MAX_UNSENT_TRIES` REPLYs
+        in a row failed; past that they are given up (a resend is acknowledged anew, a pong
+        repeats every consumption), so a sender that is never reachable does not make every
+        flush resend all it was ever told. Drop reports are always kept: no later REPLY would
+        say them, and they are bounded by the items held for this sender.
+
+        Returns:
+            How many seqs were given up (0 while tries remain).
         """
+        given_up = 0
+        keep = self.unrouted <= MAX_UNSENT_TRIES
         if arrived:
-            self.arrived[:0] = arrived
+            if keep:
+                self.arrived[:0] = arrived
+            else:
+                given_up += len(arrived)
         if code == -1 and consumed:
-            self.consumed[:0] = consumed
+            if keep:
+                self.consumed[:0] = consumed
+            else:
+                given_up += len(consumed)
         elif code < -1 and consumed:
             self.reported.difference_update(consumed)
             self.dropped.setdefault(code, [])[:0] = consumed
+        return given_up
 
     def last_word(self) -> tuple[list[int], list[int]] | None:
         """What to tell the sender as the receiver closes: arrivals and every unconfirmed consumption."""

@@ -50,6 +50,7 @@ from typing import Any
 import msgpack
 
 from ..errors import DecodeError
+from ..wire import brief, check_shape
 
 __all__ = [
     "PREAMBLE_SIZE",
@@ -69,6 +70,11 @@ PREAMBLE_SIZE = _PREAMBLE.size
 
 #: Longest transport header accepted (keys and stage ids are short; seq lists are bounded by the window).
 MAX_HEADER_BYTES = 4 << 20
+#: Deepest nesting of arrays and maps in a transport header (the deepest legitimate one, a REPLY's
+#: seq ranges or a health dict, is 4 levels).
+MAX_HEADER_DEPTH = 32
+#: Most msgpack objects a transport header may hold: a BATCH of the most puts, with room to spare.
+MAX_HEADER_OBJECTS = 4 * 65536 + 1024
 
 
 class Kind(IntEnum):
@@ -95,6 +101,11 @@ _ARITY = {
     Kind.FETCH_REPLY: (2, 3, 4),
     Kind.BATCH: (4,),
 }
+
+# The hot kinds skip the shape scan below MAX_HEADER_OBJECTS bytes (it would cost more than the
+# unpacking): their fields are scalars and one flat list, each checked for its exact type (no walk
+# of a nested value) before anything else reads them; msgpack itself builds any nesting without recursion.
+_FLAT_KINDS = frozenset((Kind.DATA, Kind.BATCH))
 
 _KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: Kind(n) costs ~0.5 us per message
 
@@ -126,14 +137,17 @@ def unpack(frame: bytes | memoryview) -> tuple[Kind, list[Any], memoryview]:
     end = PREAMBLE_SIZE + size
     if size > MAX_HEADER_BYTES or end > view.nbytes:
         raise DecodeError(f"transport header length {size} exceeds the frame ({view.nbytes} bytes)")
+    body = view[PREAMBLE_SIZE:end]
+    if size > MAX_HEADER_OBJECTS or kind not in _FLAT_KINDS:
+        check_shape(body, MAX_HEADER_DEPTH, MAX_HEADER_OBJECTS)
     try:
         # msgpack's defaults (raw=False, strict_map_key=True, use_list=True) are the rules here; keywords cost.
-        header = _unpackb(view[PREAMBLE_SIZE:end])
+        header = _unpackb(body)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise DecodeError(f"transport header is not valid msgpack: {exc!r}") from exc
     if not isinstance(header, list) or len(header) not in _ARITY[kind]:
         want = " or ".join(map(str, _ARITY[kind]))
-        raise DecodeError(f"{kind.name} header must be a list of {want} fields, got {header!r:.80}")
+        raise DecodeError(f"{kind.name} header must be a list of {want} fields, got {brief(header)}")
     return kind, header, view[end:]
 
 
@@ -186,7 +200,7 @@ def check_ranges(ranges: Any, limit: int) -> list[range]:
             or item[0] > item[1]
             or item[0] < 0
         ):
-            raise DecodeError(f"bad seq range {item!r:.40}")
+            raise DecodeError(f"bad seq range {brief(item)}")
         total += item[1] - item[0] + 1
         if total > limit:
             raise DecodeError(f"seq ranges name more than {limit} messages")

@@ -30,6 +30,7 @@ from ..errors import (
     from_zmq_error,
 )
 from ..metrics import Counters
+from ..wire import brief
 from ._envelope import Kind, check_types, pack, unpack
 from ._security import Curve
 from ._shm import ShmReceive
@@ -144,7 +145,7 @@ class PullClient:
             if len(header) > 3:
                 if len(frames) != 1 or payload.nbytes:
                     raise DecodeError("a shared-memory FETCH_REPLY carries frames")
-                return header[0], self._open_shm(header[3])
+                return header[0], self._open_shm(endpoint, header[3])
             size = payload.nbytes + sum(f.buffer.nbytes for f in frames[1:])
             if size > self._max_message:
                 raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
@@ -193,11 +194,12 @@ class PullClient:
             del verdicts[next(iter(verdicts))]
         log.info("pull server %s: we %s its shared memory", endpoint, "read" if verdict else "cannot read")
 
-    def _open_shm(self, loc: Any) -> tuple[Any, int]:
-        """Lease the slot a FETCH_REPLY names and decode views of it."""
+    def _open_shm(self, endpoint: str, loc: Any) -> tuple[Any, int]:
+        """Lease the slot a FETCH_REPLY from ``endpoint`` names (in that server's own memory) and decode views of it."""
         if self._shm is None or type(loc) is not bytes:
-            raise DecodeError(f"unexpected shared-memory handle {loc!r:.40} in a FETCH_REPLY")
-        size = ShmReceive.size(loc)
+            raise DecodeError(f"unexpected shared-memory handle {brief(loc)} in a FETCH_REPLY")
+        known = self._verdicts.get(endpoint)
+        size = ShmReceive.size(loc, None if known is None or not known[1] else known[0])
         if size > self._max_message:
             raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
         views = self._shm.open(loc)

@@ -24,6 +24,7 @@ from ..errors import (
     TransportTimeoutError,
 )
 from ..metrics import Counters
+from ..wire import brief
 from ._envelope import Kind, check_types, pack, unpack
 from ._loop import IoLoop
 from ._pull_protocol import Slot
@@ -269,7 +270,7 @@ class PullServer:
                     # None: a client of the previous version, which takes replies of two fields only.
                     local = header[5] if len(header) > 5 else None
                     if local is not None and type(local) is not bool:
-                        raise DecodeError(f"FETCH shm flag {local!r:.40} is not a bool")
+                        raise DecodeError(f"FETCH shm flag {brief(local)} is not a bool")
                     self._on_fetch(identity, header[0], (header[1], header[2], header[3]), header[4], local)
                 elif kind is Kind.HEALTH:
                     self._reply(identity, [pack(Kind.HEALTH_REPLY, (self._health(),))])

@@ -57,6 +57,7 @@ import zmq
 
 from ..errors import DecodeError, MessageTooLargeError, ShmError, from_zmq_error
 from ..metrics import Counters
+from ..wire import brief
 from ._dedupe import SourceState
 from ._envelope import Kind, check_types, pack, to_ranges, unpack
 from ._loop import IoLoop
@@ -757,7 +758,7 @@ class PushReceiver:
                 elif kind is Kind.DATA:
                     check_types(header[:6], _DATA_TYPES, "DATA")
                     if type(header[6]) not in _LOC_TYPES:
-                        raise DecodeError(f"DATA location table {header[6]!r:.40} is not a slot handle")
+                        raise DecodeError(f"DATA location table {brief(header[6])} is not a slot handle")
                     self._on_data(header, payload, frames)
                     if stop_at_items or header[5] == want_key:
                         break  # (most likely) the getter's item: it looks now; the ack decision below still runs
@@ -873,6 +874,7 @@ class PushReceiver:
         if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
             raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
         source = self._sources.get(sid) or self._source(sid)
+        source.check_room(count // 4)
         source.note(low, self._now)
         self._dirty.add(sid)
         self._pending_acks += count // 4 - 1
@@ -947,7 +949,7 @@ class PushReceiver:
             raise DecodeError("a shared-memory handle from a sender not confirmed on this host")
         if extra:
             raise DecodeError("a shared-memory DATA message must be one frame")
-        size = self._shm.size(loc)
+        size = self._shm.size(loc, source.probe)
         if size > self._max_message:
             raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
         self._pending_bytes += size
@@ -960,6 +962,7 @@ class PushReceiver:
         source.note(low, self._now)
         self._dirty.add(sid)
         if source.is_new(seq):
+            source.check_room()
             return True
         self._counters.add("duplicates_dropped")
         source.duplicate(seq)
@@ -1059,10 +1062,10 @@ class PushReceiver:
             ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
             while len(arrived) > cap or len(consumed) > cap:
                 if not self._send_one_reply(source, ack, arrived[:cap], consumed[:cap]):
-                    source.unsent(ack, arrived[:cap], consumed[:cap])
+                    self._counters.add("acks_given_up", source.unsent(ack, arrived[:cap], consumed[:cap]))
                 arrived, consumed = arrived[cap:], consumed[cap:]
         if not self._send_one_reply(source, ping, arrived, consumed):
-            source.unsent(ping, arrived, consumed)
+            self._counters.add("acks_given_up", source.unsent(ping, arrived, consumed))
 
     def _send_one_reply(self, source: SourceState, ping: int, arrived: Iterable[int], consumed: Iterable[int]) -> bool:
         header = (
@@ -1073,7 +1076,9 @@ class PushReceiver:
             source.shm,
             self._max_message,
         )
-        return self._reply(source.ctl, pack(Kind.REPLY, header))
+        routed = self._reply(source.ctl, pack(Kind.REPLY, header))
+        source.replied(routed)
+        return routed
 
     def _reply(self, identity: bytes, frame: bytes) -> bool:
         """Send a reply routed to ``identity``; False when ZeroMQ refused it (dropped, ``acks_dropped``)."""

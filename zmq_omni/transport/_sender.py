@@ -45,6 +45,7 @@ from ..errors import (
     from_zmq_error,
 )
 from ..metrics import Counters
+from ..wire import brief
 from ._batching import LONE_GAP_S, RETRY_MAX_S, RETRY_MIN_S, STREAM_FLUSH_S, Outbox, batch_end
 from ._endpoints import EndpointMap
 from ._envelope import Kind, check_ranges, check_types, pack, unpack
@@ -674,10 +675,10 @@ class PushSender:
                 check_types(header[:4], _REPLY_TYPES, "REPLY")
                 verdict = header[4] if len(header) > 4 else None
                 if type(verdict) not in _VERDICT_TYPES:
-                    raise DecodeError(f"REPLY shm verdict {verdict!r:.40} is not a bool or null")
+                    raise DecodeError(f"REPLY shm verdict {brief(verdict)} is not a bool or null")
                 batch_bytes = header[5] if len(header) > 5 else 0
                 if type(batch_bytes) is not int or batch_bytes < 0:
-                    raise DecodeError(f"REPLY batch size {batch_bytes!r:.40} is not a count of bytes")
+                    raise DecodeError(f"REPLY batch size {brief(batch_bytes)} is not a count of bytes")
                 limit = 4 * self._max_count + 1024
                 arrived, consumed = check_ranges(header[2], limit), check_ranges(header[3], limit)
                 self._on_reply(peer, header[0], header[1], arrived, consumed, verdict, batch_bytes)

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DecodeError, ShmError
-from ..shm import Segment, SlotHandle, SlotPool, SlotReader
+from ..shm import Segment, SlotHandle, SlotPool, SlotReader, parse_name
+from ..wire import brief
 
 __all__ = ["ShmReceive", "ShmSend"]
 
@@ -125,7 +126,7 @@ class ShmReceive:
             or len(probe[1]) != NONCE_BYTES
             or len(probe[0]) > _MAX_NAME
         ):
-            raise DecodeError(f"bad shared-memory probe {probe!r:.80}")
+            raise DecodeError(f"bad shared-memory probe {brief(probe)}")
         try:
             seg = Segment.attach(probe[0], directory=self.reader.directory)
         except (ShmError, OSError) as exc:
@@ -137,12 +138,27 @@ class ShmReceive:
             seg.close()
 
     @staticmethod
-    def size(loc: bytes) -> int:
-        """Payload bytes of a packed handle. Raises :class:`DecodeError` when it is malformed."""
+    def size(loc: bytes, probe: Any) -> int:
+        """Payload bytes of a packed handle from the sender whose (answered) probe was ``probe``.
+
+        A handle is accepted only for a segment its sender's process created: the owner its
+        name encodes (:func:`~zmq_omni.shm.parse_name`) must be the owner of the probe segment,
+        which the receiver read and found holding the sender's nonce. A sender whose probe
+        passed cannot make a receiver open, lease or free another process's slots.
+
+        Raises:
+            DecodeError: the handle is malformed, or names a segment of another process.
+        """
         try:
-            return SlotHandle.unpack(loc).nbytes
+            segment = SlotHandle.unpack(loc)
         except ShmError as exc:
             raise DecodeError(str(exc)) from exc
+        owner = parse_name(segment.segment)
+        if owner is None or type(probe) is not list or not probe or type(probe[0]) is not str:
+            raise DecodeError("a shared-memory handle from a sender whose probe this side did not read")
+        if owner != parse_name(probe[0]):
+            raise DecodeError(f"a shared-memory handle names segment {brief(segment.segment)}, not one of its sender's")
+        return segment.nbytes
 
     def open(self, loc: bytes) -> list[memoryview] | None:
         """Lease the slot and return its frames as views, or None (expired, withdrawn or gone)."""

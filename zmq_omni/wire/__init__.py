@@ -13,6 +13,7 @@ from ._codec import DEFAULT_INLINE_THRESHOLD, WIRE_VERSION, decode, decode_each,
 from ._dtypes import WIRE_DTYPES
 from ._limits import DecodeLimits
 from ._registry import register_type, unregister_type
+from ._shape import brief, check_shape
 from ._staging import resolve_device
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "DecodeLimits",
     "WIRE_DTYPES",
     "WIRE_VERSION",
+    "brief",
+    "check_shape",
     "decode",
     "decode_each",
     "encode",

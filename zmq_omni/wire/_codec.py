@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import DecodeError, EncodeError
 from . import _dtypes, _registry, _staging
 from ._limits import DecodeLimits
+from ._shape import CONTAINER_MAP, brief, check_shape
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -719,7 +720,7 @@ class _Decoding:
             try:
                 name = data.decode("utf-8", "surrogatepass")
             except UnicodeDecodeError as exc:
-                raise DecodeError(f"type name is not UTF-8: {data!r}") from exc
+                raise DecodeError(f"type name is not UTF-8: {brief(data)}") from exc
         elif data:
             raise DecodeError(f"marker of extension type {code} must be empty, got {len(data)} bytes")
         else:
@@ -860,13 +861,13 @@ def _build_image(items: list[Any]) -> object:
     _, mode, width, height, pixels, palette = items
     bits = IMAGE_MODE_BITS.get(mode) if type(mode) is str else None
     if bits is None:
-        raise DecodeError(f"image mode {mode!r} is not carried by the wire format")
+        raise DecodeError(f"image mode {brief(mode)} is not carried by the wire format")
     if (
         type(width) is not int
         or type(height) is not int
         or not (0 <= width <= _MAX_IMAGE_SIDE and 0 <= height <= _MAX_IMAGE_SIDE)
     ):
-        raise DecodeError(f"image size {width!r} x {height!r} is not two ints in [0, 2**31)")
+        raise DecodeError(f"image size {brief(width)} x {brief(height)} is not two ints in [0, 2**31)")
     if type(pixels) is not np.ndarray or pixels.dtype != np.uint8 or pixels.ndim != 1:
         raise DecodeError("image pixels must be a 1-D uint8 array")
     expected = (width * bits + 7) // 8 * height
@@ -932,13 +933,17 @@ def decode_each(
     lim = _DEFAULT_LIMITS if limits is None else limits
     largest = min(lim.max_header_bytes, lim.max_total_bytes - PREAMBLE_SIZE)
     plain, skip, unpackb, reject = _PLAIN_PREAMBLE, PREAMBLE_SIZE, _unpackb, _reject_ext
+    depth, objects = lim.max_depth, lim.max_objects
     out: list[Any] = []
     add = out.append
     for frame in frames:
         if type(frame) is bytes and frame.startswith(plain) and len(frame) - skip <= largest:
             try:
                 # As decode's plain path: msgpack bounds every declared length by the input's.
-                add(unpackb(frame[skip:], ext_hook=reject, raw=False, strict_map_key=False))
+                body = frame[skip:]
+                if len(body) > objects or body.translate(CONTAINER_MAP).count(1) > depth:
+                    check_shape(body, depth, objects)
+                add(unpackb(body, ext_hook=reject, raw=False, strict_map_key=False))
             except DecodeError as exc:
                 add(exc)
             except Exception as exc:
@@ -1057,6 +1062,10 @@ def decode(
     ):
         _reject_preamble(head, flags, n_oob, count, size, lim)
     try:
+        # Depth and object count before msgpack builds anything. Inlined here, check_shape's first test for
+        # the usual small header: too few bytes that may open an array or a map to nest past the limit.
+        if type(body) is not bytes or size > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
+            check_shape(body, lim.max_depth, lim.max_objects)
         if not flags:
             # Plain msgpack: the metadata-only hot path.
             # msgpack bounds every declared length by the input's length when no limit is

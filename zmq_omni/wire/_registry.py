@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError
+from ._shape import brief
 
 __all__ = [
     "Entry",
@@ -251,11 +252,11 @@ def _record_builder(cls: type) -> Callable[[Any], Any]:
             for key, item in value.items():
                 if tag is not None and key == tag_field:
                     if item != tag:
-                        raise TypeError(f"tag {item!r} is not {tag!r}")
+                        raise TypeError(f"tag {brief(item)} is not {tag!r}")
                     continue
                 attr = attr_of.get(key)
                 if attr is None:
-                    raise TypeError(f"unknown field {key!r}")
+                    raise TypeError(f"unknown field {brief(key)}")
                 kwargs[attr] = item
             return cls(**kwargs)
 
@@ -269,7 +270,7 @@ def _record_builder(cls: type) -> Callable[[Any], Any]:
             raise TypeError(f"expected a map of fields, got {type(value).__name__}")
         unknown = [key for key in value if key not in init_names and key not in other_names]
         if unknown:
-            raise TypeError(f"unknown field {unknown[0]!r}")
+            raise TypeError(f"unknown field {brief(unknown[0])}")
         obj = cls(**{key: item for key, item in value.items() if key in init_names})
         for key, item in value.items():
             if key in other_names:
