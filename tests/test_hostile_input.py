@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from zmq_omni.aio import AsyncConnector
 from zmq_omni.connectors.zmq import ZmqConnector
-from zmq_omni.errors import DecodeError
+from zmq_omni.errors import DecodeError, EncodeError
 from zmq_omni.shm import Segment, SlotHandle
 from zmq_omni.transport._dedupe import MAX_UNCONFIRMED, MAX_UNSENT_TRIES, SourceState
 from zmq_omni.transport._envelope import _PREAMBLE, MAGIC, MAX_HEADER_DEPTH, VERSION, Kind, pack, unpack
@@ -168,7 +168,9 @@ def test_codec_rejects_deep_headers_on_every_path(levels: int) -> None:
     for _ in range(LIMIT):  # LIMIT + 1 lists, the empty tuple included
         tuples = (tuples,)
     with pytest.raises(DecodeError, match="deeper than the limit"):
-        decode(encode(tuples))
+        decode(encode(tuples, limits=DecodeLimits(max_depth=LIMIT + 1)))
+    with pytest.raises(EncodeError, match="deeper than the limit"):  # the encoder refuses what decode would
+        encode(tuples)
     assert decode(encode(tuples[0])) == tuples[0]
 
 

@@ -496,9 +496,13 @@ def test_deeply_nested_tuples_are_rejected_or_decoded_never_crash() -> None:
     deep: Any = ()
     for _ in range(200):
         deep = (deep,)
-    assert decode(encode(deep), limits=DecodeLimits(max_depth=256)) == deep
+    wide = DecodeLimits(max_depth=256)
+    frames = encode(deep, limits=wide)
+    assert decode(frames, limits=wide) == deep
     with pytest.raises(DecodeError, match="deeper than the limit of 32"):
-        decode(encode(deep))
+        decode(frames)
+    with pytest.raises(EncodeError, match="deeper than the limit of 32"):  # the encoder refuses it too
+        encode(deep)
     body = b"\x91\xd4\x04\x00" * 2000 + b"\xc0"  # 2000 nested tuple markers: over msgpack's stack
     with pytest.raises(DecodeError):
         decode([b"ZOM\x01\x03\x00\x00\x00\x00" + body])

@@ -506,11 +506,10 @@ class AsyncConnector:
         """
         if not self._push:
             return self.connector.get(*slot, metadata)
-        if not self._readable:
-            return self.connector.get(*slot)
-        if self._mailbox is not None and not socket_too:
+        if self._readable and self._mailbox is not None and not socket_too:
             return self._mailbox(*slot)
-        return self.connector.get(*slot)
+        assert isinstance(self.connector, LoopReadable)
+        return self.connector.get_nowait(*slot)  # a plain get would wait for this process's own put
 
     def _read_lent(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Poll the receiver's socket on this loop and ask for it (a get is about to wait)."""

@@ -230,6 +230,13 @@ class LoopReadable(Protocol):
         """A new reader for the calling loop (the caller closes it), or None when nothing arrives by itself here."""
         ...
 
+    def get_nowait(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
+        """``get`` by key that never waits, not even for a put of that key this process has on its way here.
+
+        An event loop's look: its get waits on the loop, never in the connector.
+        """
+        ...
+
 
 @runtime_checkable
 class WakeupSource(Protocol):

@@ -29,7 +29,6 @@ import operator
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -38,6 +37,7 @@ from ..config.zmq import ZmqConnectorConfig
 from ..errors import (
     ClosedResourceError,
     ConfigError,
+    DecodeError,
     DeliveryError,
     MessageTooLargeError,
     ShmError,
@@ -64,6 +64,7 @@ from ..transport import (
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, decode_each, encode, frames_nbytes, resolve_device
+from ._early_puts import cancel_early, drop_early, put_early, take_early
 from ._shared_endpoint import SharedEndpoint, acquire, has_served, served
 from .base import (
     ArrivalWatch,
@@ -88,8 +89,9 @@ _T = TypeVar("_T")
 #: A get or wait_for_change on a push receiver re-arms its wait this often, to see its own connector's close
 #: (a receiver other connectors of the process still hold stays open, and so does not wake it).
 _HOLD_CHECK_S = 0.5
+# A get waiting for this process's own put looks again this often whether another connector took it.
+_OWN_CHECK_S = 0.05
 #: Most push puts a connector keeps in mind from before it bound their endpoint (the oldest go first).
-_MAX_EARLY_PUTS = 65536
 
 
 class ZmqConnector(OmniConnectorBase):
@@ -120,8 +122,6 @@ class ZmqConnector(OmniConnectorBase):
         self._shared: SharedEndpoint | None = None  # the bound part's endpoint, held with the other connectors on it
         # Push puts made before this connector bound the endpoint they go to (it binds at its first get):
         # slot -> until when a get may wait for it; handed to the endpoint when bound (under _bind_lock).
-        self._early_puts: OrderedDict[tuple[str, str, str], float] = OrderedDict()
-        self._early_cancelled: OrderedDict[str, None] = OrderedDict()  # keys of those cleaned up since: buried at bind
         self._close_lock = threading.Lock()
         self._bind_lock = threading.Lock()  # one lazy bind at a time (the receive and save threads race to it)
         self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
@@ -314,12 +314,9 @@ class ZmqConnector(OmniConnectorBase):
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
-            early, self._early_puts = self._early_puts, OrderedDict()
-            for slot, until in early.items():  # our puts on their way here since before the bind
-                if served(self._endpoints.get(slot[1])) is shared:
-                    shared.expect(slot, until)
-            cancelled, self._early_cancelled = self._early_cancelled, OrderedDict()
-            for key in cancelled:  # ...and those of them cleaned up meanwhile: dropped (already in, or as they come)
+            # This process's puts on their way here since before the bind are expected now; those
+            # cleaned up meanwhile are dropped (already in, or as they come).
+            for key in take_early(advertised, shared) if advertised is not None else ():
                 part.forget(functools.partial(operator.eq, key), key=key)
             self._receiver = part
         else:
@@ -532,7 +529,7 @@ class ZmqConnector(OmniConnectorBase):
                     return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
             else:
                 self._ensure_bound(from_stage)
-        frames = encode(data, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle)
+        frames = encode(data, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle, limits=self._limits)
         nbytes = len(frames[0]) if len(frames) == 1 else frames_nbytes(frames)  # frame 0 is bytes
         if nbytes > cfg.max_message_bytes:
             return self._fail_put(
@@ -548,16 +545,24 @@ class ZmqConnector(OmniConnectorBase):
         try:
             if sender is not None:
                 # A put to an endpoint this process binds is expected there: a get of it waits for it.
-                local = served(self._endpoints.get(to_stage)) if has_served() else None
+                target = self._endpoints.get(to_stage)
+                local = served(target) if has_served() else None
+                until = time.monotonic() + cfg.metadata_get_timeout_s
+                early = self._receiver is None and target is not None and self._bind_stage(to_stage) == to_stage
                 if local is not None:
-                    local.expect((from_stage, to_stage, key), time.monotonic() + cfg.metadata_get_timeout_s)
-                elif self._receiver is None and self._bind_stage(to_stage) == to_stage:
-                    local = self._early_put((from_stage, to_stage, key))
+                    if not (isinstance(local.part, PushReceiver) and local.part.buries(key)):  # dropped on arrival
+                        local.expect((from_stage, to_stage, key), until)
+                elif early:  # binds there at a first get: expected there once bound, by whichever binds
+                    assert target is not None
+                    local = put_early(target, (from_stage, to_stage, key), until)
                 try:
                     sender.send(from_stage, to_stage, key, frames, nbytes, loc, block=block)
                 except BaseException:
                     if local is not None:
                         local.settle((from_stage, to_stage, key))
+                    elif early:
+                        assert target is not None
+                        drop_early(target, (from_stage, to_stage, key))
                     if loc is not None and shm is not None:
                         shm.discard(loc)
                     raise
@@ -573,26 +578,6 @@ class ZmqConnector(OmniConnectorBase):
         if self._put_failed_at is not None:  # puts go through again: health() need not wait degraded_hold_s
             self._put_failed_at = None
         return True, nbytes, metadata
-
-    def _early_put(self, slot: tuple[str, str, str]) -> SharedEndpoint | None:
-        """A push put to the endpoint this connector binds at its first get, made before that get.
-
-        Kept, so that the bind hands it to the endpoint as expected there; if the endpoint was
-        bound meanwhile (by us or another connector of this process), expected there now.
-        """
-        now = time.monotonic()
-        until = now + self.settings.metadata_get_timeout_s
-        with self._bind_lock:
-            local = served(self._endpoints.get(slot[1]))
-            if local is not None:
-                local.expect(slot, until)
-                return local
-            early = self._early_puts
-            early[slot] = until
-            early.move_to_end(slot)
-            while len(early) > _MAX_EARLY_PUTS or early[next(iter(early))] <= now:  # the oldest first
-                early.popitem(last=False)
-        return None
 
     def _to_shm(self, to_stage: str, frames: list[Any], nbytes: int, block: bool = True) -> bytes | None:
         """Write a large payload into a slot for a same-host receiver; the packed handle, or None (frames)."""
@@ -751,7 +736,26 @@ class ZmqConnector(OmniConnectorBase):
             self._counters.add("bytes_received", got[1])
         return got
 
-    def _take(self, from_stage: str, to_stage: str, key: str, deadline: float | None) -> tuple[Any, int] | None:
+    def get_nowait(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
+        """``get`` by key that never waits, not even for a put of this key this process has on its way here.
+
+        For an event loop's looks (``zmq_omni.aio``), whose gets wait on the loop. Push mode;
+        in pull mode (a round trip to the sender) it is :meth:`get`.
+        """
+        key = get_key
+        if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
+            from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        if self._closed:
+            return None
+        if self._receiver is None and self._client is None:
+            self._receiver_or_bind(to_stage)
+        if self._receiver is None:
+            return self._get(from_stage, to_stage, key, None, None)
+        return self._take(from_stage, to_stage, key, None, wait_for_own=False)
+
+    def _take(
+        self, from_stage: str, to_stage: str, key: str, deadline: float | None, *, wait_for_own: bool = True
+    ) -> tuple[Any, int] | None:
         """A push-mode get from the receiver's mailbox (waiting until ``deadline``, if given); failures recorded.
 
         Without a deadline it never waits, except for a put of this very key that this process
@@ -764,11 +768,15 @@ class ZmqConnector(OmniConnectorBase):
                 got = receiver.take(from_stage, to_stage, key)
                 if shared.expected:
                     slot = (from_stage, to_stage, key)
-                    if got is None:
+                    # Our own put of this key is on its way here: wait for it, in slices, since another
+                    # connector of this endpoint may take it (and settle it) meanwhile.
+                    while got is None and wait_for_own and not self._closed:
                         until = shared.expected_until(slot)
-                        if until is not None:
-                            got = receiver.take_by(from_stage, to_stage, key, until)
-                    shared.settle(slot)
+                        if until is None:
+                            break
+                        got = receiver.take_by(from_stage, to_stage, key, min(until, time.monotonic() + _OWN_CHECK_S))
+                    if got is not None:
+                        shared.settle(slot)
                 return got
             while True:
                 # The receiver outlives this connector while others hold it: see our close within a slice.
@@ -799,7 +807,8 @@ class ZmqConnector(OmniConnectorBase):
 
     def _take_failed(self, from_stage: str, to_stage: str, key: str, exc: ZmqOmniError) -> None:
         """Record a take whose item's shared-memory payload is gone or malformed (the item is gone too)."""
-        self._record_failure("get", from_stage, to_stage, key, f"shared-memory payload of {key!r}: {exc}", exc)
+        what = "shared-memory payload of" if isinstance(exc, ShmError | DecodeError) else "get of"
+        self._record_failure("get", from_stage, to_stage, key, f"{what} {key!r}: {exc}", exc)
 
     def _fetch(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
@@ -944,13 +953,8 @@ class ZmqConnector(OmniConnectorBase):
         in_flight: list[str] = []
         if self._shared is not None and self._shared.expected:
             in_flight = self._shared.settle_where(match)
-        if self._early_puts:
-            with self._bind_lock:
-                for slot in [slot for slot in self._early_puts if match(slot[2])]:
-                    del self._early_puts[slot]
-                    self._early_cancelled[slot[2]] = None
-                    while len(self._early_cancelled) > _MAX_EARLY_PUTS:
-                        self._early_cancelled.popitem(last=False)
+        if self._receiver is None:  # our puts to an endpoint nobody here bound yet, from any of our connectors
+            cancel_early(match, [endpoint for _, endpoint in self._endpoints.items()])
         if self._receiver is not None:
             dropped += self._receiver.forget(match, key=key, prefix=prefix)
             for buried in in_flight:

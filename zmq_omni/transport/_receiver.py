@@ -261,6 +261,11 @@ class PushReceiver:
             return None
         return (item.obj, item.nbytes) if item.loc is None else self._open(item)
 
+    def buries(self, key: str) -> bool:
+        """True while a tombstone covers ``key``: a put of it arriving now is dropped (any thread)."""
+        with self._lock:
+            return bool(self._tombs.entries) and self._tombs.covers(key, time.monotonic())
+
     @contextlib.contextmanager
     def _closing_is_none(self) -> Iterator[None]:
         """Around a getter's socket use: a pyzmq error from a receiver closed meanwhile ends the get.

@@ -478,7 +478,11 @@ _local = threading.local()
 
 
 def encode(
-    obj: object, *, inline_threshold: int = DEFAULT_INLINE_THRESHOLD, allow_pickle: bool = False
+    obj: object,
+    *,
+    inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    allow_pickle: bool = False,
+    limits: DecodeLimits | None = None,
 ) -> list[bytes | memoryview]:
     """Encode ``obj`` into frames: ``[header, buffer_1, ..., buffer_n]``.
 
@@ -502,12 +506,16 @@ def encode(
         inline_threshold: size in bytes from which an array gets its own frame.
         allow_pickle: pickle objects of any other type instead of raising.
             The receiver must opt in too. Only for trusted peers.
+        limits: the receiving side's header depth and object limits (default
+            ``DecodeLimits()``): an object tree they would reject is refused here,
+            so the put fails at once instead of being dropped on arrival.
 
     Returns:
         The frames, ready for ``socket.send_multipart(frames, copy=False)``.
 
     Raises:
-        EncodeError: an object (named in the message) cannot be encoded.
+        EncodeError: an object (named in the message) cannot be encoded, or its
+            tree is deeper or has more objects than ``limits`` allow.
     """
     try:
         encoder: _Encoder = _local.encoder
@@ -533,6 +541,12 @@ def encode(
         encoder.busy = False
         # Drop the references so this thread's encoder does not pin the arrays.
         encoder.frames = _NO_FRAMES
+    lim = _DEFAULT_LIMITS if limits is None else limits
+    if len(body) > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
+        try:
+            check_shape(body, lim.max_depth, lim.max_objects)
+        except DecodeError as exc:
+            raise EncodeError(f"cannot encode {_type_name(obj)}: a receiver would refuse it ({exc})") from None
     n_oob = len(frames) - 1
     if n_oob < _N_CACHED_PREAMBLES:
         frames[0] = _PREAMBLES[encoder.flags][n_oob] + body
