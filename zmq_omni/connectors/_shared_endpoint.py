@@ -11,9 +11,14 @@ closes it.
 
 * **One mailbox.** Connectors on one endpoint take from one mailbox: each key
   is delivered once, to whichever connector asks first.
-* **One set of settings.** Connectors sharing an address must agree on every
-  setting except their role and stage ids (they normally come from one spec);
-  a connector that differs is refused with a :class:`~zmq_omni.errors.ConfigError`.
+* **One set of settings.** Connectors sharing an address must agree on the
+  settings the bound part uses (the caller says which); a connector that
+  differs is refused with a :class:`~zmq_omni.errors.ConfigError` naming them.
+* **Own payloads (pull mode).** Each payload in the shared store belongs to the
+  connector that stored it: its ``flush`` waits for its own payloads only, and
+  a connector that leaves while others still hold the endpoint takes its
+  unfetched payloads out of the store and reports them failed (as the last
+  one's close does).
 * **Addresses that cannot be shared**: a TCP bind on port 0 or ``*`` takes a
   new port each time, so each such bind is an endpoint of its own.
 
@@ -26,6 +31,11 @@ on its way through ZeroMQ.
 
 Threads and locks: the registry's dicts change under ``_registry_lock``
 (readers on hot paths look them up without it: a dict lookup is atomic).
+Binding and closing happen outside that lock (a bind can take a while: the
+ZAP thread, the ipc liveness probe), with a per-address marker in ``_busy``
+meanwhile: a connector acquiring that address waits for the marker (bounded)
+and looks again, so it never binds while the old socket is still open, and
+binds at other addresses are not held up.
 A :class:`SharedEndpoint`'s holders, hooks and expectations change under its
 ``_lock``; its part is driven by its own I/O thread as before (see
 :mod:`zmq_omni.transport._receiver`, :mod:`zmq_omni.transport._pull_server`).
@@ -40,7 +50,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..errors import ConfigError, ZmqOmniError
+from ..errors import ConfigError, TransportError, ZmqOmniError
 from ..metrics import Counters
 from ..transport import IoLoop, PullServer, PushReceiver, ShmReceive, ShmSend
 
@@ -48,8 +58,10 @@ __all__ = ["Holder", "SharedEndpoint", "acquire", "has_served", "served"]
 
 log = logging.getLogger("zmq_omni.connectors")
 
-#: Slots whose putting holder is remembered for failure routing (pull mode); older ones go to the first holder.
+#: Slots announced by :meth:`SharedEndpoint.stored_by` and not yet stored (a store that failed leaves one).
 _MAX_PUT_OWNERS = 65536
+#: Longest an acquire waits for the same address's bind or close in progress (each is bounded near a second).
+_BUSY_WAIT_S = 2.0
 
 Slot = tuple[str, str, str]
 
@@ -103,7 +115,7 @@ class SharedEndpoint:
         # Push mode: slot -> until when a put of it from this process is expected here (in put order).
         # Public for one use: ``if shared.expected:`` is the get path's test for "none" (a dict's truth).
         self.expected: OrderedDict[Slot, float] = OrderedDict()
-        # Pull mode: slot -> the holder that stored it, for routing the server's failures to it.
+        # Pull mode: slot -> the holder whose put is storing it (the server takes it as the payload's owner).
         self._put_by: OrderedDict[Slot, Holder] = OrderedDict()
         self._closed = False
 
@@ -119,21 +131,35 @@ class SharedEndpoint:
         return holders[0].health() if holders else {"status": "closed"}
 
     def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
-        """The part's failure callback: the holder that put ``key`` keeps it (else the first holder)."""
-        with self._lock:
-            holder = self._put_by.pop((from_stage, to_stage, key), None)
-            if holder is None or holder not in self._holders:
-                holder = self._holders[0] if self._holders else None
+        """The push receiver's failure callback: the first holder keeps it."""
+        self.on_owned_failure(None, op, from_stage, to_stage, key, reason, error)
+
+    def on_owned_failure(
+        self, owner: Any, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError
+    ) -> None:
+        """The pull server's failure callback: the holder that stored the payload (``owner``) keeps it.
+
+        A payload with no owner (none was announced) goes to the first holder.
+        """
+        holder: Holder | None = owner
+        if holder is None:
+            holders = self._holders
+            holder = holders[0] if holders else None
         if holder is not None:
             holder._on_failure(op, from_stage, to_stage, key, reason, error)
 
     def stored_by(self, slot: Slot, holder: Holder) -> None:
-        """Pull mode: ``holder`` stored ``slot`` (its failures go to it)."""
+        """Pull mode: ``holder`` is storing ``slot`` now; the server records it as the payload's owner."""
         with self._lock:
             self._put_by[slot] = holder
             self._put_by.move_to_end(slot)
             while len(self._put_by) > _MAX_PUT_OWNERS:
                 self._put_by.popitem(last=False)
+
+    def owner_of(self, slot: Slot) -> Holder | None:
+        """The holder that announced it is storing ``slot`` (the pull server asks as it stores it)."""
+        with self._lock:
+            return self._put_by.pop(slot, None)
 
     def hook_arrivals(self, fn: Callable[[list[Slot]], None]) -> None:
         """Call ``fn`` with the slots of each drain's arrivals (push mode; a holder's watches)."""
@@ -173,11 +199,15 @@ class SharedEndpoint:
         """``holder`` closes: drop it and its ``hooks``; the last holder's release closes the part.
 
         Waits at most about a second for the I/O thread to end (as a connector's ``close``).
+        A pull server's payloads that ``holder`` stored and nobody fetched are taken out of the
+        store and reported failed to it, whether or not it is the last holder.
 
         Returns:
-            The keys of the puts the closing part reported lost (a pull server's payloads
-            nobody fetched); empty unless this was the last holder.
+            The keys of ``holder``'s puts reported lost (pull: its payloads nobody fetched).
         """
+        part = self.part
+        lost = part.drop_owned(holder) if isinstance(part, PullServer) else []
+        busy: threading.Event | None = None
         with _registry_lock, self._lock:
             self._arrival_hooks = tuple(fn for fn in self._arrival_hooks if fn not in hooks)
             self._room_hooks = tuple(fn for fn in self._room_hooks if fn not in hooks)
@@ -189,14 +219,20 @@ class SharedEndpoint:
                 self._closed = True
                 if _by_address.get(self.address) is self:
                     del _by_address[self.address]
+                    # Until the socket is closed, a connector acquiring this address waits rather than binds.
+                    busy = _busy[self.address] = threading.Event()
                 for endpoint in self._served:
                     if _by_endpoint.get(endpoint) is self:
                         del _by_endpoint[endpoint]
         if not last:
-            return []
-        lost = self._close()
-        with self._lock:
-            self._holders = []
+            return lost
+        try:
+            lost += self._close()
+        finally:
+            with self._lock:
+                self._holders = []
+            if busy is not None:
+                _end_busy(self.address, busy)
         return lost
 
     def _close(self) -> list[str]:
@@ -247,6 +283,7 @@ class SharedEndpoint:
 
 _registry_lock = threading.Lock()
 _by_address: dict[str, SharedEndpoint] = {}  # shareable bind address -> its endpoint
+_busy: dict[str, threading.Event] = {}  # shareable bind address -> set once its bind or close in progress ends
 _by_endpoint: dict[str, SharedEndpoint] = {}  # every endpoint a SharedEndpoint serves (bound and advertised)
 
 
@@ -264,39 +301,91 @@ def acquire(
 ) -> SharedEndpoint:
     """The endpoint bound at ``address`` in this process, held by ``holder``: the one there, or a new one.
 
+    A bind or close of the same address in progress (another thread's) is waited for, up to
+    about two seconds, then the registry is looked at again.
+
     Args:
         address: the resolved bind address (registry key).
-        settings: what holders must agree on; compared with ``==``.
+        settings: what holders must agree on: a mapping of setting name to value, compared
+            key by key (any other value is compared with ``==``).
         holder: the connector that will hold it.
-        build: makes, binds and starts a new one (called under the registry lock).
+        build: makes, binds and starts a new one (called outside the registry lock).
         advertised: the endpoint peers connect to, when it differs from the bound one.
 
     Raises:
-        ConfigError: the endpoint there was built with other settings.
-        TransportError: the bind failed (from ``build``).
+        ConfigError: the endpoint there was built with other settings (the differing ones are named).
+        TransportError: the bind failed (from ``build``), or the same address's bind or close
+            in progress did not end in time.
     """
-    with _registry_lock:
-        shared = _by_address.get(address) if shareable(address) else None
-        if shared is not None and shared.settings != settings:
-            raise ConfigError(
-                f"another connector of this process is bound at {address} with other settings: connectors "
-                f"sharing an endpoint must be built from one spec (only role and stage ids may differ)"
+    share = shareable(address)
+    deadline = time.monotonic() + _BUSY_WAIT_S
+    while True:
+        with _registry_lock:
+            busy = _busy.get(address) if share else None
+            if busy is None:
+                shared = _by_address.get(address) if share else None
+                if shared is not None:
+                    _check_settings(address, shared.settings, settings)
+                    return _hold(shared, address, holder, advertised)
+                mine = threading.Event() if share else None
+                if mine is not None:
+                    _busy[address] = mine
+                break
+        if not busy.wait(max(0.0, deadline - time.monotonic())):
+            raise TransportError(
+                f"another connector of this process is still binding or closing {address}", endpoint=address
             )
-        if shared is None:
-            shared = build()
-            if shareable(address):
-                _by_address[address] = shared
-        with shared._lock:
-            shared._holders = [*shared._holders, holder]
-        part = shared.part
-        served = [address] if part is None else [address, part.endpoint]
-        if advertised is not None:
-            served.append(advertised)
-        new = tuple(endpoint for endpoint in served if endpoint not in shared._served)
-        shared._served = (*shared._served, *new)
-        for endpoint in new:
-            _by_endpoint.setdefault(endpoint, shared)
-        return shared
+    try:
+        shared = build()
+    except BaseException:
+        if mine is not None:
+            _end_busy(address, mine)
+        raise
+    with _registry_lock:
+        if share:
+            _by_address[address] = shared
+        held = _hold(shared, address, holder, advertised)
+    if mine is not None:
+        _end_busy(address, mine)
+    return held
+
+
+def _check_settings(address: str, have: Any, want: Any) -> None:
+    """Raise ConfigError when ``want`` differs from the settings ``have`` the endpoint was built with."""
+    if have == want:
+        return
+    if isinstance(have, dict) and isinstance(want, dict):
+        names = sorted(name for name in have.keys() | want.keys() if have.get(name) != want.get(name))
+        which = f" ({', '.join(names)})"
+    else:
+        which = ""
+    raise ConfigError(
+        f"another connector of this process is bound at {address} with other settings{which}: connectors "
+        f"sharing an endpoint must agree on the settings of the bound part"
+    )
+
+
+def _hold(shared: SharedEndpoint, address: str, holder: Holder, advertised: str | None) -> SharedEndpoint:
+    """Add ``holder`` to ``shared`` and register the endpoints it serves (under ``_registry_lock``)."""
+    with shared._lock:
+        shared._holders = [*shared._holders, holder]
+    part = shared.part
+    served = [address] if part is None else [address, part.endpoint]
+    if advertised is not None:
+        served.append(advertised)
+    new = tuple(endpoint for endpoint in served if endpoint not in shared._served)
+    shared._served = (*shared._served, *new)
+    for endpoint in new:
+        _by_endpoint.setdefault(endpoint, shared)
+    return shared
+
+
+def _end_busy(address: str, busy: threading.Event) -> None:
+    """The bind or close marked by ``busy`` ended: remove its marker and wake those waiting on it."""
+    with _registry_lock:
+        if _busy.get(address) is busy:
+            del _busy[address]
+    busy.set()
 
 
 def has_served() -> bool:

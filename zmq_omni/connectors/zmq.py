@@ -22,7 +22,6 @@ an ``ipc://`` path where a live process listens fails instead of taking it over.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import operator
@@ -307,8 +306,8 @@ class ZmqConnector(OmniConnectorBase):
             raise ConfigError(f"stage {stage!r} must bind: set config key 'endpoints.{stage}' or 'bind'")
         # A lazy bind (no role given) is checked here; a bind at construction was checked before any socket.
         require_curve([("bind", bind_at)], curve=self._curve is not None, insecure=self._insecure)
-        # Connectors on one endpoint agree on everything but who they are.
-        agreed = dataclasses.replace(cfg, stage_id=None, role=None, from_stage=None, to_stage=None)
+        # Connectors on one endpoint agree on what its bound part uses (fan-in edges may differ in the rest).
+        agreed = {name: getattr(cfg, name) for name in _BOUND_SETTINGS[cfg.mode]}
         build = functools.partial(self._open_endpoint, stage, bind_at, advertised, agreed)
         shared = acquire(bind_at, agreed, self, build, advertised)
         self._shared = shared
@@ -388,10 +387,11 @@ class ZmqConnector(OmniConnectorBase):
                     hwm=cfg.hwm,
                     max_frames=_MAX_FRAMES,
                     counters=shared.counters,
-                    on_failure=shared.on_failure,
+                    on_failure=shared.on_owned_failure,
                     health=shared.health,
                     curve=self._curve,
                     shm=shm_send,
+                    owner_of=shared.owner_of,
                 )
             loop.start()
         except BaseException:
@@ -570,8 +570,8 @@ class ZmqConnector(OmniConnectorBase):
             else:
                 server, shared = self._server, self._shared
                 assert server is not None and shared is not None
-                if shared.holders > 1:  # the shared server's failures of this put come back to us
-                    shared.stored_by((from_stage, to_stage, key), self)
+                # The payload is ours in the shared store: our flush waits for it, its failures come back to us.
+                shared.stored_by((from_stage, to_stage, key), self)
                 metadata = server.store(from_stage, to_stage, key, frames, nbytes, block=block)
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
@@ -1104,7 +1104,8 @@ class ZmqConnector(OmniConnectorBase):
         """Wait up to ``timeout_s`` until every put so far is safe without this connector.
 
         Push mode: each put's arrival at its receiver was confirmed (the receiver
-        holds it until its ``get``). Pull mode: each stored payload was fetched.
+        holds it until its ``get``). Pull mode: each payload this connector stored
+        was fetched (other connectors' payloads in a shared store do not count).
         Call it before :meth:`close` to shut down without failing puts that are
         still in flight (``close_timeout_s`` makes ``close`` do it).
 
@@ -1116,7 +1117,7 @@ class ZmqConnector(OmniConnectorBase):
         if self._sender is not None:
             return self._sender.wait_delivered(timeout_s)
         if self._server is not None:
-            return self._server.wait_fetched(timeout_s)
+            return self._server.wait_fetched(timeout_s, owner=self)
         return True
 
     def close(self) -> None:
@@ -1178,6 +1179,37 @@ class ZmqConnector(OmniConnectorBase):
         if cfg is None:
             return "<ZmqConnector (not configured)>"
         return f"<ZmqConnector stage={cfg.stage_id} role={cfg.role} mode={cfg.mode} endpoint={self.endpoint}>"
+
+
+#: The settings a bound part uses, by mode: connectors sharing an endpoint must agree on these
+#: (and on the mode); the rest (send side, timeouts of gets, endpoints of other stages) may differ.
+_BOUND_COMMON = ("mode", "hwm", "shm", "shm_dir", "curve_secret_key", "curve_public_key", "curve_allowed_clients")
+_BOUND_SETTINGS: dict[str, tuple[str, ...]] = {
+    "push": (
+        *_BOUND_COMMON,
+        "max_message_bytes",
+        "max_header_depth",
+        "max_header_objects",
+        "allow_pickle",
+        "decode_device",
+        "peer_timeout_s",
+        "unclaimed_ttl_s",
+        "ack_delay_s",
+        "tombstone_ttl_s",
+        "max_tombstones",
+    ),
+    "pull": (
+        *_BOUND_COMMON,
+        "put_timeout_s",
+        "pull_ttl_s",
+        "max_unacked",
+        "max_unacked_bytes",
+        "shm_threshold",
+        "shm_pool_max_bytes",
+        "shm_min_free_bytes",
+        "shm_ttl_s",
+    ),
+}
 
 
 def _announces(metadata: Any, key: str) -> bool:

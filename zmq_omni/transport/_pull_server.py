@@ -22,13 +22,13 @@ from ..errors import (
     DecodeError,
     DeliveryError,
     TransportTimeoutError,
+    ZmqOmniError,
 )
 from ..metrics import Counters
 from ..wire import brief
 from ._envelope import Kind, check_types, pack, unpack
 from ._loop import IoLoop
 from ._pull_protocol import Slot
-from ._push_protocol import FailureCallback
 from ._router import recv_routed
 from ._security import Curve, watch_refusals
 from ._shm import ShmSend
@@ -48,13 +48,18 @@ _MAX_PARKED = 65536
 _PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
 
 
-class _Stored:
-    __slots__ = ("expires", "frames", "nbytes")
+#: A failure of a stored payload, with its owner first (see ``PullServer``'s ``owner_of``).
+OwnedFailureCallback = Callable[[Any, str, str, str, str, str, ZmqOmniError], None]
 
-    def __init__(self, frames: list[Any], nbytes: int, expires: float) -> None:
+
+class _Stored:
+    __slots__ = ("expires", "frames", "nbytes", "owner")
+
+    def __init__(self, frames: list[Any], nbytes: int, expires: float, owner: Any = None) -> None:
         self.frames = frames
         self.nbytes = nbytes
         self.expires = expires
+        self.owner = owner
 
 
 class _Leaving:
@@ -64,13 +69,14 @@ class _Leaving:
     shared-memory slot was not opened yet (``loc``).
     """
 
-    __slots__ = ("loc", "nbytes", "slot", "tracker")
+    __slots__ = ("loc", "nbytes", "owner", "slot", "tracker")
 
-    def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None) -> None:
+    def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None, owner: Any = None) -> None:
         self.slot = slot
         self.nbytes = nbytes
         self.tracker = tracker
         self.loc = loc
+        self.owner = owner
 
 
 class PullServer:
@@ -89,12 +95,19 @@ class PullServer:
         hwm: int,
         max_frames: int,
         counters: Counters,
-        on_failure: FailureCallback,
+        on_failure: OwnedFailureCallback,
         health: Callable[[], dict[str, Any]],
         curve: Curve | None = None,
         shm: ShmSend | None = None,
+        owner_of: Callable[[Slot], Any] | None = None,
     ) -> None:
+        """Bind and serve on ``loop``.
+
+        ``owner_of(slot)`` names the owner of each payload as it is stored (under the store's
+        lock): ``on_failure`` gets it first, ``wait_fetched`` and ``drop_owned`` select by it.
+        """
         self._loop = loop
+        self._owner_of = owner_of
         self._shm = shm
         self._probe = None if shm is None else shm.probe  # named in every reply to a client that asks
         self._put_timeout = put_timeout_s
@@ -170,7 +183,8 @@ class PullServer:
             old = self._store.pop(slot, None)
             if old is not None:  # a re-put of an unfetched key replaces it
                 self._bytes -= old.nbytes
-            self._store[slot] = _Stored(frames, nbytes, time.monotonic() + self._ttl)
+            owner = None if self._owner_of is None else self._owner_of(slot)
+            self._store[slot] = _Stored(frames, nbytes, time.monotonic() + self._ttl, owner)
             self._bytes += nbytes
             self._puts += 1
             self._bytes_sent += nbytes
@@ -214,17 +228,47 @@ class PullServer:
         ]
         return self._leaving
 
-    def wait_fetched(self, timeout_s: float) -> bool:
-        """Wait until every stored payload was fetched and its reply has left; True when none is left."""
+    def wait_fetched(self, timeout_s: float, owner: Any = None) -> bool:
+        """Wait until every stored payload was fetched and its reply has left; True when none is left.
+
+        With ``owner``, only the payloads it owns count.
+        """
         deadline = time.monotonic() + timeout_s
+
+        def stored() -> bool:
+            if owner is None:
+                return bool(self._store)
+            return any(entry.owner is owner for entry in self._store.values())
+
+        def leaving() -> bool:
+            return any(owner is None or entry.owner is owner for entry in self._still_leaving())
+
         with self._cv:
-            while (self._store or self._still_leaving()) and not self._closed:
+            while (stored() or leaving()) and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 # A fetch notifies; a reply that finished leaving does not, so that part is re-checked.
-                self._cv.wait(remaining if self._store else min(remaining, _SEND_CHECK_S))
-            return not self._store and not self._still_leaving()
+                self._cv.wait(remaining if stored() else min(remaining, _SEND_CHECK_S))
+            return not stored() and not leaving()
+
+    def drop_owned(self, owner: Any) -> list[str]:
+        """Take ``owner``'s unfetched payloads out of the store and report them lost; return their keys.
+
+        Replies of its payloads already leaving are left to finish.
+        """
+        with self._cv:
+            dropped = [(slot, entry.owner) for slot, entry in self._store.items() if entry.owner is owner]
+            for slot, _ in dropped:
+                self._bytes -= self._store.pop(slot).nbytes
+            if dropped:
+                self._cv.notify_all()
+        self._report_lost(
+            dropped,
+            "delivery_failures",
+            lambda to_stage: f"connector closed before stage {to_stage!r} fetched the payload",
+        )
+        return [slot[2] for slot, _ in dropped]
 
     def close(self) -> list[str]:
         """Fail waiting and future puts; report every payload nobody fetched. The socket closes on the loop thread.
@@ -234,7 +278,7 @@ class PullServer:
         """
         with self._cv:
             self._closed = True
-            unfetched = list(self._store)
+            unfetched = [(slot, entry.owner) for slot, entry in self._store.items()]
             self._store.clear()
             self._bytes = 0
             self._cv.notify_all()
@@ -243,16 +287,15 @@ class PullServer:
             "delivery_failures",
             lambda to_stage: f"connector closed before stage {to_stage!r} fetched the payload",
         )
-        return [key for _, _, key in unfetched]
+        return [slot[2] for slot, _ in unfetched]
 
-    def _report_lost(self, slots: list[Slot], counter: str, why: Callable[[str], str]) -> None:
-        """Count and report each payload given up on as a DeliveryError (no lock held)."""
-        for from_stage, to_stage, key in slots:
+    def _report_lost(self, lost: list[tuple[Slot, Any]], counter: str, why: Callable[[str], str]) -> None:
+        """Count and report each payload given up on (slot, owner) as a DeliveryError (no lock held)."""
+        for (from_stage, to_stage, key), owner in lost:
             self._counters.add(counter)
             reason = why(to_stage)
-            self._on_failure(
-                "put", from_stage, to_stage, key, reason, DeliveryError(reason, key=key, endpoint=self.endpoint)
-            )
+            error = DeliveryError(reason, key=key, endpoint=self.endpoint)
+            self._on_failure(owner, "put", from_stage, to_stage, key, reason, error)
 
     # -- I/O thread ---------------------------------------------------------------
     def _on_readable(self) -> None:
@@ -301,7 +344,7 @@ class PullServer:
         if entry is None:
             return None
         self._bytes -= entry.nbytes
-        leaving = _Leaving(slot, entry.nbytes, None, None)
+        leaving = _Leaving(slot, entry.nbytes, None, None, entry.owner)
         self._leaving.append(leaving)
         if len(self._leaving) >= self._prune_at:  # amortized: pruning is linear in what is leaving
             self._prune_at = 2 * len(self._still_leaving()) + _PRUNE_MIN
@@ -377,14 +420,14 @@ class PullServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        expired: list[Slot] = []
+        expired: list[tuple[Slot, Any]] = []
         unanswered: list[tuple[bytes, int, bool | None]] = []  # parked fetches whose wait ended
         with self._cv:
             self._still_leaving()  # replies that left since the last beat are forgotten here, not only at stats()
             for slot, entry in list(self._store.items()):
                 if entry.expires <= now:
                     self._bytes -= self._store.pop(slot).nbytes
-                    expired.append(slot)
+                    expired.append((slot, entry.owner))
             if expired:
                 self._cv.notify_all()
             for slot, waiters in list(self._waiters.items()):
@@ -414,7 +457,7 @@ class PullServer:
                 leaving = self._still_leaving()
         close_bound(self._sock, self._bound)
         self._report_lost(
-            [entry.slot for entry in leaving],
+            [(entry.slot, entry.owner) for entry in leaving],
             "delivery_failures",
             lambda to_stage: f"connector closed while its reply to stage {to_stage!r}'s fetch was still leaving",
         )
