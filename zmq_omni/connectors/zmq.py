@@ -202,14 +202,7 @@ class ZmqConnector(OmniConnectorBase):
         cfg, loop = self.settings, self._loop
         assert loop is not None
         if cfg.shm != "off" and self._shm_send is None:
-            shm_send = self._shm_send = ShmSend(
-                directory=cfg.shm_dir,
-                threshold=cfg.shm_threshold,
-                max_bytes=cfg.shm_pool_max_bytes,
-                min_free_bytes=cfg.shm_min_free_bytes,
-                ttl_s=cfg.shm_ttl_s,
-            )
-            loop.every(1.0, shm_send.reap)
+            self._shm_send = _shm_pool(cfg, loop)
         return PushSender(
             loop,
             self._endpoints,
@@ -339,14 +332,7 @@ class ZmqConnector(OmniConnectorBase):
             if fast_path and cfg.mode == "push":
                 shm_receive = ShmReceive(directory=cfg.shm_dir)
             if fast_path and cfg.mode == "pull":
-                shm_send = ShmSend(
-                    directory=cfg.shm_dir,
-                    threshold=cfg.shm_threshold,
-                    max_bytes=cfg.shm_pool_max_bytes,
-                    min_free_bytes=cfg.shm_min_free_bytes,
-                    ttl_s=cfg.shm_ttl_s,
-                )
-                loop.every(1.0, shm_send.reap)
+                shm_send = _shm_pool(cfg, loop)
             if self._curve is not None:
                 auth = self._curve.start_authenticator(loop.ctx)
                 if auth is not None:
@@ -1210,6 +1196,19 @@ _BOUND_SETTINGS: dict[str, tuple[str, ...]] = {
         "shm_ttl_s",
     ),
 }
+
+
+def _shm_pool(cfg: ZmqConnectorConfig, loop: IoLoop) -> ShmSend:
+    """A sending shared-memory pool as configured, reaped every second on ``loop``."""
+    pool = ShmSend(
+        directory=cfg.shm_dir,
+        threshold=cfg.shm_threshold,
+        max_bytes=cfg.shm_pool_max_bytes,
+        min_free_bytes=cfg.shm_min_free_bytes,
+        ttl_s=cfg.shm_ttl_s,
+    )
+    loop.every(1.0, pool.reap)
+    return pool
 
 
 def _announces(metadata: Any, key: str) -> bool:
