@@ -1,0 +1,248 @@
+"""Push mode, receiving half: the keyed mailbox between the socket's owner and the gets.
+
+One lock (:attr:`Mailbox.lock`, under the condition threads wait on) guards
+everything here: the items by address, the tombstones, the consumptions and
+drops not yet handed to the protocol, the flush deadline, the counters and the
+closed flag. Whoever holds the receiver's socket stores arrivals; any thread
+pops. An event loop is woken by :attr:`Mailbox.on_arrivals`, which is called
+outside the lock with the addresses that arrived.
+
+Nothing unclaimed lives forever: an item no get took within ``unclaimed_ttl_s``
+is dropped (:meth:`Mailbox.expire`), and :meth:`Mailbox.forget` with a key or a
+prefix leaves a :class:`~zmq_omni.transport._tombstones.Tombstones` entry under
+which a late arrival is dropped at once. Either way the item is handed over as
+dropped, with a code saying why, so its sender hears of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._push_protocol import DROPPED_CANCELLED, DROPPED_UNCLAIMED
+from ._receive_protocol import ACK_BYTES, Item, Slot
+from ._tombstones import Tombstones
+
+__all__ = ["Mailbox"]
+
+
+class Mailbox:
+    """Items waiting for ``get``, in arrival order (see the module docstring).
+
+    Args:
+        ack_delay_s: how long an arrival or a consumption may wait before its acknowledgement is due.
+        tombstone_ttl_s: how long a buried key or prefix keeps dropping arrivals.
+        max_tombstones: most tombstones held.
+        on_armed: called (under the lock; it must only schedule) when an acknowledgement becomes
+            owed, or due at once: the socket's owner times the flush (:attr:`flush_due`).
+    """
+
+    def __init__(
+        self, *, ack_delay_s: float, tombstone_ttl_s: float, max_tombstones: int, on_armed: Callable[[], None]
+    ) -> None:
+        # A plain Lock under the condition: ``with lock`` costs a C call, a Condition's two Python ones.
+        self.lock = threading.Lock()
+        self._cv = threading.Condition(self.lock)
+        self._ack_delay = ack_delay_s
+        self._box: dict[Slot, Item] = {}  # arrival order: a re-put moves to the end
+        self._tombs = Tombstones(tombstone_ttl_s, max_tombstones)
+        self._consumed: list[tuple[str, int]] = []  # for the protocol: taken by gets or replaced by re-puts
+        self._dropped: list[tuple[str, int, int]] = []  # for the protocol: dropped unconsumed, with a DROPPED_* code
+        self._taken_bytes = 0
+        self._on_armed = on_armed
+        #: When the acknowledgement of what left the mailbox is due (None: nothing owed).
+        self.flush_due: float | None = None
+        self.generation = 0  # bumped whenever items arrive (wait_for_change)
+        self.closed = False
+        self.waiting = 0  # threads waiting on the condition
+        self.on_arrivals: Callable[[list[Slot]], None] | None = None
+        self.gets = 0
+        self.bytes_taken = 0
+        self.drops = {"unclaimed": 0, "late": 0, "cleanup": 0}
+
+    # -- the socket's owner -------------------------------------------------------------
+    def store(self, arrivals: list[tuple[Slot, Item]], now: float) -> list[Item]:
+        """Put one drain's arrivals in: one lock, one notify. The items they replaced or buried (to discard).
+
+        Arms the acknowledgement of their arrival (``flush_due``) if none is armed.
+        """
+        gone: list[Item] = []
+        with self.lock:
+            self._arm(now)
+            if self._tombs.entries:
+                arrivals = self._drop_buried(arrivals, gone, now)
+            box = self._box
+            for slot, item in arrivals:
+                old = box.pop(slot, None)
+                box[slot] = item
+                if old is not None:  # a re-put replaces; the replaced one counts as consumed
+                    self._consumed.append((old.sid, old.seq))
+                    gone.append(old)
+            self.generation += 1
+            if self.waiting:
+                self._cv.notify_all()
+        hook = self.on_arrivals
+        if hook is not None and arrivals:
+            hook([slot for slot, _ in arrivals])
+        return gone
+
+    def _drop_buried(self, arrivals: list[tuple[Slot, Item]], gone: list[Item], now: float) -> list[tuple[Slot, Item]]:
+        kept = []
+        covers = self._tombs.covers
+        for slot, item in arrivals:
+            if covers(slot[2], now):  # a drop renews the tombstone: a stream still arriving keeps it
+                self._dropped.append((item.sid, item.seq, DROPPED_CANCELLED))
+                self.drops["late"] += 1
+                gone.append(item)
+            else:
+                kept.append((slot, item))
+        return kept
+
+    def arm(self, now: float) -> None:
+        """An acknowledgement is owed (the protocol says so): have it sent within ``ack_delay_s``."""
+        if self.flush_due is None:
+            with self.lock:
+                self._arm(now)
+
+    def due_now(self) -> None:
+        """The acknowledgements are due at once (the socket's holder sends them before it lets go)."""
+        with self.lock:
+            self.flush_due = 0.0
+
+    def has_handover(self) -> bool:
+        """Whether anything left the mailbox since the last :meth:`handover` (a hint: read without the lock)."""
+        return bool(self._consumed or self._dropped)
+
+    def _arm(self, now: float) -> None:
+        """An acknowledgement is owed: have it sent within ``ack_delay_s`` (holds the lock)."""
+        if self.flush_due is None:
+            self.flush_due = now + self._ack_delay
+            self._on_armed()
+
+    def handover(self) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
+        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)``; disarms the flush."""
+        with self.lock:
+            consumed, self._consumed = self._consumed, []
+            dropped, self._dropped = self._dropped, []
+            nbytes, self._taken_bytes = self._taken_bytes, 0
+            self.flush_due = None
+        return consumed, dropped, nbytes
+
+    # -- any thread -----------------------------------------------------------------------
+    def pop(self, slot: Slot) -> Item | None:
+        """Take ``slot``'s item (a get asks for it: its tombstones lift).
+
+        A shared-memory item's consumption is recorded only by :meth:`opened`.
+        """
+        with self.lock:
+            return self.pop_locked(slot)
+
+    def pop_locked(self, slot: Slot) -> Item | None:
+        """:meth:`pop` for a caller holding :attr:`lock`."""
+        if self._tombs.entries:
+            self._tombs.lift(slot[2])
+        item = self._box.pop(slot, None)
+        if item is not None and item.loc is None:
+            self._note_taken(item)
+        return item
+
+    def opened(self, item: Item) -> None:
+        """A shared-memory item taken by :meth:`pop` is mapped (or found gone): its consumption counts now."""
+        with self.lock:
+            self._note_taken(item)
+
+    def _note_taken(self, item: Item) -> None:
+        """Record a consumption (holds the lock)."""
+        self._consumed.append((item.sid, item.seq))
+        self.gets += 1
+        self.bytes_taken += item.nbytes
+        self._taken_bytes += item.nbytes
+        if self._taken_bytes >= ACK_BYTES and self.flush_due != 0.0:
+            # Large items read before their gets came (their arrival acks are out): their consumption
+            # is acknowledged now, not ack_delay_s later.
+            self.flush_due = 0.0
+            self._on_armed()
+        else:
+            self._arm(time.monotonic())
+
+    def wait(self, timeout: float) -> None:
+        """Wait on the condition at most ``timeout`` (holds :attr:`lock`): an arrival, a close or a reader leaving."""
+        self.waiting += 1
+        try:
+            self._cv.wait(timeout)
+        finally:
+            self.waiting -= 1
+
+    def wake_waiters(self) -> None:
+        """Wake the threads waiting on the condition (a reader left: one of them may read now)."""
+        with self.lock:
+            if self.waiting:
+                self._cv.notify_all()
+
+    def buries(self, key: str) -> bool:
+        """True while a tombstone covers ``key``: an arrival of it now would be dropped."""
+        with self.lock:
+            return bool(self._tombs.entries) and self._tombs.covers(key, time.monotonic())
+
+    def forget(self, match: Callable[[str], bool], *, key: str | None, prefix: str | None) -> list[Item]:
+        """Drop the items whose key matches, burying ``key`` and/or ``prefix``; the items dropped."""
+        with self.lock:
+            self._tombs.bury(time.monotonic(), key=key, prefix=prefix)
+            items = [self._box.pop(slot) for slot in [s for s in self._box if match(s[2])]]
+            self._dropped.extend((item.sid, item.seq, DROPPED_CANCELLED) for item in items)
+            self.drops["cleanup"] += len(items)
+            if items:
+                self._arm(time.monotonic())
+        return items
+
+    def expire(self, now: float, unclaimed_ttl_s: float) -> list[Item]:
+        """Drop the items no get took within ``unclaimed_ttl_s``, and the lapsed tombstones; the items dropped."""
+        cutoff = now - unclaimed_ttl_s
+        with self.lock:
+            expired = []
+            for slot, item in self._box.items():  # arrival order: the expired ones are a prefix
+                if item.arrived > cutoff:
+                    break
+                expired.append((slot, item))
+            for slot, item in expired:
+                del self._box[slot]
+                self._dropped.append((item.sid, item.seq, DROPPED_UNCLAIMED))
+            self.drops["unclaimed"] += len(expired)
+            if expired:
+                self._arm(now)
+            self._tombs.lapse(now)
+        return [item for _, item in expired]
+
+    def wait_for_change(self, generation: int, timeout: float) -> int:
+        """Wait until the generation differs from ``generation``, at most ``timeout``; the generation then."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.generation == generation and not self.closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.wait(remaining)
+            return self.generation
+
+    def close(self) -> None:
+        """No item will arrive any more: wake every waiting thread."""
+        with self.lock:
+            self.closed = True
+            self._cv.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        """Gets, bytes taken, items waiting, the oldest one's age, tombstones and what was dropped."""
+        now = time.monotonic()
+        with self.lock:
+            oldest = next(iter(self._box.values()), None)
+            return {
+                "gets": self.gets,
+                "bytes_received": self.bytes_taken,
+                "mailbox": len(self._box),
+                "mailbox_oldest_s": 0.0 if oldest is None else max(0.0, now - oldest.arrived),
+                "tombstones": len(self._tombs),
+                "tombstones_evicted": self._tombs.evicted,
+                **{f"dropped_{k}": v for k, v in self.drops.items()},
+            }

@@ -1,0 +1,379 @@
+"""Push mode, receiving half: the protocol without I/O.
+
+:class:`ReceiveProtocol` is fed each message the receiver's ROUTER delivered
+(``identity, frames``) and the clock. It decides what is new and becomes an
+item to deliver (:attr:`ReceiveProtocol.arrivals`), what each sender must hear
+(:class:`Reply` objects to send, each reported back with :meth:`sent`), and
+when the batched acknowledgements are due. It touches no socket, takes no lock
+and starts no thread: it belongs to whoever holds the receiver's socket (see
+:mod:`~zmq_omni.transport._receiver`), who calls it one message at a time.
+
+What each sender is told (dedupe window, acknowledgements, pongs) is the
+per-sender :class:`~zmq_omni.transport._dedupe.SourceState`; the socket layout
+and the delivery protocol are in :mod:`~zmq_omni.transport._push_protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+from ..errors import DecodeError, MessageTooLargeError
+from ..metrics import Counters
+from ..wire import brief
+from ._dedupe import SourceState
+from ._envelope import Kind, check_types, pack, to_ranges, unpack
+from ._shm import ShmReceive
+
+__all__ = ["ACK_BATCH", "ACK_BYTES", "Item", "ReceiveProtocol", "Reply", "Slot"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+Slot = tuple[str, str, str]
+
+# Acks wait ``ack_delay_s`` to be batched (one REPLY covers hundreds of puts under load; a lone
+# stream pays one REPLY per delay, not one per put) ... or until this many messages are pending,
+ACK_BATCH = 1024
+# ... or until this many payload bytes arrived or were taken: a sender keeps each put until it hears
+# it consumed, so a stream of large payloads acknowledged every 20 ms would pin a dozen at each end.
+ACK_BYTES = 2 << 20
+_MAX_SID = 64
+_DATA_TYPES = (str, int, int, str, str, str)
+_LOC_TYPES = (type(None), bytes)
+_PING_TYPES = (str, int, int)
+_BATCH_TYPES = (str, int, str, list)
+_BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
+_MAX_BATCH_ENTRIES = 65536
+# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024, and
+# a pong repeats every consumption its sender may not know yet (many, while an orphan pins its low mark).
+_MAX_REPLY_SEQS = 1024
+
+
+class Item(NamedTuple):
+    """One item for the mailbox (a tuple: the receive hot path builds it with one C call, ``new_item``)."""
+
+    obj: Any
+    nbytes: int
+    sid: str
+    seq: int
+    loc: bytes | None  # a shared-memory slot handle, opened by the get that takes it (obj is None until then)
+    arrived: float  # the clock when it arrived (unclaimed_ttl_s counts from it)
+
+
+# ``Item.__new__`` is a Python function; the tuple constructor makes the same object without it.
+new_item = tuple.__new__
+
+
+class Reply(NamedTuple):
+    """A frame to route to ``identity``; what it says is kept in case ZeroMQ cannot route it."""
+
+    identity: bytes
+    frame: bytes
+    source: SourceState | None  # None: a HEALTH answer (nothing to remember)
+    ping: int  # the PING answered; -1 a plain ack; DROPPED_* a drop report
+    arrived: list[int]
+    consumed: list[int]
+
+
+class ReceiveProtocol:
+    """The receiving end of push mode without I/O (see the module docstring).
+
+    Args:
+        endpoint: named in log lines.
+        incarnation: this receiver's id, in every REPLY (a new one makes senders resend).
+        decode: one DATA message's frames to its object.
+        decode_each: a BATCH's wire frames to their objects (a failed one is its DecodeError).
+        max_message_bytes: the largest put accepted.
+        max_frames: the most frames a message may have.
+        counters: where rejections and duplicates are counted.
+        health: the HEALTH answer.
+        shm: the shared-memory reader, None without the fast path.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        incarnation: str,
+        decode: Callable[[list[Any]], Any],
+        decode_each: Callable[[list[bytes]], list[Any]],
+        max_message_bytes: int,
+        max_frames: int,
+        counters: Counters,
+        health: Callable[[], dict[str, Any]],
+        shm: ShmReceive | None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.incarnation = incarnation
+        self._decode = decode
+        self._decode_each = decode_each
+        self._max_message = max_message_bytes
+        self.max_frames = max_frames
+        self._counters = counters
+        self._health = health
+        self._shm = shm
+        self.sources: dict[str, SourceState] = {}
+        self.arrivals: list[tuple[Slot, Item]] = []  # decoded since the owner last took them
+        self.replies: list[Reply] = []  # to send now (pongs, health answers)
+        self.batches = 0  # BATCH messages taken in
+        self._dirty: set[str] = set()  # senders owed an acknowledgement
+        self._pending = 0  # messages since the last flush
+        self._pending_bytes = 0  # payload bytes arrived or taken since the last flush
+        self._now = 0.0
+
+    # -- input ------------------------------------------------------------------------------
+    def receive(self, identity: bytes, frames: list[Any], ok: bool, now: float) -> str | None:
+        """Take in one message (``ok`` False: it had too many frames). The key of a DATA, else None.
+
+        A malformed, oversized or hostile message is counted (``rejected_frames``) and
+        otherwise ignored: nothing a peer sends raises out of here.
+        """
+        self._now = now
+        self._pending += 1
+        try:
+            if not ok:
+                raise DecodeError(f"message with more than {self.max_frames} frames")
+            kind, header, payload = unpack(frames[0])
+            if kind is Kind.DATA:
+                check_types(header[:6], _DATA_TYPES, "DATA")
+                if type(header[6]) not in _LOC_TYPES:
+                    raise DecodeError(f"DATA location table {brief(header[6])} is not a slot handle")
+                self._on_data(header, payload, frames)
+                key: str = header[5]
+                return key
+            if kind is Kind.BATCH:
+                rejected = self._on_batch(header, payload, len(frames))
+                if rejected:
+                    self._counters.add("rejected_frames", rejected)
+            elif kind is Kind.PING:
+                check_types(header[:3], _PING_TYPES, "PING")
+                self._on_ping(header[0], header[1], header[2], header[3] if len(header) > 3 else None)
+            elif kind is Kind.HEALTH:
+                self.replies.append(Reply(identity, pack(Kind.HEALTH_REPLY, (self._health(),)), None, 0, [], []))
+            else:
+                raise DecodeError(f"unexpected {kind.name} message")
+        except (DecodeError, MessageTooLargeError) as exc:
+            self._counters.add("rejected_frames")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("rejected a message on %s: %s", self.endpoint, exc)
+        return None
+
+    def taken(self, consumed: Iterable[tuple[str, int]], dropped: Iterable[tuple[str, int, int]], nbytes: int) -> None:
+        """Items left the mailbox: ``consumed`` by gets or re-puts, ``dropped`` unconsumed (with why)."""
+        self._pending_bytes += nbytes
+        for sid, seq in consumed:
+            source = self.sources.get(sid)
+            if source is not None:
+                source.consume(seq)
+                self._dirty.add(sid)
+        for sid, seq, code in dropped:
+            source = self.sources.get(sid)
+            if source is not None:
+                source.drop(seq, code)
+                self._dirty.add(sid)
+
+    # -- output -----------------------------------------------------------------------------
+    def acks_due_now(self) -> bool:
+        """True when the batched acknowledgements should go now rather than after ``ack_delay_s``."""
+        return self._pending >= ACK_BATCH or self._pending_bytes >= ACK_BYTES
+
+    def owes_acks(self) -> bool:
+        """True when some sender is owed an acknowledgement."""
+        return bool(self._dirty)
+
+    def flush(self) -> list[Reply]:
+        """Every acknowledgement owed: drop reports first, then plain acks, per sender."""
+        self._pending = self._pending_bytes = 0
+        replies: list[Reply] = []
+        for sid in self._dirty:
+            source = self.sources.get(sid)
+            if source is None:
+                continue
+            for code, seqs in source.drops():
+                replies += self._reply(source, code, [], seqs)
+            acks = source.ack()
+            if acks is not None:
+                replies += self._reply(source, -1, *acks)
+        self._dirty.clear()
+        return replies
+
+    def last_words(self) -> list[Reply]:
+        """What to tell every sender as the receiver closes: arrivals and every consumption not yet confirmed.
+
+        Early acks may have found no route, and a reopened receiver must not get duplicates.
+        """
+        replies: list[Reply] = []
+        for source in self.sources.values():
+            last = source.last_word()
+            if last is not None:
+                replies += self._reply(source, -1, *last)
+        return replies
+
+    def sent(self, reply: Reply, routed: bool) -> None:
+        """``reply`` went out (``routed``) or ZeroMQ refused it (unroutable or full): keep what it said."""
+        source = reply.source
+        if not routed:
+            self._counters.add("acks_dropped")
+        if source is None:
+            return
+        source.replied(routed)
+        if not routed:
+            given_up = source.unsent(reply.ping, reply.arrived, reply.consumed)
+            if given_up:
+                self._counters.add("acks_given_up", given_up)
+
+    def expire_sources(self, cutoff: float) -> None:
+        """Forget the senders not heard from since ``cutoff``."""
+        for sid in [sid for sid, s in self.sources.items() if s.last_heard < cutoff]:
+            del self.sources[sid]
+            self._dirty.discard(sid)
+
+    # -- messages ---------------------------------------------------------------------------
+    def _source(self, sid: str) -> SourceState:
+        source = self.sources.get(sid)
+        if source is None:
+            if not sid or len(sid) > _MAX_SID:
+                raise DecodeError(f"sender id of {len(sid)} characters")
+            source = self.sources[sid] = SourceState(sid, self._now)
+        return source
+
+    def _on_data(self, header: list[Any], payload: memoryview, frames: list[Any]) -> None:
+        sid, seq, low, from_stage, to_stage, key, loc = header
+        if loc is not None:
+            self._on_handle(header, loc, payload.nbytes + len(frames) - 1)
+            return
+        size = payload.nbytes
+        if len(frames) > 1:
+            size += sum(f.buffer.nbytes for f in frames[1:])
+            if size > self._max_message:
+                raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+            parts = [payload, *frames[1:]]
+        else:
+            parts = [payload]
+        source = self.sources.get(sid) or self._source(sid)
+        self._pending_bytes += size
+        if self._admit(source, sid, low, seq):
+            item = new_item(Item, (self._decode(parts), size, sid, seq, None, self._now))
+            source.accept(seq)
+            self.arrivals.append(((from_stage, to_stage, key), item))
+
+    def _on_handle(self, header: list[Any], loc: bytes, extra: int) -> None:
+        # Checked before any state changes: a handle from a sender never confirmed on this host is refused.
+        sid, seq, low, from_stage, to_stage, key, _ = header
+        source = self.sources.get(sid)
+        if self._shm is None or source is None or source.shm is not True:
+            raise DecodeError("a shared-memory handle from a sender not confirmed on this host")
+        if extra:
+            raise DecodeError("a shared-memory DATA message must be one frame")
+        size = self._shm.size(loc, source.probe)
+        if size > self._max_message:
+            raise MessageTooLargeError(f"{size} bytes > max_message_bytes {self._max_message}")
+        self._pending_bytes += size
+        if self._admit(source, sid, low, seq):  # a duplicate handle is never opened: the first one's item holds it
+            source.accept(seq)
+            self.arrivals.append(((from_stage, to_stage, key), Item(None, size, sid, seq, loc, self._now)))
+
+    def _admit(self, source: SourceState, sid: str, low: int, seq: int) -> bool:
+        """Note a message from ``source``; False for a duplicate, which is acknowledged again and dropped."""
+        source.note(low, self._now)
+        self._dirty.add(sid)
+        if source.is_new(seq):
+            source.check_room()
+            return True
+        self._counters.add("duplicates_dropped")
+        source.duplicate(seq)
+        return False
+
+    def _on_batch(self, header: list[Any], payload: memoryview, n_frames: int) -> int:
+        """Take in the puts of one BATCH, each validated on its own; how many of them were rejected.
+
+        Raises:
+            DecodeError: the batch itself is malformed (nothing of it is taken in).
+        """
+        if n_frames != 1 or payload.nbytes:
+            raise DecodeError("a BATCH message must be one frame holding only its header")
+        check_types(header, _BATCH_TYPES, "BATCH")
+        sid, low, to_stage, entries = header
+        count = len(entries)
+        if count < 8 or count % 4 or count > 4 * _MAX_BATCH_ENTRIES:
+            raise DecodeError(f"BATCH of {count} fields is not 2..{_MAX_BATCH_ENTRIES} puts of 4 fields")
+        if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
+            raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
+        source = self.sources.get(sid) or self._source(sid)
+        source.check_room(count // 4)
+        source.note(low, self._now)
+        self._dirty.add(sid)
+        self._pending += count // 4 - 1
+        self.batches += 1
+        seqs, from_stages, keys, wires = entries[::4], entries[1::4], entries[2::4], entries[3::4]
+        # One decode call per batch; a batch of resends decodes only what is new.
+        all_new = source.all_new(seqs)
+        if all_new:
+            objs: list[Any] = self._decode_each(wires)
+        else:
+            fresh = [i for i, seq in enumerate(seqs) if source.is_new(seq)]
+            objs = [None] * len(seqs)
+            for i, obj in zip(fresh, self._decode_each([wires[i] for i in fresh]), strict=True):
+                objs[i] = obj
+        accepted: list[int] = []
+        duplicates: list[int] = []
+        seen: set[int] = set()  # a seq repeated inside the batch is taken once
+        rejected = 0
+        arrivals, now = self.arrivals, self._now
+        for seq, from_stage, key, wire, obj in zip(seqs, from_stages, keys, wires, objs, strict=True):
+            if not all_new and (seq in seen or not source.is_new(seq)):
+                duplicates.append(seq)  # already have (or had) it: acknowledge again, keep one copy
+                continue
+            if isinstance(obj, DecodeError):
+                rejected += 1  # not acknowledged: the sender's deadline reports it
+                continue
+            seen.add(seq)
+            accepted.append(seq)
+            arrivals.append(((from_stage, to_stage, key), new_item(Item, (obj, len(wire), sid, seq, None, now))))
+        source.accept_batch(accepted, duplicates)
+        if duplicates:
+            self._counters.add("duplicates_dropped", len(duplicates))
+        return rejected
+
+    def _on_ping(self, sid: str, ping: int, low: int, probe: Any) -> None:
+        source = self._source(sid)
+        source.note(low, self._now)
+        if probe is not None and probe != source.probe:
+            source.shm = False if self._shm is None else self._shm.probe(probe)
+            source.probe = probe
+        replies = self.replies
+        for code, seqs in source.drops():  # before the pong, which then repeats them as consumed
+            replies += self._reply(source, code, [], seqs)
+        arrived, consumed = source.pong()
+        replies += self._reply(source, ping, arrived, consumed)
+
+    def _reply(self, source: SourceState, ping: int, arrived: list[int], consumed: list[int]) -> list[Reply]:
+        """The REPLYs saying ``arrived`` and ``consumed`` to ``source``, answering ``ping``.
+
+        Lists longer than ``_MAX_REPLY_SEQS`` go in several REPLYs, plain acks first and the
+        answer to ``ping`` last, so that no REPLY exceeds what any sender accepts.
+        """
+        cap = _MAX_REPLY_SEQS
+        parts: list[tuple[int, list[int], list[int]]] = []
+        if len(arrived) > cap or len(consumed) > cap:
+            arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
+            ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
+            while len(arrived) > cap or len(consumed) > cap:
+                parts.append((ack, arrived[:cap], consumed[:cap]))
+                arrived, consumed = arrived[cap:], consumed[cap:]
+        parts.append((ping, arrived, consumed))
+        return [
+            Reply(
+                source.ctl,
+                pack(
+                    Kind.REPLY,
+                    (self.incarnation, code, to_ranges(arr), to_ranges(con), source.shm, self._max_message),
+                ),
+                source,
+                code,
+                arr,
+                con,
+            )
+            for code, arr, con in parts
+        ]
