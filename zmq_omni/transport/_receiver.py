@@ -521,4 +521,3 @@ class PushReceiver:
 
     def __repr__(self) -> str:
         return f"<PushReceiver {self.endpoint} holder={self._owner.holder.value}>"
-
