@@ -111,23 +111,23 @@ class Mailbox:
         with self.lock:
             self.flush_due = 0.0
 
-    def has_handover(self) -> bool:
-        """Whether anything left the mailbox since the last :meth:`handover` (a hint: read without the lock)."""
-        return bool(self._consumed or self._dropped)
-
     def _arm(self, now: float) -> None:
         """An acknowledgement is owed: have it sent within ``ack_delay_s`` (holds the lock)."""
         if self.flush_due is None:
             self.flush_due = now + self._ack_delay
             self._on_armed()
 
-    def handover(self) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
-        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)``; disarms the flush."""
+    def handover(self, *, flushing: bool = False) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
+        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)``.
+
+        ``flushing``: the caller acknowledges everything owed now, so no flush is due any more.
+        """
         with self.lock:
             consumed, self._consumed = self._consumed, []
             dropped, self._dropped = self._dropped, []
             nbytes, self._taken_bytes = self._taken_bytes, 0
-            self.flush_due = None
+            if flushing:
+                self.flush_due = None
         return consumed, dropped, nbytes
 
     # -- any thread -----------------------------------------------------------------------

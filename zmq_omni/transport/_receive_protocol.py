@@ -89,6 +89,8 @@ class ReceiveProtocol:
         counters: where rejections and duplicates are counted.
         health: the HEALTH answer.
         shm: the shared-memory reader, None without the fast path.
+        handover: what left the mailbox since it was last asked (``(consumed, dropped, nbytes)``),
+            asked before each pong, which must say every consumption.
     """
 
     def __init__(
@@ -103,7 +105,9 @@ class ReceiveProtocol:
         counters: Counters,
         health: Callable[[], dict[str, Any]],
         shm: ShmReceive | None,
+        handover: Callable[[], tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]] = lambda: ([], [], 0),
     ) -> None:
+        self._handover = handover
         self.endpoint = endpoint
         self.incarnation = incarnation
         self._decode = decode
@@ -339,6 +343,7 @@ class ReceiveProtocol:
     def _on_ping(self, sid: str, ping: int, low: int, probe: Any) -> None:
         source = self._source(sid)
         source.note(low, self._now)
+        self.taken(*self._handover())
         if probe is not None and probe != source.probe:
             source.shm = False if self._shm is None else self._shm.probe(probe)
             source.probe = probe

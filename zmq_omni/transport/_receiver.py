@@ -142,6 +142,7 @@ class PushReceiver:
             counters=counters,
             health=health,
             shm=shm,
+            handover=self._mailbox.handover,
         )
         self._fd = self._sock.getsockopt(zmq.FD)
         self._watch()
@@ -298,8 +299,6 @@ class PushReceiver:
         ZeroMQ whether more is queued (about 1 us, on every lone message's critical path).
         """
         sock, protocol, mailbox = self._sock, self._protocol, self._mailbox
-        if mailbox.has_handover():  # consumptions since the last flush: a pong says them
-            protocol.taken(*mailbox.handover())
         now = time.monotonic()
         receive, max_frames = protocol.receive, protocol.max_frames
         for _ in range(_MAX_DRAIN):
@@ -341,7 +340,7 @@ class PushReceiver:
 
     def _flush(self) -> None:
         """Send every acknowledgement owed (holds the socket)."""
-        self._protocol.taken(*self._mailbox.handover())
+        self._protocol.taken(*self._mailbox.handover(flushing=True))
         self._send(self._protocol.flush())
 
     def _send(self, replies: Iterable[Reply]) -> None:
