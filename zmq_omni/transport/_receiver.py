@@ -256,7 +256,7 @@ class PushReceiver:
                 if due is not None and due <= time.monotonic():
                     self._flush()
         owner.release(Holder.GETTER)
-        if owner.parked and (self._watchers or mailbox.on_arrivals is not None):
+        if owner.parked and (self._watchers or mailbox.on_arrivals is not None) and not mailbox.closed:
             self._loop.call_soon(self._drive)  # someone waits for arrivals without reading: the driver reads now
         mailbox.wake_waiters()  # a getter waiting on the condition may read now
 
