@@ -51,10 +51,7 @@ def _edge(short_tmp: Path, ack_delay_s: float = _LAZY, **sender: Any) -> Iterato
 
 def _unconfirmed(sender: ZmqConnector) -> int:
     """Puts the sender still keeps (not yet acknowledged as consumed)."""
-    part = sender._sender
-    assert part is not None
-    with part._lock:
-        return part._window.count
+    return int(sender.health()["pending"])
 
 
 def _connect(receiver: ZmqConnector, sender: ZmqConnector) -> None:

@@ -95,6 +95,17 @@ def test_expiry_fails_unarrived_puts_in_deadline_order_and_skips_those_still_bei
     assert window.count == 0 and win.low == win.next_seq
 
 
+def test_close_takes_every_unconfirmed_put_also_one_still_being_handed_over() -> None:
+    window = _window()
+    win = window.peer("1")
+    sent, arrived, handing, queued = (window.admit(win, "0", k, [b"x"], 1, None, 0.0) for k in "sahq")
+    window.mark_sent([sent, arrived], 0)
+    window.apply_reply(win, "r1", -1, _ranges([arrived.seq]), [], None, 0, 0.1)
+    queued.queued = True
+    assert sorted(out.key for _, out in window.close()) == ["h", "q", "s"]  # the receiver holds "a"
+    assert not window.withdraw(win, handing)  # its thread finds it gone: close reported it, it raises nothing
+
+
 def test_silence_makes_delivered_puts_undelivered_again_once() -> None:
     window = _window()
     win = window.peer("1")

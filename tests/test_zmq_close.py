@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,8 @@ from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import DeliveryError
 from zmq_omni.transport._envelope import Kind, pack
 
-from .test_zmq_failures import connectors, make
+from .conftest import wait_until
+from .test_zmq_failures import connectors, make, zmq_threads
 from .test_zmq_shm import MiB, start
 from .zmq_peers import SPAWN, expect, expected_digest, get_main, make_payload, spawned
 
@@ -206,3 +209,76 @@ def test_close_right_after_large_puts_delivers_them_all_or_names_the_missing(
         stop.set()
         for hog in hogs:
             hog.join(5)
+
+
+def _dawdle(frame: Any, event: str, arg: Any) -> None:
+    """A profile hook: pause at random function calls, so close() lands anywhere in a put."""
+    if event == "call" and random.random() < 0.5:
+        time.sleep(0.0002)
+
+
+def _put_until_refused(sender: ZmqConnector, prefix: str, ok: list[str], start: threading.Event) -> None:
+    """Put small items until a put fails (the sender closed under it); ``ok``: the keys of puts that returned ok."""
+    start.wait(10)
+    sys.setprofile(_dawdle)
+    try:
+        for n in range(100_000):
+            key = f"{prefix}{n}"
+            if not sender.put("0", "1", key, {"n": n})[0]:
+                return
+            ok.append(key)
+    finally:
+        sys.setprofile(None)
+
+
+def test_a_put_racing_close_is_delivered_or_reported(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+    # Three threads put small items (alone, in batches, directly) while close() runs without a linger; the put
+    # threads pause at random calls. Each put that returned ok reaches the receiver or is in drain_failures(),
+    # and the sender's I/O thread ends.
+    endpoint = f"ipc://{short_tmp}/race.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    for attempt in range(60):
+        sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, close_timeout_s=0)
+        assert sender.put("0", "1", f"warm{attempt}", 0)[0]  # its receiver answered: small puts may batch
+        assert receiver.get_with_deadline("0", "1", f"warm{attempt}", deadline=time.monotonic() + 10)
+        start = threading.Event()
+        oks: list[list[str]] = [[] for _ in range(3)]
+        threads = [
+            threading.Thread(target=_put_until_refused, args=(sender, f"a{attempt}t{i}-", oks[i], start))
+            for i in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        start.set()
+        time.sleep(0.001 * (1 + attempt % 5))
+        sender.close()
+        for thread in threads:
+            thread.join(30)
+        alive = [t.name for t in zmq_threads()]
+        assert "zmq-omni-0" not in alive, f"attempt {attempt}: the sender's I/O thread outlived close()"
+        reported = {f.key for f in sender.drain_failures()}
+        unreported = [key for ok in oks for key in ok if key not in reported]
+        deadline = time.monotonic() + 5
+        lost = [key for key in unreported if receiver.get_with_deadline("0", "1", key, deadline=deadline) is None]
+        assert lost == [], f"attempt {attempt}: {len(lost)} put(s) returned ok, never arrived, never reported"
+        receiver.cleanup_prefix(f"a{attempt}")
+
+
+def test_a_flush_racing_close_says_what_close_could_not_confirm(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    sender = make(
+        connectors, stage_id="0", role="sender", endpoints={"1": f"ipc://{short_tmp}/nobody.sock"}, close_timeout_s=0
+    )
+    for i in range(5):
+        assert sender.put("0", "1", f"k{i}", i)[0]
+    flushed: list[bool] = []
+    flusher = threading.Thread(target=lambda: flushed.append(sender.flush(30.0)))
+    flusher.start()
+    assert wait_until(lambda: sender.health()["undelivered"] == 5)
+    time.sleep(0.05)  # the flush is waiting
+    sender.close()
+    flusher.join(10)
+    assert flushed == [False]  # close() reported the five: the flush did not see them delivered
+    assert sorted(f.key for f in sender.drain_failures()) == [f"k{i}" for i in range(5)]
+    assert sender.flush(0.1) is False

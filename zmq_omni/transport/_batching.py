@@ -2,7 +2,7 @@
 
 A put of one small frame that finds its peer busy (a send in progress, or a
 stream of puts on) waits in the peer's :class:`Outbox` and leaves with the
-next BATCH; a lone put goes at once. The sender's ``_lock`` guards every field
+next BATCH; a lone put goes at once. The sender's lock (``SenderCore.lock``) guards every field
 of an :class:`Outbox` except ``retry_s``, which only the holder of the peer's
 ``data_lock`` touches. Nothing here reads a clock (``now`` is passed in).
 """

@@ -2,7 +2,7 @@
 
 :class:`SendWindow` decides; :class:`~zmq_omni.transport._sender.PushSender` does
 the I/O it decides on. Every method here runs on whichever thread calls it, and
-every call is made with the sender's ``_lock`` held: that one lock guards every
+every call is made with the sender's lock (``SenderCore.lock``) held: that one lock guards every
 field of :class:`SendWindow`, :class:`PeerWindow` and :class:`Out`. Nothing here
 blocks, sleeps, reads a clock or touches a socket (``now`` is passed in), so the
 delivery protocol of :mod:`zmq_omni.transport._push_protocol` can be tested
@@ -77,7 +77,7 @@ class Out:
 
 
 class PeerWindow:
-    """The window's state for one receiving stage (guarded by the sender's ``_lock``)."""
+    """The window's state for one receiving stage (guarded by the sender's lock)."""
 
     __slots__ = (
         "batch_bytes",
@@ -199,10 +199,6 @@ class SendWindow:
         """Record that ``outs`` went out after PING ``ping`` (what a later pong is compared with)."""
         for out in outs:
             out.sent_ping = ping
-
-    def batches(self, win: PeerWindow) -> bool:
-        """True when small puts to ``win`` may ride in BATCH messages (the receiver said so)."""
-        return bool(win.batch_bytes)
 
     def apply_reply(
         self,
@@ -330,15 +326,13 @@ class SendWindow:
         """Remove and return every put no one can vouch for once the sender is gone.
 
         That is each put not confirmed arrived, and each one in shared memory (closing
-        unlinks it), save those whose own thread is still handing them over.
+        unlinks it), also one whose own thread is still handing it over: that thread
+        finds the sender closed (or its put gone, :meth:`withdraw` returning False) and
+        leaves the report to the caller of this, so each put is reported once.
         """
         lost: list[tuple[PeerWindow, Out]] = []
         for win in self.peers.values():
-            gone = [
-                out
-                for out in win.retained.values()
-                if (out.seq in win.unarrived or out.loc is not None) and (out.sent_ping is not None or out.queued)
-            ]
+            gone = [out for out in win.retained.values() if out.seq in win.unarrived or out.loc is not None]
             for out in gone:
                 self._drop(win, out)
                 lost.append((win, out))
