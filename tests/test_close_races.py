@@ -6,13 +6,10 @@ side wins and wherever the close lands in the get. Repeated: each round is a fre
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,32 +18,22 @@ import pytest
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import ClosedResourceError
 
+from .contention import forced_switches
+
 ROUNDS = 500
+_DELAYS = (0.0, 0.0005, 0.002)  # seconds from the getters' start to close, round after round
+_BLOCKED_EVERY = 4  # a getter blocked far past the round joins every 4th round (with each pause in turn)
 
 
-def _sleep_before_acquire(frame: Any, event: str, arg: Any) -> None:
-    """A profile hook: every lock acquisition yields the CPU first, so check-then-acquire windows open wide."""
-    if event == "c_call" and getattr(arg, "__name__", "") == "acquire":
-        time.sleep(random.random() * 2e-4)
+def _race_gets_with_close(connector: ZmqConnector, round_no: int) -> list[BaseException]:
+    """Getter threads (polling, waiting briefly, every few rounds one blocked) while this thread closes ``connector``.
 
-
-@contextmanager
-def forced_switches() -> Iterator[None]:
-    """Thread switches everywhere: a switch interval of 1 us and a sleep before every ``acquire``."""
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    threading.setprofile(_sleep_before_acquire)
-    try:
-        yield
-    finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
-        sys.setswitchinterval(switch)
-
-
-def _race_gets_with_close(connector: ZmqConnector, peer: ZmqConnector | None) -> list[BaseException]:
-    """Two getter threads (one polling, one waiting) while the main thread closes ``connector``."""
+    The pause before close varies from round to round: it lands before the getters' first
+    call, inside one, or while they wait.
+    """
     errors: list[BaseException] = []
-    started = threading.Barrier(3)
+    blocking = round_no % _BLOCKED_EVERY == 0
+    started = threading.Barrier(4 if blocking else 3)
 
     def polling() -> None:
         started.wait()
@@ -71,10 +58,24 @@ def _race_gets_with_close(connector: ZmqConnector, peer: ZmqConnector | None) ->
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=polling), threading.Thread(target=waiting)]
+    def blocked() -> None:
+        # Waits far longer than the round lasts: only close ends its get, which must then return None.
+        started.wait()
+        try:
+            while not connector.closed:
+                got = connector.get_with_deadline("0", "1", "k", deadline=time.monotonic() + 60)
+                if got is not None:
+                    errors.append(AssertionError(f"a get of a key never put returned {got!r}"))
+        except ClosedResourceError:
+            pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=t) for t in (polling, waiting, blocked)[: 3 if blocking else 2]]
     for thread in threads:
         thread.start()
     started.wait()
+    time.sleep(_DELAYS[round_no % len(_DELAYS)])
     connector.close()
     for thread in threads:
         thread.join(10)
@@ -96,17 +97,17 @@ def _rounds(short_tmp: Path, mode: str, escaped: list[BaseException]) -> None:
         config: dict[str, Any] = {"endpoints": endpoints, "mode": mode}
         if mode == "push":
             receiver = ZmqConnector({**config, "stage_id": "1", "role": "receiver"})
-            escaped += _race_gets_with_close(receiver, None)
+            escaped += _race_gets_with_close(receiver, n)
         else:
-            with ZmqConnector({**config, "stage_id": "0", "role": "sender"}) as sender:
+            with ZmqConnector({**config, "stage_id": "0", "role": "sender"}):
                 receiver = ZmqConnector({**config, "stage_id": "1", "role": "receiver", "fetch_timeout_s": 5})
-                escaped += _race_gets_with_close(receiver, sender)
+                escaped += _race_gets_with_close(receiver, n)
 
 
 _STREAM_SCRIPT = """
 import sys, threading, time
 sys.path.insert(0, {tests!r})
-from test_close_races import forced_switches
+from contention import forced_switches
 from zmq_omni.connectors.zmq import ZmqConnector
 
 N = {n}

@@ -42,6 +42,7 @@ from zmq_omni.transport._shm import NONCE_BYTES, ShmReceive
 from zmq_omni.wire import DecodeLimits, brief, check_shape, decode, decode_each, encode
 
 from .conftest import wait_until
+from .contention import Ticker
 from .test_transport_fuzz import fake_peer, send_to
 
 LIMIT = MAX_HEADER_DEPTH  # 32, the codec's default too
@@ -444,30 +445,6 @@ def test_pull_client_refuses_deep_replies_and_gets_the_next_payload(zmq_ctx: zmq
     finally:
         stop.set()
         thread.join(5)
-
-
-class Ticker:
-    """A task that sleeps 5 ms at a time and keeps the longest gap between its wake-ups."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.005)
-            now = time.monotonic()
-            self.worst = max(self.worst, now - last)
-            last = now
-
-    def __enter__(self) -> Ticker:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
 
 
 @pytest.mark.anyio

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -129,6 +130,155 @@ def resume_main(config: dict[str, Any], keys: Sequence[str], out: Any, seen_befo
                 break
             time.sleep(0.005)
         out.put(("done", got, conn.health()))
+
+
+def stream_size(n: int) -> int:
+    """The payload size of item ``n`` of a stream: mostly small (batched), some framed, a few over the shm threshold."""
+    if n % 40 == 0:
+        return 600_000
+    if n % 7 == 0:
+        return 64_000
+    return 16 + (n * 37) % 3000
+
+
+#: Who takes item ``n`` of a stream in :func:`concurrent_getters_main`, by ``n % 6``.
+BLOCKING_GROUPS = (0, 1, 2)  # one blocking getter each, waiting for its keys in order
+POLLED_GROUPS = (3, 4)  # one polling thread each
+CONTESTED_GROUP = 5  # polled by both polling threads and waited for briefly by a fourth getter
+
+
+def concurrent_getters_main(config: dict[str, Any], n: int, out: Any, forced: bool) -> None:
+    """Take keys ``k0``..``k{n-1}`` (payload ``make_payload(stream_size(i), i)``) with several threads at once.
+
+    Three consumers block in ``get_with_deadline`` on keys of their own, two threads poll ``get`` for
+    keys of their own, and the keys of a last group are contended for by both pollers and a fourth
+    thread waiting briefly. Every take is recorded; the report says which keys were missed, taken
+    twice, or taken with another key's payload. ``forced``: under :func:`~tests.contention.forced_switches`.
+    """
+    from contextlib import nullcontext
+
+    from tests.contention import forced_switches
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    keys = [f"k{i}" for i in range(n)]
+    taken: list[tuple[str, int, str]] = []  # (key, seed of the payload, digest)
+    errors: list[str] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    end = time.monotonic() + 60.0
+
+    def record(key: str, got: tuple[Any, int]) -> None:
+        with lock:
+            taken.append((key, int(got[0]["seed"]), digest(got[0])))
+            if len(taken) >= n:
+                done.set()
+
+    def guarded(body: Any) -> Any:
+        def run(*args: Any) -> None:
+            try:
+                body(*args)
+            except BaseException as exc:
+                with lock:
+                    errors.append(repr(exc))
+                done.set()
+
+        return run
+
+    def own(group: int) -> list[str]:
+        return [key for i, key in enumerate(keys) if i % 6 == group]
+
+    @guarded
+    def blocking(mine: list[str], seed: int) -> None:
+        # A consumer: it waits for its key 20 ms at a time and works a while (up to 30 ms) after each
+        # wait, so the socket changes hands between waiting getters and whoever reads it when none waits.
+        think = random.Random(seed)
+        for key in mine:
+            got = None
+            while got is None and time.monotonic() < end:
+                got = conn.get_with_deadline("0", "1", key, deadline=min(time.monotonic() + 0.02, end))
+                time.sleep(think.uniform(0.0, 0.03))
+            if got is not None:  # a miss is named by the report
+                record(key, got)
+
+    def pending_of(mine: list[str], seen: set[str]) -> list[str]:
+        with lock:
+            return [key for key in mine if key not in seen]
+
+    @guarded
+    def polling(mine: list[str], contested: list[str], seen: set[str]) -> None:
+        while not done.is_set() and time.monotonic() < end:
+            left = pending_of(mine + contested, seen)
+            if not left:
+                return
+            for key in left:
+                got = conn.get("0", "1", key)
+                if got is not None:
+                    with lock:
+                        seen.add(key)
+                    record(key, got)
+            time.sleep(0.0005)
+
+    @guarded
+    def briefly_waiting(contested: list[str], seen: set[str]) -> None:
+        think = random.Random(len(contested))
+        while not done.is_set() and time.monotonic() < end:
+            time.sleep(think.uniform(0.0, 0.03))  # a consumer too, between its rounds of brief waits
+            left = pending_of(contested, seen)
+            if not left:
+                return
+            for key in left:
+                got = conn.get_with_deadline("0", "1", key, deadline=time.monotonic() + 0.002)
+                if got is not None:
+                    with lock:
+                        seen.add(key)
+                    record(key, got)
+
+    with forced_switches() if forced else nullcontext(), ZmqConnector(config) as conn:
+        out.put(("ready", conn.endpoint))
+        contested = own(CONTESTED_GROUP)
+        seen: set[str] = set()  # contested and polled keys some thread took (the pollers stop asking for them)
+        threads = [threading.Thread(target=blocking, args=(own(g), g)) for g in BLOCKING_GROUPS]
+        threads += [threading.Thread(target=polling, args=(own(g), contested, seen)) for g in POLLED_GROUPS]
+        threads.append(threading.Thread(target=briefly_waiting, args=(contested, seen)))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(1.0, end - time.monotonic() + 5.0))
+        stuck = sum(thread.is_alive() for thread in threads)
+        health = conn.health()
+    counts: dict[str, int] = {}
+    for key, _, _ in taken:
+        counts[key] = counts.get(key, 0) + 1
+    wrong = [key for key, seed, dig in taken if f"k{seed}" != key or dig != expected_digest(stream_size(seed), seed)]
+    report = {
+        "taken": len(taken),
+        "missing": [key for key in keys if key not in counts],
+        "twice": sorted(key for key, count in counts.items() if count > 1),
+        "wrong_payload": wrong,
+        "errors": errors,
+        "stuck_threads": stuck,
+        "health": {k: health.get(k) for k in ("mailbox", "gets", "rejected_frames", "status")},
+    }
+    out.put(("done", report))
+
+
+def expect_while_alive(proc: Any, queue: Any, tag: str, timeout: float = 60.0) -> tuple[Any, ...]:
+    """:func:`expect`, failing at once (with the exit code) when the peer process died before sending it.
+
+    A peer's output reaches the test's captured stderr, so pytest shows it with the failure.
+    """
+    import queue as queue_module
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            message = queue.get(timeout=0.2)
+        except queue_module.Empty:
+            assert proc.is_alive(), f"the peer exited with code {proc.exitcode} before {tag!r} (its output is above)"
+            assert time.monotonic() < deadline, f"no {tag!r} from the peer within {timeout} s"
+            continue
+        assert message[0] == tag, message
+        return tuple(message[1:])
 
 
 def expect(queue: Any, tag: str, timeout: float = 60.0) -> tuple[Any, ...]:
