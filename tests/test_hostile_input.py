@@ -109,11 +109,13 @@ scalars = st.one_of(
     st.text(max_size=40),
     st.binary(max_size=300),
 )
-trees = st.recursive(
-    scalars,
-    lambda inner: st.lists(inner, max_size=40) | st.dictionaries(st.text(max_size=4), inner, max_size=20),
-    max_leaves=400,
-)
+
+
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(st.lists(inner, max_size=40), st.dictionaries(st.text(max_size=4), inner, max_size=20))
+
+
+trees = st.recursive(scalars, _containers, max_leaves=400)
 # Depth extremes: a chain of single-item lists and maps around a tree; breadth extremes: long flat lists.
 chains = st.tuples(st.integers(0, 80), trees).map(lambda c: _chain(c[0], c[1]))
 wide = st.lists(
