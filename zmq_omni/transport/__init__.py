@@ -7,7 +7,7 @@ contract's ``(ok, nbytes, metadata)`` / ``None`` happens once, in the connector.
 from __future__ import annotations
 
 from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoint, env_name
-from ._loop import IoLoop
+from ._loop import Driver, IoLoop
 from ._loop_reader import LoopReader
 from ._probe import probe
 from ._pull_client import FetchChannel, PullClient
@@ -25,6 +25,7 @@ __all__ = [
     "ENV_ENDPOINT_PREFIX",
     "ENV_INSECURE",
     "Curve",
+    "Driver",
     "EndpointMap",
     "FetchChannel",
     "FailureCallback",

@@ -1,8 +1,17 @@
-"""One I/O thread per connector: it owns its sockets and wakes on them, on an eventfd, or on a timer.
+"""What drives a connector's sockets: :class:`Driver`, and :class:`IoLoop`, the driver that is one I/O thread.
 
-Other threads never touch the loop's sockets; they hand work over with
-:meth:`IoLoop.call_soon` (or just :meth:`IoLoop.wake` after updating shared
-state), which writes to an eventfd the poller watches. Nothing sleep-polls.
+A transport part (``PushSender``, ``PushReceiver``, ``PullServer``) does its
+I/O through a :class:`Driver`: it registers its sockets' handlers and timers,
+and other threads hand it work with :meth:`Driver.call_soon`. Two drivers
+implement it:
+
+* :class:`IoLoop` (here): one I/O thread per connector, which owns its sockets
+  and wakes on them, on an eventfd, or on a timer. Other threads never touch
+  the loop's sockets; they hand work over with :meth:`IoLoop.call_soon` (or
+  just :meth:`IoLoop.wake` after updating shared state), which writes to an
+  eventfd the poller watches. Nothing sleep-polls.
+* ``zmq_omni.aio``'s ``LoopDriver``: an asyncio event loop, whose thread alone
+  uses the sockets (no I/O thread at all).
 """
 
 from __future__ import annotations
@@ -14,15 +23,16 @@ import math
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import zmq
 
 from ._sockets import release_context, use_context
 
-__all__ = ["IoLoop"]
+__all__ = ["Driver", "IoLoop"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -36,13 +46,106 @@ class _Periodic:
         self.due = time.monotonic() + interval
 
 
-class IoLoop:
-    """A poller thread with thread-safe wake-ups, deferred calls and periodic timers."""
+class Driver(ABC):
+    """Runs the handlers and timers of a connector's transport parts, on the thread that owns their sockets.
+
+    Who calls what: the parts register handlers (:meth:`add_reader`), timers
+    (:meth:`call_later`, :meth:`every`) and close hooks (:meth:`on_stop`,
+    :meth:`on_term`) from the driver's thread, or before it started; any thread
+    hands work to that thread with :meth:`call_soon` or :meth:`wake`. A handler
+    must drain what it can without blocking; one that raises is logged and the
+    driver goes on. :meth:`stop` runs the close hooks on the driver's thread,
+    then releases the ZeroMQ context.
+
+    Args:
+        name: a name for logs (and the thread, where there is one).
+        private_context: use a ZeroMQ context of its own rather than the
+            process's shared one (a ZAP authenticator answers for a whole context).
+    """
+
+    #: True when put and get threads may use the parts' sockets beside the driver (the transport's
+    #: locks decide who, one at a time); False when the driver's thread alone uses them.
+    threaded: ClassVar[bool] = True
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         self._name = name
         # The process's shared context, or one of its own (for a ZAP authenticator, which serves a whole context).
         self.ctx = use_context(private=private_context)
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start driving (what was registered before runs from now on)."""
+
+    @property
+    @abstractmethod
+    def started(self) -> bool:
+        """True once :meth:`start` (or :meth:`stop`) ran: sockets are then added on the driver's thread only."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Make the driver run its calls and handlers soon (cheap, any thread)."""
+
+    @abstractmethod
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the driver's thread as soon as possible (any thread)."""
+
+    @abstractmethod
+    def in_loop(self) -> bool:
+        """True when called from the driver's thread."""
+
+    @abstractmethod
+    def stop(self, timeout: float = 1.0) -> bool:
+        """Run the on-stop hooks on the driver's thread, end it, release the context; True when done in ``timeout``."""
+
+    @abstractmethod
+    def add_reader(self, sock: Any, handler: Callable[[], None]) -> None:
+        """Call ``handler`` whenever ``sock`` (a ZeroMQ socket, or a plain descriptor) is readable."""
+
+    @abstractmethod
+    def remove_reader(self, sock: Any) -> None:
+        """Stop watching ``sock`` (before closing it)."""
+
+    @abstractmethod
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once, ``delay`` seconds from now (driver's thread only)."""
+
+    @abstractmethod
+    def every(self, interval: float, fn: Callable[[], None]) -> None:
+        """Call ``fn`` every ``interval`` seconds."""
+
+    @abstractmethod
+    def on_stop(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the driver's thread as it stops (flush, close sockets)."""
+
+    @abstractmethod
+    def on_term(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` after the on-stop hooks, before the context is released."""
+
+    def may_wait_here(self) -> bool:
+        """Whether the calling thread may block on I/O this driver does (False on the driver's own thread)."""
+        return not self.in_loop()
+
+    def may_use_sockets_here(self) -> bool:
+        """Whether the calling thread may use the parts' sockets itself (a put's send, a pull get's fetch)."""
+        return True
+
+    def _release_context(self, *, wait: bool = True) -> None:
+        """Let go of the context (every socket of the parts closed); ``wait=False`` terminates it in a thread."""
+        release_context(self.ctx, wait=wait)
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        # A bug in one handler must not stop the driver that every transfer depends on.
+        try:
+            fn()
+        except Exception:
+            log.exception("%s: handler %r failed", self._name, fn)
+
+
+class IoLoop(Driver):
+    """A poller thread with thread-safe wake-ups, deferred calls and periodic timers."""
+
+    def __init__(self, name: str, *, private_context: bool = False) -> None:
+        super().__init__(name, private_context=private_context)
         self._poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[], None]] = {}
         self._calls: deque[Callable[[], None]] = deque()
@@ -106,7 +209,7 @@ class IoLoop:
                 self._guard(fn)
             # Every socket of ours is closed by now; the last user's term() waits at most
             # their linger for last acks to leave.
-            release_context(self.ctx)
+            self._release_context()
         return not alive
 
     # -- loop thread (or before start) ---------------------------------------
@@ -136,13 +239,6 @@ class IoLoop:
     def on_term(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` in the stopping thread after the loop ended, before the context terminates."""
         self._on_term.append(fn)
-
-    def _guard(self, fn: Callable[[], None]) -> None:
-        # A bug in one handler must not kill the thread that every transfer depends on.
-        try:
-            fn()
-        except Exception:
-            log.exception("%s: handler %r failed", self._name, fn)
 
     def _run(self) -> None:
         try:

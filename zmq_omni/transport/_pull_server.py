@@ -27,7 +27,7 @@ from ..errors import (
 from ..metrics import Counters
 from ..wire import brief
 from ._envelope import Kind, check_types, pack, unpack
-from ._loop import IoLoop
+from ._loop import Driver
 from ._pull_protocol import Slot
 from ._router import recv_routed
 from ._security import Curve, watch_refusals
@@ -84,7 +84,7 @@ class PullServer:
 
     def __init__(
         self,
-        loop: IoLoop,
+        loop: Driver,
         bind_endpoint: str,
         advertised: str | None,
         *,

@@ -31,7 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import ConfigError
 from ..metrics import Counters
-from ._loop import IoLoop
+from ._loop import Driver
 from ._sockets import close_socket
 
 __all__ = ["ENV_INSECURE", "Curve", "insecure_from_env", "is_loopback", "require_curve", "watch_refusals"]
@@ -218,7 +218,7 @@ def require_curve(endpoints: Iterable[tuple[str, str]], *, curve: bool, insecure
 _REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
-def watch_refusals(loop: IoLoop, sock: Any, counters: Counters) -> None:
+def watch_refusals(loop: Driver, sock: Any, counters: Counters) -> None:
     """Count the handshakes the CURVE server ``sock`` refused, as ``curve_refused`` in ``counters``.
 
     A plaintext client, a client that has the wrong server key and one that is

@@ -9,9 +9,11 @@ three modules, by who runs the code:
 * here, the **put threads**: :meth:`PushSender.send` (admission, window waits,
   and the three ways out: a lone small put at once, small puts in a BATCH, a
   large one directly) and the rest of the public API;
-* :mod:`~zmq_omni.transport._sender_io`, the connector's **I/O thread**:
-  control sockets and REPLYs, resends, heartbeats and ack requests, expiry,
-  outbox flushes, closing the sockets at stop;
+* :mod:`~zmq_omni.transport._sender_io`, the connector's **I/O thread** (its
+  driver, see :class:`~zmq_omni.transport.Driver`; driven by an event loop,
+  the loop's thread, which then runs the puts too): control sockets and
+  REPLYs, resends, heartbeats and ack requests, expiry, outbox flushes,
+  closing the sockets at stop;
 * :mod:`~zmq_omni.transport._sender_core`, what both use: the shared state
   (:class:`~zmq_omni.transport._sender_core.SenderCore`) and each receiving
   stage's data socket with its hand-over
@@ -74,7 +76,7 @@ from ..errors import ClosedResourceError, TransportTimeoutError, format_seconds,
 from ..metrics import Counters
 from ._batching import LONE_GAP_S, STREAM_FLUSH_S
 from ._endpoints import EndpointMap
-from ._loop import IoLoop
+from ._loop import Driver
 from ._push_protocol import FailureCallback
 from ._security import Curve
 from ._send_window import Out, SendWindow
@@ -95,7 +97,7 @@ class PushSender:
 
     def __init__(
         self,
-        loop: IoLoop,
+        loop: Driver,
         endpoints: EndpointMap,
         *,
         sid: str,

@@ -22,7 +22,7 @@ from ..errors import DROPPED_ENDED, DeliveryError
 from ..metrics import Counters
 from ._batching import RETRY_MAX_S, RETRY_MIN_S, Outbox
 from ._envelope import Kind, pack
-from ._loop import IoLoop
+from ._loop import Driver
 from ._push_protocol import DROP_COUNTERS, DROPPED_CANCELLED, FailureCallback
 from ._security import Curve
 from ._send_window import Out, PeerWindow, SendWindow
@@ -44,7 +44,7 @@ class SenderCore:
 
     def __init__(
         self,
-        loop: IoLoop,
+        loop: Driver,
         window: SendWindow,
         *,
         sid: str,

@@ -117,11 +117,12 @@ def use_context(*, private: bool = False) -> zmq.Context[Any]:
         return _shared
 
 
-def release_context(ctx: zmq.Context[Any]) -> None:
+def release_context(ctx: zmq.Context[Any], *, wait: bool = True) -> None:
     """Let go of a context from :func:`use_context` once every socket made on it is closed.
 
     A private context is terminated at once; the shared one when its last user lets
-    go. Termination waits, at most each socket's linger, for what they still send.
+    go. Termination waits, at most each socket's linger, for what they still send;
+    with ``wait=False`` (an event loop's thread) that wait happens in a short-lived thread.
     """
     global _shared, _shared_users
     with _lock:
@@ -131,7 +132,10 @@ def release_context(ctx: zmq.Context[Any]) -> None:
                 return
             _shared = None
     # Outside the lock: a last ack may take its linger to leave, and other connectors may start meanwhile.
-    ctx.destroy()
+    if wait:
+        ctx.destroy()
+    else:
+        threading.Thread(target=ctx.destroy, name="zmq-omni-term", daemon=True).start()
 
 
 def make_socket(
