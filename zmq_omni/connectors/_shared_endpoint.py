@@ -21,6 +21,12 @@ closes it.
   one's close does).
 * **Addresses that cannot be shared**: a TCP bind on port 0 or ``*`` takes a
   new port each time, so each such bind is an endpoint of its own.
+* **Driven by threads or by one event loop, never both.** A connector driven
+  by an event loop (``zmq_omni.aio``'s ``LoopDriver``) binds an *exclusive*
+  endpoint: its part runs on that connector's driver, whose loop alone uses the
+  socket. Another connector of the process binding the same address, threaded
+  or not, is refused with a :class:`~zmq_omni.errors.ConfigError` that says
+  why (and the reverse): one socket cannot be driven by both threads and a loop.
 
 The registry also answers "does this process serve that endpoint?" for
 put-then-get in one process (push mode): a put to an endpoint this process
@@ -37,8 +43,9 @@ meanwhile: a connector acquiring that address waits for the marker (bounded)
 and looks again, so it never binds while the old socket is still open, and
 binds at other addresses are not held up.
 A :class:`SharedEndpoint`'s holders, hooks and expectations change under its
-``_lock``; its part is driven by its own I/O thread as before (see
-:mod:`zmq_omni.transport._receiver`, :mod:`zmq_omni.transport._pull_server`).
+``_lock``; its part is driven by its own I/O thread (see
+:mod:`zmq_omni.transport._receiver`, :mod:`zmq_omni.transport._pull_server`),
+or, for an exclusive endpoint, by its one connector's driver.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError, TransportError, ZmqOmniError
 from ..metrics import Counters
-from ..transport import IoLoop, PullServer, PushReceiver, ShmReceive, ShmSend
+from ..transport import Driver, PullServer, PushReceiver, ShmReceive, ShmSend
 
 __all__ = ["Holder", "SharedEndpoint", "acquire", "has_served", "served"]
 
@@ -85,7 +92,9 @@ class SharedEndpoint:
 
     Attributes:
         address: the bind address it is registered under.
-        loop: its I/O thread (it owns the part's socket).
+        loop: what drives the part (it owns the part's socket): its own I/O thread, or the
+            driver of its one connector (``exclusive``).
+        exclusive: bound by a connector driven by an event loop: nobody else may hold it.
         part: the bound :class:`PushReceiver` or :class:`PullServer` (set once built).
         counters: the counters the part reports into (each holder's ``health()`` adds them).
         settings: what its holders must agree on (see the module docstring).
@@ -95,14 +104,16 @@ class SharedEndpoint:
         self,
         address: str,
         settings: Any,
-        loop: IoLoop,
+        loop: Driver,
         *,
         shm_receive: ShmReceive | None = None,
         shm_send: ShmSend | None = None,
+        exclusive: bool = False,
     ) -> None:
         self.address = address
         self.settings = settings
         self.loop = loop
+        self.exclusive = exclusive
         self.part: PushReceiver | PullServer | None = None
         self.counters = Counters()
         self.shm_receive = shm_receive
@@ -237,11 +248,15 @@ class SharedEndpoint:
 
     def _close(self) -> list[str]:
         lost = self.part.close() if self.part is not None else None
+        shms = [shm for shm in (self.shm_send, self.shm_receive) if shm is not None]
+        if self.exclusive:  # the connector's driver closes the socket as it stops: the memory goes after it
+            for shm in shms:
+                self.loop.on_term(shm.close)
+            return lost or []
         if not self.loop.stop(timeout=1.0):
             log.warning("I/O thread of the endpoint %s did not stop within 1s", self.address)
-        for shm in (self.shm_send, self.shm_receive):
-            if shm is not None:
-                shm.close()
+        for shm in shms:
+            shm.close()
         return lost or []
 
     # -- put-then-get in one process (push mode) ---------------------------------------------
@@ -298,6 +313,8 @@ def acquire(
     holder: Holder,
     build: Callable[[], SharedEndpoint],
     advertised: str | None = None,
+    *,
+    exclusive: bool = False,
 ) -> SharedEndpoint:
     """The endpoint bound at ``address`` in this process, held by ``holder``: the one there, or a new one.
 
@@ -311,9 +328,11 @@ def acquire(
         holder: the connector that will hold it.
         build: makes, binds and starts a new one (called outside the registry lock).
         advertised: the endpoint peers connect to, when it differs from the bound one.
+        exclusive: ``holder`` is driven by an event loop: the endpoint is its own, never shared.
 
     Raises:
-        ConfigError: the endpoint there was built with other settings (the differing ones are named).
+        ConfigError: the endpoint there was built with other settings (the differing ones are named),
+            or it cannot be shared because ``holder`` or its holder is driven by an event loop.
         TransportError: the bind failed (from ``build``), or the same address's bind or close
             in progress did not end in time.
     """
@@ -325,6 +344,8 @@ def acquire(
             if busy is None:
                 shared = _by_address.get(address) if share else None
                 if shared is not None:
+                    if shared.exclusive or exclusive:
+                        raise _unshareable(address, held_by_loop=shared.exclusive, wanted_by_loop=exclusive)
                     _check_settings(address, shared.settings, settings)
                     return _hold(shared, address, holder, advertised)
                 mine = threading.Event() if share else None
@@ -348,6 +369,26 @@ def acquire(
     if mine is not None:
         _end_busy(address, mine)
     return held
+
+
+def _unshareable(address: str, *, held_by_loop: bool, wanted_by_loop: bool) -> ConfigError:
+    """Why a connector cannot bind ``address``, which another connector of this process holds."""
+    if held_by_loop and wanted_by_loop:
+        why = (
+            "another ZmqConnector driven by an event loop is bound there, and its socket belongs to that "
+            "connector's loop alone; give each its own endpoint"
+        )
+    else:
+        who = (
+            "a ZmqConnector driven by an event loop (AsyncConnector.create) is bound there"
+            if held_by_loop
+            else "a ZmqConnector of this process driven by threads is bound there"
+        )
+        why = (
+            f"{who}, and one socket cannot be driven by both threads and an event loop; give each its own "
+            "endpoint, or make the loop's connector threaded: AsyncConnector(ZmqConnector(extra))"
+        )
+    return ConfigError(f"cannot bind {address}: {why}")
 
 
 def _check_settings(address: str, have: Any, want: Any) -> None:

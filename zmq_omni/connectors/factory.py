@@ -68,6 +68,22 @@ class OmniConnectorFactory:
             return sorted(cls._registry)
 
     @classmethod
+    def constructor(cls, name: str) -> ConnectorConstructor:
+        """What builds the connector named ``name`` (a registered name, or a ``module:Class`` path), imported.
+
+        Raises:
+            ConfigError: the name is neither registered nor a ``module:Class`` path.
+        """
+        with cls._lock:
+            entry = cls._registry.get(name)
+        if entry is None:
+            if ":" not in name:
+                known = ", ".join(cls.list_registered_connectors())
+                raise ConfigError(f"unknown connector {name!r}; registered: {known}")
+            entry = name
+        return _import_path(entry) if isinstance(entry, str) else entry
+
+    @classmethod
     def create_connector(cls, spec: ConnectorSpec) -> OmniConnectorBase:
         """Build the connector ``spec`` names, passing it a copy of ``spec.extra``.
 
@@ -75,15 +91,7 @@ class OmniConnectorFactory:
             ConfigError: the name is neither registered nor a ``module:Class``
                 path, or the constructor rejected its config.
         """
-        with cls._lock:
-            entry = cls._registry.get(spec.name)
-        if entry is None:
-            if ":" not in spec.name:
-                known = ", ".join(cls.list_registered_connectors())
-                raise ConfigError(f"unknown connector {spec.name!r}; registered: {known}")
-            entry = spec.name
-        ctor = _import_path(entry) if isinstance(entry, str) else entry
-        connector = ctor(dict(spec.extra))
+        connector = cls.constructor(spec.name)(dict(spec.extra))
         if not isinstance(connector, OmniConnectorBase):
             raise ConfigError(f"connector {spec.name!r} built a {type(connector).__name__}, not an OmniConnectorBase")
         return connector

@@ -18,6 +18,14 @@ A connector whose ``role`` is not given binds only when it first has to (push:
 its first ``get``; pull: its first ``put``), so one ``extra`` serves both ends
 of an edge (vllm-omni's orchestrator builds its connectors that way). A bind on
 an ``ipc://`` path where a live process listens fails instead of taking it over.
+
+What drives the sockets (see :class:`~zmq_omni.transport.Driver`): by default
+an I/O thread per connector (and one per bound endpoint, shared by the
+connectors of the process bound there), beside which put and get threads use
+the sockets under the transport's locks. Built with ``driver=LoopDriver``
+(``zmq_omni.aio``; what ``AsyncConnector.create`` builds), an asyncio event
+loop drives every part of the connector and its sockets are the loop's alone
+(see :meth:`ZmqConnector.__init__` for what that means for each call).
 """
 
 from __future__ import annotations
@@ -47,10 +55,10 @@ from ..errors import (
 )
 from ..transport import (
     Curve,
+    Driver,
     EndpointMap,
     FetchChannel,
     IoLoop,
-    LoopReader,
     PullClient,
     PullServer,
     PushReceiver,
@@ -98,19 +106,37 @@ class ZmqConnector(OmniConnectorBase):
 
     Args:
         config: the ``extra`` dict; see :class:`~zmq_omni.config.zmq.ZmqConnectorConfig`.
+        driver: what drives the sockets: :class:`~zmq_omni.transport.IoLoop` (default, an
+            I/O thread), or ``zmq_omni.aio``'s ``LoopDriver`` (an event loop; built by
+            ``AsyncConnector.create``, which attaches it to its loop at its first await).
 
     Raises:
-        ConfigError: a bad, unknown or missing key, or no endpoint for a stage that must bind.
+        ConfigError: a bad, unknown or missing key, or no endpoint for a stage that must bind;
+            with ``LoopDriver``, a bind at an address another connector of this process holds.
         TransportError: the bind failed (the message names the endpoint).
 
     Without CURVE, binding or connecting to TCP other than loopback is refused
     (``ConfigError``) unless ``insecure`` or ``ZMQ_OMNI_INSECURE=1`` opts out.
+
+    Driven by an event loop, the connector's sockets are the loop's alone, and
+    nothing blocks the loop's thread on I/O the loop itself must do. On the
+    loop's thread, ``put`` never waits for window room (a full window fails
+    the put at once, as its ``put_timeout_s`` would), ``get`` never waits (not
+    even with a put's metadata), ``close()`` does not linger, and the calls
+    whose job is to wait raise ``RuntimeError`` naming the awaitable to use:
+    ``get_with_deadline`` with a deadline ahead, ``flush`` and
+    ``wait_for_change`` with a timeout, any pull-mode get (a round trip). From
+    other threads, what only waits on the mailbox or the send window works as
+    in a threaded connector (push-mode ``get``, ``get_with_deadline``,
+    ``wait_for_change``, ``flush``), as do ``cleanup*``, ``health``,
+    ``drain_failures`` and ``close``; what would use a socket there (``put``,
+    ``try_put``, pull-mode gets, a first bind) raises ``RuntimeError``.
     """
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], *, driver: type[Driver] = IoLoop) -> None:
         super().__init__()
         self._closed = True  # until fully built: close() must be safe after a failed __init__
-        self._loop: IoLoop | None = None
+        self._loop: Driver | None = None
         self._sender: PushSender | None = None
         self._receiver: PushReceiver | None = None
         self._server: PullServer | None = None
@@ -180,7 +206,7 @@ class ZmqConnector(OmniConnectorBase):
         self.endpoint: str | None = None
         # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
         own_context = self._curve is not None and self._curve.allowed_clients is not None
-        loop = self._loop = IoLoop(f"zmq-omni-{cfg.stage_id}", private_context=own_context)
+        loop = self._loop = driver(f"zmq-omni-{cfg.stage_id}", private_context=own_context)
         self._closed = False
         try:
             if binds_now:
@@ -283,16 +309,19 @@ class ZmqConnector(OmniConnectorBase):
         """Bind ``stage``'s endpoint, or join the connector of this process bound there (under ``_bind_lock``).
 
         The bound part (push receiver or pull server) is a :class:`SharedEndpoint` with its own
-        I/O thread, held by every connector of this process bound at that address.
+        I/O thread, held by every connector of this process bound at that address; a connector
+        driven by an event loop binds one of its own, on its driver, that no other connector shares.
 
         Raises:
             ConfigError: no endpoint is configured for ``stage``, or a connector of this process is
-                bound there with other settings.
+                bound there with other settings, or either of them is driven by an event loop.
             TransportError: the bind failed, or a live process listens on that ipc path (the endpoint is named).
+            RuntimeError: driven by an event loop, and called on another thread than the loop's.
         """
         cfg = self.settings
         if self._loop is None:
             raise ClosedResourceError("connector closed")
+        self._check_sockets_here("binding its endpoint")
         advertised = self._endpoints.get(stage)
         bind_at = self._endpoints.env_bind or cfg.bind or advertised
         if bind_at is None:
@@ -302,7 +331,7 @@ class ZmqConnector(OmniConnectorBase):
         # Connectors on one endpoint agree on what its bound part uses (fan-in edges may differ in the rest).
         agreed = {name: getattr(cfg, name) for name in _BOUND_SETTINGS[cfg.mode]}
         build = functools.partial(self._open_endpoint, stage, bind_at, advertised, agreed)
-        shared = acquire(bind_at, agreed, self, build, advertised)
+        shared = acquire(bind_at, agreed, self, build, advertised, exclusive=not self._loop.threaded)
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
@@ -320,11 +349,16 @@ class ZmqConnector(OmniConnectorBase):
         log.info("ZmqConnector stage=%s bound %s (%d connectors there)", stage, self.endpoint, shared.holders)
 
     def _open_endpoint(self, stage: str, bind_at: str, advertised: str | None, agreed: Any) -> SharedEndpoint:
-        """Bind a new :class:`SharedEndpoint` for ``stage`` at ``bind_at`` with its own I/O thread, started."""
+        """Bind a new :class:`SharedEndpoint` for ``stage`` at ``bind_at``, driven by its own I/O thread (started).
+
+        A connector driven by an event loop binds one on its own driver instead, that no other connector shares.
+        """
         cfg = self.settings
+        assert self._loop is not None
+        threaded = self._loop.threaded
         # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
         own_context = self._curve is not None and self._curve.allowed_clients is not None
-        loop = IoLoop(f"zmq-omni-bound-{stage}", private_context=own_context)
+        loop = IoLoop(f"zmq-omni-bound-{stage}", private_context=own_context) if threaded else self._loop
         fast_path = cfg.shm != "off"
         shm_receive: ShmReceive | None = None
         shm_send: ShmSend | None = None
@@ -337,10 +371,12 @@ class ZmqConnector(OmniConnectorBase):
                 auth = self._curve.start_authenticator(loop.ctx)
                 if auth is not None:
                     loop.on_term(auth.stop)
-            shared = SharedEndpoint(bind_at, agreed, loop, shm_receive=shm_receive, shm_send=shm_send)
+            shared = SharedEndpoint(
+                bind_at, agreed, loop, shm_receive=shm_receive, shm_send=shm_send, exclusive=not threaded
+            )
             if cfg.mode == "push":
                 shared.part = PushReceiver(
-                    loop,
+                    loop,  # type: ignore[arg-type]  # (PushReceiver's annotation names IoLoop; any Driver drives it)
                     bind_at,
                     incarnation=uuid.uuid4().hex[:16],
                     decode=self._decode,
@@ -359,6 +395,7 @@ class ZmqConnector(OmniConnectorBase):
                     health=shared.health,
                     curve=self._curve,
                     shm=shm_receive,
+                    getters_read=threaded,  # a loop's socket is read on the loop only
                 )
             else:
                 fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
@@ -379,9 +416,11 @@ class ZmqConnector(OmniConnectorBase):
                     shm=shm_send,
                     owner_of=shared.owner_of,
                 )
-            loop.start()
+            if threaded:
+                loop.start()
         except BaseException:
-            loop.stop(timeout=1.0)
+            if threaded:
+                loop.stop(timeout=1.0)
             for shm in (shm_send, shm_receive):
                 if shm is not None:
                     shm.close()
@@ -389,8 +428,14 @@ class ZmqConnector(OmniConnectorBase):
         return shared
 
     def _on_loop(self, build: Callable[[], _T]) -> _T:
-        """Run ``build`` on the I/O thread and return its result (or raise its error)."""
+        """Run ``build`` on the driver's thread and return its result (or raise its error).
+
+        Driven by an event loop, it runs here: the caller is on the loop's thread (or nothing drives yet).
+        """
         assert self._loop is not None
+        if not self._loop.threaded:
+            self._check_sockets_here("building its send side")
+            return build()
         done = threading.Event()
         result: list[_T | BaseException] = []
 
@@ -418,6 +463,40 @@ class ZmqConnector(OmniConnectorBase):
             stage = self._bind_stage(call_stage)
             assert stage is not None
             self._bind(stage)
+
+    # -- who may do what, driven by an event loop --------------------------------------
+    @property
+    def driver(self) -> Driver | None:
+        """What drives this connector's sockets (None once closed).
+
+        Its I/O thread (an :class:`~zmq_omni.transport.IoLoop`), or an event loop's ``LoopDriver`` (``zmq_omni.aio``).
+        """
+        return self._loop
+
+    def _can_wait(self) -> bool:
+        """Whether a call on this thread may block on I/O the driver does (always, driven by threads)."""
+        loop = self._loop
+        return loop is None or loop.threaded or loop.may_wait_here()
+
+    def _check_sockets_here(self, what: str) -> None:
+        """Raise unless this thread may use the sockets itself (driven by a loop: the loop's thread).
+
+        Raises:
+            RuntimeError: driven by an event loop, called on another thread while the loop drives it.
+        """
+        loop = self._loop
+        if loop is not None and not loop.may_use_sockets_here():
+            raise RuntimeError(
+                f"{what}: this ZmqConnector is driven by an event loop, whose thread alone uses its sockets; "
+                "call it on that loop (through its AsyncConnector)"
+            )
+
+    def _refuse_wait(self, what: str, instead: str) -> RuntimeError:
+        """The error of a call that would wait on a thread where the event loop driving us cannot serve it."""
+        return RuntimeError(
+            f"{what} would wait for I/O that the event loop driving this ZmqConnector must do, on a thread "
+            f"where it cannot be done (the loop's own, or while no loop runs it): use {instead}"
+        )
 
     # -- helpers ------------------------------------------------------------------
 
@@ -467,13 +546,21 @@ class ZmqConnector(OmniConnectorBase):
         server at its first put (joining the connector of this process bound there,
         if any); a push-mode ``receiver`` builds its sender then.
 
+        Driven by an event loop, on the loop's thread: a put that finds no room
+        fails at once (``await AsyncConnector.put`` waits for room).
+
         Raises:
             EncodeError: ``data`` holds an unsupported type (a programming error).
             ConfigError: a ``receiver``'s first put finds an endpoint it may not reach in plaintext
                 (see ``docs/security.md``), or its bind finds other settings on that address.
             TransportError: a first put had to bind and the bind failed (the endpoint is named).
+            RuntimeError: driven by an event loop, called on another thread than the loop's.
         """
-        got = self._put(from_stage, to_stage, put_key, data, True)
+        if self._can_wait():
+            got = self._put(from_stage, to_stage, put_key, data, True)
+        else:
+            reason = "no room in the send window: a put on the thread of its event loop cannot wait for it"
+            got = self._put_now(from_stage, to_stage, put_key, data, reason)
         assert got is not None
         return got
 
@@ -491,13 +578,24 @@ class ZmqConnector(OmniConnectorBase):
         peer's socket (bounded by ``put_timeout_s``). With ``shm: on`` the first
         put to a peer does not wait for its shared-memory verdict (it goes as frames).
         """
-        try:
-            return self._put(from_stage, to_stage, put_key, data, False)
-        except WouldBlock:
-            if not give_up:
+        if not give_up:
+            try:
+                return self._put(from_stage, to_stage, put_key, data, False)
+            except WouldBlock:
                 return None
-            reason = "no room in the send window or ZeroMQ's queue within the caller's timeout"
-            return self._fail_put(str(from_stage), str(to_stage), str(put_key), TransportTimeoutError(reason))
+        reason = "no room in the send window or ZeroMQ's queue within the caller's timeout"
+        return self._put_now(from_stage, to_stage, put_key, data, reason)
+
+    def _put_now(
+        self, from_stage: str, to_stage: str, key: str, data: Any, reason: str
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """A put that never waits for room: without it, the put fails as a timeout saying ``reason``."""
+        try:
+            got = self._put(from_stage, to_stage, key, data, False)
+        except WouldBlock:
+            return self._fail_put(str(from_stage), str(to_stage), str(key), TransportTimeoutError(reason))
+        assert got is not None
+        return got
 
     def _put(
         self, from_stage: str, to_stage: str, key: str, data: Any, block: bool
@@ -506,6 +604,7 @@ class ZmqConnector(OmniConnectorBase):
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
         if self._closed:
             return self._fail_put(from_stage, to_stage, key, ClosedResourceError("connector closed"))
+        self._check_sockets_here("put")
         cfg = self.settings
         sender = self._sender
         if sender is None and self._server is None:
@@ -582,16 +681,6 @@ class ZmqConnector(OmniConnectorBase):
             self._shm_degraded = False
         return loc
 
-    def loop_reader(self) -> LoopReader | None:
-        """A reader of the push receiver's socket for the calling event loop (``zmq_omni.aio``); the caller closes it.
-
-        None in pull mode (items come back on fetch channels) and before the receiver is bound.
-        """
-        receiver = self._receiver
-        if receiver is None or self._closed:
-            return None
-        return LoopReader(receiver, self._take_queued)
-
     def watch_arrivals(self) -> ArrivalWatch:
         """A watch notified when items reach the push receiver's mailbox, when window room frees, and at close.
 
@@ -631,8 +720,13 @@ class ZmqConnector(OmniConnectorBase):
 
         Waits on the mailbox condition (no polling); returns ``gen`` unchanged after
         a timeout or ``close()``. Without a push receiver it waits ``timeout`` (or until closed).
+
+        Raises:
+            RuntimeError: driven by an event loop, a wait on the loop's own thread (or while no loop runs it).
         """
         timeout = bounded_timeout(timeout)
+        if timeout > 0 and not self._can_wait():
+            raise self._refuse_wait("wait_for_change", "the AsyncConnector's awaited get")
         receiver = self._receiver
         if receiver is not None:
             end = time.monotonic() + timeout
@@ -659,10 +753,19 @@ class ZmqConnector(OmniConnectorBase):
         Pull mode asks the sender (one round trip; at most ``fetch_timeout_s``
         when the sender does not answer). A connector without a role binds at its
         first push-mode ``get``.
+
+        Driven by an event loop, on the loop's thread a push-mode ``get`` never
+        waits, with metadata or not (``await AsyncConnector.get`` waits).
+
+        Raises:
+            RuntimeError: driven by an event loop, a pull-mode get (a round trip the loop does:
+                await it), or a first get that binds, off the loop's thread.
         """
         key = get_key
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
+        if not self._can_wait():
+            return self._get(from_stage, to_stage, key, metadata, None, wait_for_own=False)
         if metadata is not None and self._receiver_or_bind(to_stage) and _announces(metadata, key):
             deadline = time.monotonic() + self.settings.metadata_get_timeout_s
             got = self._get(from_stage, to_stage, key, metadata, deadline)
@@ -688,11 +791,21 @@ class ZmqConnector(OmniConnectorBase):
         *,
         deadline: float,
     ) -> tuple[Any, int] | None:
-        """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``."""
+        """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``.
+
+        Raises:
+            RuntimeError: driven by an event loop, a deadline ahead on the loop's own thread (or while
+                no loop runs it): ``await AsyncConnector.get(..., timeout=...)`` waits there.
+        """
         key = get_key
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
             from_stage, to_stage, key = str(from_stage), str(to_stage), str(key)
-        return self._get(from_stage, to_stage, key, metadata, bounded_deadline(deadline))
+        deadline = bounded_deadline(deadline)
+        if not self._can_wait():
+            if deadline > time.monotonic():
+                raise self._refuse_wait("get_with_deadline", "await AsyncConnector.get(..., timeout=...)")
+            return self._get(from_stage, to_stage, key, metadata, None, wait_for_own=False)
+        return self._get(from_stage, to_stage, key, metadata, deadline)
 
     def _receiver_or_bind(self, to_stage: str) -> bool:
         """True when gets go to a push receiver, binding it first for a connector that binds lazily.
@@ -705,7 +818,14 @@ class ZmqConnector(OmniConnectorBase):
         return self._receiver is not None
 
     def _get(
-        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        metadata: dict[str, Any] | None,
+        deadline: float | None,
+        *,
+        wait_for_own: bool = True,
     ) -> tuple[Any, int] | None:
         if self._closed:
             return None
@@ -715,7 +835,7 @@ class ZmqConnector(OmniConnectorBase):
             elif self._ensure_client() is None:  # a pull-mode sender's first get; None: closed meanwhile
                 return None
         if self._receiver is not None:  # push-mode gets are counted by the mailbox
-            return self._take(from_stage, to_stage, key, deadline)
+            return self._take(from_stage, to_stage, key, deadline, wait_for_own=wait_for_own)
         got = self._fetch(from_stage, to_stage, key, metadata, deadline)
         if got is not None:
             self._counters.add("gets")
@@ -725,8 +845,9 @@ class ZmqConnector(OmniConnectorBase):
     def get_nowait(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
         """``get`` by key that never waits, not even for a put of this key this process has on its way here.
 
-        For an event loop's looks (``zmq_omni.aio``), whose gets wait on the loop. Push mode;
-        in pull mode (a round trip to the sender) it is :meth:`get`.
+        An addition to the contract: ``get`` waits for such a put (bounded by its window), which
+        would hold up a caller that waits otherwise (``AsyncConnector``'s gets wait on their loop
+        and look with this). Push mode; in pull mode (a round trip to the sender) it is :meth:`get`.
         """
         key = get_key
         if type(from_stage) is not str or type(to_stage) is not str or type(key) is not str:
@@ -736,7 +857,7 @@ class ZmqConnector(OmniConnectorBase):
         if self._receiver is None and self._client is None:
             self._receiver_or_bind(to_stage)
         if self._receiver is None:
-            return self._get(from_stage, to_stage, key, None, None)
+            return self._get(from_stage, to_stage, key, None, None, wait_for_own=False)
         return self._take(from_stage, to_stage, key, None, wait_for_own=False)
 
     def _take(
@@ -777,20 +898,6 @@ class ZmqConnector(OmniConnectorBase):
             self._take_failed(from_stage, to_stage, key, exc)
             return None
 
-    def _take_queued(self, from_stage: str, to_stage: str, key: str) -> tuple[Any, int] | None:
-        """What a :class:`LoopReader` takes: the mailbox alone (the loop reads the socket itself)."""
-        receiver, shared = self._receiver, self._shared
-        if self._closed or receiver is None:
-            return None
-        try:
-            got = receiver.take(from_stage, to_stage, key, look=False)
-            if got is not None and shared is not None and shared.expected:
-                shared.settle((from_stage, to_stage, key))
-            return got
-        except ZmqOmniError as exc:
-            self._take_failed(from_stage, to_stage, key, exc)
-            return None
-
     def _take_failed(self, from_stage: str, to_stage: str, key: str, exc: ZmqOmniError) -> None:
         """Record a take whose item's shared-memory payload is gone or malformed (the item is gone too)."""
         what = "shared-memory payload of" if isinstance(exc, ShmError | DecodeError) else "get of"
@@ -800,6 +907,11 @@ class ZmqConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None, deadline: float | None
     ) -> tuple[Any, int] | None:
         assert self._client is not None
+        if self._loop is not None and not self._loop.threaded:  # the FETCH's socket would be this thread's
+            raise RuntimeError(
+                "a pull-mode get of a ZmqConnector driven by an event loop is a round trip on the loop's own "
+                "sockets: await AsyncConnector.get"
+            )
         route = self.fetch_route(from_stage, to_stage, key, metadata)
         if route is None:
             return None
@@ -1098,8 +1210,14 @@ class ZmqConnector(OmniConnectorBase):
         Returns:
             True when nothing is left unconfirmed; False after ``timeout_s``
             or once the connector is closed with puts still unconfirmed.
+
+        Raises:
+            RuntimeError: driven by an event loop, a ``timeout_s`` above 0 on the loop's own thread
+                (or while no loop runs it): ``await AsyncConnector.flush(timeout_s)`` waits there.
         """
         timeout_s = bounded_timeout(timeout_s)
+        if timeout_s > 0 and not self._can_wait():
+            raise self._refuse_wait("flush", "await AsyncConnector.flush(timeout_s)")
         if self._sender is not None:
             return self._sender.wait_delivered(timeout_s)
         if self._server is not None:
@@ -1107,14 +1225,14 @@ class ZmqConnector(OmniConnectorBase):
         return True
 
     def close(self) -> None:
-        """Stop the I/O thread and close every socket, after a linger of ``close_timeout_s``; idempotent.
+        """Stop the driver and close every socket, after a linger of ``close_timeout_s``; idempotent.
 
         See :meth:`close_with_linger`.
         """
         self.close_with_linger(self.settings.close_timeout_s)
 
     def close_with_linger(self, linger_s: float) -> None:
-        """Stop the I/O thread and close every socket; idempotent.
+        """Stop the driver (the I/O thread) and close every socket; idempotent.
 
         Lingers as ZeroMQ does: waits up to ``linger_s`` (``close()``: ``close_timeout_s``, default 5 s) for
         the puts not yet confirmed (push: arrived, and consumed when in shared
@@ -1123,11 +1241,16 @@ class ZmqConnector(OmniConnectorBase):
         keys, a :class:`~zmq_omni.errors.DeliveryError` in :meth:`drain_failures`,
         and (through the adapters) its request among the failed sends. Beyond that
         wait it returns in well under a second, peer or no peer.
+
+        Driven by an event loop, on the loop's thread (or once no loop runs it) there
+        is no linger: the loop would have to do the I/O it waits for. Await
+        ``AsyncConnector.aclose()``, which waits for the acknowledgements on the
+        loop first. From another thread the close is handed to the loop.
         """
         with self._close_lock:
             if self._loop is None:
                 return
-            linger = max(0.0, linger_s)
+            linger = max(0.0, linger_s) if self._can_wait() else 0.0
             if linger > 0:
                 self.flush(linger)
             with self._bind_lock:  # no part is built from now on
@@ -1154,7 +1277,7 @@ class ZmqConnector(OmniConnectorBase):
                 )
             self._notify_closed()
             if not self._loop.stop(timeout=1.0):
-                log.warning("I/O thread of stage %s did not stop within 1s", self.stage_id)
+                log.warning("the driver of stage %s (%r) did not stop within 1s", self.stage_id, self._loop)
             self._loop = None
             for shm in (self._shm_send, self._shm_receive):
                 if shm is not None:
@@ -1198,7 +1321,7 @@ _BOUND_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _shm_pool(cfg: ZmqConnectorConfig, loop: IoLoop) -> ShmSend:
+def _shm_pool(cfg: ZmqConnectorConfig, loop: Driver) -> ShmSend:
     """A sending shared-memory pool as configured, reaped every second on ``loop``."""
     pool = ShmSend(
         directory=cfg.shm_dir,
