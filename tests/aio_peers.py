@@ -53,6 +53,36 @@ def putter(config: dict[str, Any], n: int) -> None:
         wait_for("quit")
 
 
+def echo(config: dict[str, Any], n: int, face: str) -> None:
+    """Stage b on asyncio: take ``p{i}`` from a and put it back to a as ``q{i}``, ``n`` times.
+
+    ``face``: ``loop`` for a connector driven by the event loop (``AsyncConnector.create``),
+    ``threaded`` for a threaded one wrapped.
+    """
+    from zmq_omni.aio import AsyncConnector
+    from zmq_omni.connectors.zmq import ZmqConnector
+
+    async def main() -> None:
+        if face == "loop":
+            conn = AsyncConnector.create({"name": "ZmqConnector", "extra": config})
+        else:
+            conn = AsyncConnector(ZmqConnector(config))
+        async with conn:
+            say("ready")
+            for i in range(n):
+                got = await conn.get("a", "b", f"p{i}", timeout=60)
+                if got is None:
+                    say("echoed", missing=i, delivered=False)
+                    return
+                ok, _, _ = await conn.put("b", "a", f"q{i}", got[0])
+                if not ok:
+                    say("echoed", refused=i, failures=[f.reason for f in conn.connector.drain_failures()])
+                    return
+            say("echoed", delivered=await conn.flush(30))
+
+    asyncio.run(main())
+
+
 def chunk_source(endpoints: dict[str, str], requests: int, chunks: int) -> None:
     """Stage 0 with the threaded chunk manager: ``chunks`` chunks of each request, the last final."""
     from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager

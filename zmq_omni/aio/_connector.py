@@ -1,20 +1,26 @@
 """``AsyncConnector``: awaitable put/get over any zmq_omni connector, without a thread per waiting call.
 
+Two ways a ZeroMQ connector's sockets are driven (see ``docs/asyncio.md``):
+
+* **by the event loop** -- :meth:`AsyncConnector.create` builds the
+  ``ZmqConnector`` with a :class:`~zmq_omni.aio._driver.LoopDriver`, attached
+  to the loop at the first await: every socket of the connector belongs to the
+  loop, and no I/O thread exists. Arrivals are read on the loop's thread, and
+  the watch hands their addresses to the waiting gets in that same callback
+  (:meth:`~zmq_omni.connectors.base.ArrivalWatch.deliver_inline`).
+* **by threads** -- ``AsyncConnector(connector)`` wraps a connector built
+  otherwise (a threaded ``ZmqConnector``, ``SharedMemoryConnector``,
+  ``InProcConnector``, ...): its own threads read its sockets, and the loop
+  waits on its :class:`~zmq_omni.connectors.base.ArrivalWatch`.
+
 How a waiting call wakes (nothing polls, no thread waits for it):
 
-* **get, push mode / in-process / shared memory** -- the connector's
-  :class:`~zmq_omni.connectors.base.ArrivalWatch` (an eventfd, plus an inotify
-  descriptor for shared memory) is registered with the event loop once. Its
-  notifications name the addresses that arrived; the loop callback retries the
-  non-blocking ``connector.get`` for the waiters of those addresses only, and
-  resolves their futures. Thousands of waiting gets are thousands of futures
-  in a dict, and one file descriptor.
-* **get, ZeroMQ push mode, while gets wait** -- the loop also reads the
-  receiver's socket itself (a :class:`~zmq_omni.connectors.base.LoopReader`,
-  see :mod:`zmq_omni.transport._loop_reader`): ZeroMQ's descriptor is polled
-  by the loop, and what a pump reads reaches the waiters in the same callback,
-  without the I/O thread's hand-over (two thread wake-ups per message). The
-  watch stays registered: whatever the I/O thread still reads arrives by it.
+* **get, push mode / in-process / shared memory** -- the watch (an eventfd,
+  plus an inotify descriptor for shared memory) is registered with the event
+  loop once. Its notifications name the addresses that arrived; the loop
+  callback retries the non-blocking get for the waiters of those addresses
+  only, and resolves their futures. Thousands of waiting gets are thousands of
+  futures in a dict, and one file descriptor.
 * **get, ZeroMQ pull mode** -- items never arrive by themselves there: each get
   sends a FETCH that the sender parks until the put (a long poll) on one
   DEALER per sender endpoint (a :class:`~zmq_omni.transport.FetchChannel`),
@@ -40,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import threading
@@ -49,23 +54,24 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 from ..config import ConnectorSpec
-from ..connectors import OmniConnectorBase, create_connector
-from ..connectors.base import MAX_WAIT_S, ArrivalWatch, LoopReadable, LoopReader, Slot
+from ..connectors import Lingering, OmniConnectorBase, OmniConnectorFactory, create_connector
+from ..connectors.base import MAX_WAIT_S, ArrivalWatch, Slot, bounded_timeout
+from ._driver import LoopDriver
 from ._expiry import Deadlines
-from ._resume import ResumingFuture, queue, resume
 
 __all__ = ["AsyncConnector"]
 
 log = logging.getLogger("zmq_omni.aio")
 
-T = TypeVar("T")
-
 _LONG_POLL_S = 3600.0  # what a pull-mode FETCH asks the sender to park at most (its own cap)
 _REFETCH_S = 0.05  # a FETCH the sender would not park is asked again after this
 _HANDED_BACK_MAX = 65_536  # items handed back and not taken again; beyond it the oldest are dropped (logged)
+# An awaited flush looks again this often between the acknowledgements' wake-ups (a pull server's
+# replies that finished leaving wake nobody).
+_FLUSH_SLICE_S = 0.01
 
 PutResult = tuple[bool, int, "dict[str, Any] | None"]
 Metadata = dict[str, Any] | None
@@ -73,7 +79,7 @@ Metadata = dict[str, Any] | None
 
 @dataclass(eq=False, slots=True)
 class _GetWaiter:
-    fut: ResumingFuture[tuple[Any, int] | None]
+    fut: asyncio.Future[tuple[Any, int] | None]
     slot: Slot
     metadata: dict[str, Any] | None
 
@@ -107,11 +113,13 @@ class AsyncConnector:
 
     Args:
         connector: any zmq_omni connector whose :meth:`watch_arrivals` gives a
-            watch (``ZmqConnector`` in push or pull mode, ``SharedMemoryConnector``,
-            ``InProcConnector``, or your own backend implementing it).
+            watch (``ZmqConnector`` in push or pull mode, driven by threads or by an
+            event loop, ``SharedMemoryConnector``, ``InProcConnector``, or your own
+            backend implementing it).
         close_connector: :meth:`aclose` also closes ``connector`` (default True).
 
-    The first awaited call binds it to the running loop; use it from that loop
+    The first awaited call binds it to the running loop (and attaches a
+    ``ZmqConnector`` driven by an event loop to it); use it from that loop
     only. Works on the default asyncio loop and on uvloop.
 
     Raises:
@@ -138,20 +146,17 @@ class AsyncConnector:
         # payload and the FETCH would go unanswered). 5,000 waiting gets on one sender are ten DEALERs.
         self._channels: dict[str, list[_Channel]] = {}
         self._per_channel = max(1, int(getattr(getattr(connector, "config", None), "hwm", 1000)) // 2)
-        # The receiver's socket read on this loop while gets wait (push mode): see _read_lent.
-        # A push receiver: its get by key never waits, and with our put's metadata it would (so never passed).
-        self._push = isinstance(connector, LoopReadable) and not self._pull
-        self._readable = self._push  # ...and this loop reads its socket while gets wait (off after a fault)
-        self._reader: LoopReader | None = None
-        self._reading = False  # the reader's descriptor is registered with the loop
-        # Whether gets wait, asked by the receiver's I/O thread (a dict's truth: read-only, no lock needed).
-        self._waiting = functools.partial(bool, self._gets)
-        # While reading: the reader's mailbox-only take (the looks of an awaited get), else None.
-        self._mailbox: Callable[[str, str, str], tuple[Any, int] | None] | None = None
+        # A ZmqConnector's get by key that never waits (its get would, for a put of this process on its
+        # way there): the look of every awaited get. None: the backend's get never waits by key.
+        self._nowait: Callable[[str, str, str], tuple[Any, int] | None] | None = (
+            None if self._pull else getattr(connector, "get_nowait", None)
+        )
+        # The connector's sockets belong to this loop (a ZmqConnector built with a LoopDriver).
+        driver = getattr(connector, "driver", None)
+        self._driver: LoopDriver | None = driver if isinstance(driver, LoopDriver) else None
         self._expiries: Deadlines[_GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
-        # While a wake-up callback runs (_pump, _on_wake): the gets it resolved, whose tasks it resumes
-        # once it is done (see _resume); None otherwise, and a get's result is set the plain way.
-        self._held: list[ResumingFuture[Any]] | None = None
+        self._flushing = 0  # awaited flushes in progress (they want the watch's room notices too)
+        self._acked: asyncio.Event | None = None  # set by room notices while a flush waits
         watch = connector.watch_arrivals()
         if watch is None:
             raise TypeError(f"{type(connector).__name__} offers no wake-up hook (watch_arrivals() returned None)")
@@ -159,13 +164,37 @@ class AsyncConnector:
 
     @classmethod
     def create(cls, spec: ConnectorSpec | Mapping[str, Any]) -> AsyncConnector:
-        """Build the connector of ``spec`` through the factory and wrap it (closed by :meth:`aclose`)."""
-        connector = create_connector(spec)
+        """Build the connector of ``spec`` and wrap it (closed by :meth:`aclose`).
+
+        A ``ZmqConnector`` (or a subclass) is built driven by the event loop: its sockets
+        belong to the loop running here (called outside a loop: the loop of the first
+        await), and it runs no I/O thread. Any other backend is built through the
+        factory, as ``create_connector`` does.
+
+        Raises:
+            ConfigError: as the connector's constructor (and, for a ``ZmqConnector``, a bind at
+                an address another connector of this process holds: see ``docs/asyncio.md``).
+        """
+        from ..connectors.zmq import ZmqConnector  # (the factory imports its backends when first built)
+
+        if not isinstance(spec, ConnectorSpec):
+            spec = ConnectorSpec.from_dict(spec)
+        ctor = OmniConnectorFactory.constructor(spec.name)
+        if isinstance(ctor, type) and issubclass(ctor, ZmqConnector):
+            connector: OmniConnectorBase = ctor(dict(spec.extra), driver=LoopDriver)
+        else:
+            connector = create_connector(spec)
         try:
-            return cls(connector)
+            wrapper = cls(connector)
         except BaseException:
             connector.close()
             raise
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs here: the first await binds it
+            return wrapper
+        wrapper._bind()
+        return wrapper
 
     # -- binding to the loop ----------------------------------------------------------
     def _bind(self) -> asyncio.AbstractEventLoop:
@@ -176,6 +205,10 @@ class AsyncConnector:
             raise RuntimeError("this AsyncConnector is bound to another event loop")
         if self._watch is None:
             raise RuntimeError("this AsyncConnector is closed")
+        if self._driver is not None and not self.connector.closed:
+            self._driver.attach(loop)  # the connector's sockets are this loop's from now on
+            # Arrivals are stored on this thread, inside the driver's callbacks: straight to the waiters.
+            self._watch.deliver_inline(self._arrived_inline)
         self._loop = loop
         for fd in self._watch.filenos():
             loop.add_reader(fd, self._on_wake)
@@ -313,8 +346,7 @@ class AsyncConnector:
             if kept is not None:
                 return kept
         if not self._pull:  # the common case first: the item is there (a closed connector returns None)
-            mailbox = self._mailbox
-            got = mailbox(*slot) if mailbox is not None else self._look(slot, metadata)
+            got = self._look(slot, metadata)
             if got is not None:
                 return got
         if timeout is not None and math.isnan(timeout):
@@ -322,7 +354,7 @@ class AsyncConnector:
         if self.connector.closed or (timeout is not None and timeout <= 0 and not self._pull):
             return None
         deadline = None if timeout is None else loop.time() + min(max(timeout, 0.0), MAX_WAIT_S)
-        waiter = _GetWaiter(ResumingFuture(loop=loop), slot, metadata)
+        waiter = _GetWaiter(loop.create_future(), slot, metadata)
         waiters = self._gets.get(slot)
         if waiters is None:
             waiters = self._gets[slot] = deque()
@@ -333,8 +365,6 @@ class AsyncConnector:
             fetch_s = float(getattr(getattr(self.connector, "config", None), "fetch_timeout_s", 5.0))
             expiry = max(deadline, loop.time() + fetch_s) if timeout == 0 else deadline
         timer = None if expiry is None else self._expiries.add(loop, expiry, waiter)
-        if self._readable and not (self._reading and self._reader is not None and self._reader.lent):
-            self._read_lent(loop)  # (taken back by the I/O thread after an idle spell: ask again)
         try:
             if self._pull:
                 self._fetch(waiter, deadline)
@@ -365,8 +395,8 @@ class AsyncConnector:
     def _get_timed_out(self, waiter: _GetWaiter) -> None:
         if not waiter.fut.done():
             if not self._pull:
-                # One last look (at the socket too): an arrival whose wake-up is still on its way is not missed.
-                got = self._look(waiter.slot, waiter.metadata, socket_too=True)
+                # One last look: an arrival whose wake-up is still on its way is not missed.
+                got = self._look(waiter.slot, waiter.metadata)
                 if got is not None:
                     waiter.fut.set_result(got)
                     return
@@ -394,18 +424,14 @@ class AsyncConnector:
         self._handed_back_count += 1
 
     def _deliver(self, slot: Slot, got: tuple[Any, int]) -> bool:
-        """Give ``got`` to the first live waiter of ``slot`` (it leaves the queue); False when there is none.
-
-        Also the pump's hand-off (:meth:`LoopReader.pump`'s ``hand``): an arrival read on this loop
-        goes straight to its waiter, without the mailbox and the watch.
-        """
+        """Give ``got`` to the first live waiter of ``slot`` (it leaves the queue); False when there is none."""
         waiters = self._gets.get(slot)
         if waiters is None:
             return False
         while waiters:
             waiter = waiters.popleft()
             if not waiter.fut.done():
-                self._resolve(waiter.fut, got)
+                waiter.fut.set_result(got)
                 if not waiters:
                     del self._gets[slot]
                 return True
@@ -413,59 +439,33 @@ class AsyncConnector:
         return False
 
     # -- wake-ups (loop thread) --------------------------------------------------------------
-    def _resolve(self, fut: ResumingFuture[tuple[Any, int] | None], got: tuple[Any, int] | None) -> None:
-        """Give a waiting get its item; inside a wake-up callback its task resumes at that callback's end."""
-        held = self._held
-        if held is not None:
-            fut.hold(got)
-            held.append(fut)
-        else:
-            fut.set_result(got)
-
-    def _resuming(self, callback: Callable[..., T], *args: Any) -> T:
-        """Run a wake-up callback; the gets it resolved resume once it returned, before the loop's next turn.
-
-        Their tasks would otherwise wait for that turn (one more ``select`` and ready queue), on each
-        hop of a lone message. Nested callbacks (``_on_wake`` pumps) leave it to the outermost.
-        """
-        if self._held is not None:
-            return callback(*args)
-        held: list[ResumingFuture[Any]] = []
-        self._held = held
-        try:
-            result = callback(*args)
-        except BaseException:
-            queue(held)  # they still resume, on the loop's next turn
-            raise
-        finally:
-            self._held = None
-        if held:
-            resume(held, self._loop) if self._loop is not None else queue(held)
-        return result
-
     def _on_wake(self) -> None:
-        self._resuming(self._read_watch)
-
-    def _read_watch(self) -> None:
         watch = self._watch
         if watch is None:
             return
         arrived, room = watch.drain()
+        if room and self._acked is not None:  # (an awaited flush, aclose's too, waits for acknowledgements)
+            self._acked.set()
         if self.closed:
             self._wake_all()
             return
-        if self._readable and self._reader is not None and self._gets:
-            if not self._reading:  # the I/O thread confirmed it lent the socket (an empty notice), or took it back
-                self._read_lent(self._loop)
-            if self._read_socket(True) is False and self._loop is not None:
-                self._loop.call_soon(self._pump, False)  # settled once the waiters it took items for resumed
         if arrived is None or arrived:
             self._arrived(arrived)
         if room:
             if self._puts:
                 self._serve_puts()
-            if not self._puts:  # (set again by the next put that finds no room)
+            if not self._puts and not self._flushing:  # (set again by the next put that finds no room)
                 watch.want_room(False)
+
+    def _arrived_inline(self, arrived: list[Slot]) -> None:
+        """Arrivals stored on this loop's thread (the connector's driver is this loop): resolve their waiters.
+
+        Called inside the connector's read: a failure here is logged, never raised into it.
+        """
+        try:
+            self._arrived(arrived)
+        except Exception:
+            log.exception("handing arrivals to the waiting gets failed")
 
     def _arrived(self, arrived: list[Slot] | None) -> None:
         """Resolve the waiters of the addresses that ``arrived`` (None: of every address)."""
@@ -478,7 +478,6 @@ class AsyncConnector:
             slots = arrived
         else:
             slots = [slot for slot in dict.fromkeys(arrived) if slot in gets]
-        mailbox = self._mailbox
         for slot in slots:
             waiters = gets.get(slot)
             if waiters is None:
@@ -488,85 +487,24 @@ class AsyncConnector:
                 if waiter.fut.done():
                     waiters.popleft()
                     continue
-                got = mailbox(*slot) if mailbox is not None else self._look(slot, waiter.metadata)
+                got = self._look(slot, waiter.metadata)
                 if got is None:
                     break
                 waiters.popleft()
-                self._resolve(waiter.fut, got)
+                waiter.fut.set_result(got)
             if not waiters:
                 gets.pop(slot, None)
 
-    def _look(self, slot: Slot, metadata: Metadata, *, socket_too: bool = False) -> tuple[Any, int] | None:
+    def _look(self, slot: Slot, metadata: Metadata) -> tuple[Any, int] | None:
         """The connector's non-blocking get, as this wrapper's looks make it (``slot`` is of strings).
 
         A ZeroMQ push receiver finds items by key alone, and the metadata of one of its puts would
-        make its ``get`` wait for that put (blocking the loop): it is never passed there. While the
-        loop polls the socket, only the mailbox is looked at (the socket is the loop's to read),
-        unless ``socket_too``.
+        make its ``get`` wait for that put (blocking the loop): its never-waiting get looks there.
         """
-        if not self._push:
-            return self.connector.get(*slot, metadata)
-        if self._readable and self._mailbox is not None and not socket_too:
-            return self._mailbox(*slot)
-        assert isinstance(self.connector, LoopReadable)
-        return self.connector.get_nowait(*slot)  # a plain get would wait for this process's own put
-
-    def _read_lent(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Poll the receiver's socket on this loop and ask for it (a get is about to wait)."""
-        if self._reader is None:
-            assert isinstance(self.connector, LoopReadable)
-            self._reader = self.connector.loop_reader()
-            if self._reader is None:  # not bound yet: the watch alone (asked again by the next waiting get)
-                return
-        if loop is None:
-            return
-        if not self._reading:
-            loop.add_reader(self._reader.fileno(), self._pump)
-        self._reading = True
-        self._mailbox = self._reader.take
-        self._reader.lend(self._waiting)
-
-    def _pump(self, woken: bool = True) -> None:
-        """Read the lent socket on this thread; the waiters of what it reads resume before this returns.
-
-        ``woken``: called by the loop for the descriptor. Such a read stops after the first message
-        that brought items; their waiters resume (a lone message's reply is sent), and only then is
-        the socket read on until ZeroMQ says it is empty (settled), in this same callback. Past a
-        flood's share (one drain), the rest is read by a pump the loop runs after its other callbacks.
-        """
-        more = self._resuming(self._read_socket, woken)
-        if more is False:
-            more = self._resuming(self._read_socket, False)
-            if more is False and self._loop is not None:
-                self._loop.call_soon(self._pump, False)
-
-    def _read_socket(self, woken: bool) -> bool | None:
-        """One :meth:`LoopReader.pump` (see :meth:`_pump`); its result, None once the socket is not the loop's."""
-        reader, watch = self._reader, self._watch
-        if reader is None or watch is None:
-            return None
-        watch.deliver_inline(self._arrived)
-        try:
-            more = reader.pump(woken=woken, hand=self._deliver)
-        except Exception:  # a bug: give the socket back to the I/O thread rather than fail on every wake-up
-            log.exception("reading the connector's socket on the event loop failed; the I/O thread reads it now")
-            self._readable = False
-            more = None
-            self._stop_reading()
-            reader.close()  # no longer a reader: the I/O thread takes the socket back at once
-            self._reader = None
-        finally:
-            watch.deliver_inline(None)
-        if more is None:  # the I/O thread reads it now (or it closed): its arrivals come by the watch
-            self._stop_reading()
-        return more
-
-    def _stop_reading(self) -> None:
-        if self._reading:
-            self._reading = False
-            self._mailbox = None
-            if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._reader.fileno())
+        nowait = self._nowait
+        if nowait is not None:
+            return nowait(*slot)
+        return self.connector.get(*slot, metadata)
 
     def _wake_all(self) -> None:
         """Closed: every waiting get gets None, every waiting put fails (as a put on a closed connector)."""
@@ -625,9 +563,6 @@ class AsyncConnector:
         return chan
 
     def _on_channel(self, chan: _Channel) -> None:
-        self._resuming(self._read_channel, chan)
-
-    def _read_channel(self, chan: _Channel) -> None:
         for req_id, result in chan.channel.replies():
             fetch = chan.fetches.pop(req_id, None)
             if fetch is None:
@@ -636,7 +571,7 @@ class AsyncConnector:
             waiter = fetch.waiter
             if got is not None:
                 if waiter is not None and not waiter.fut.done():
-                    self._resolve(waiter.fut, got)
+                    waiter.fut.set_result(got)
                 else:
                     self._hand_back(fetch.slot, got)
             elif waiter is not None and not waiter.fut.done():
@@ -649,18 +584,74 @@ class AsyncConnector:
                     else:
                         self._fetch(waiter, fetch.deadline)  # the server's long poll ended first: ask again
                 else:
-                    self._resolve(waiter.fut, None)
+                    waiter.fut.set_result(None)
 
-    # -- closing -------------------------------------------------------------------------------
-    async def aclose(self) -> None:
-        """Wake every waiting get with None and every waiting put with a failure, then close.
+    # -- flushing and closing -------------------------------------------------------------------
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait (suspended, not blocking) up to ``timeout_s`` until every put so far is safe without the connector.
 
-        Closing the wrapped connector may wait for its I/O thread (about a
-        second at most, plus its ``close_timeout_s``): that wait runs in a
-        one-shot thread so the loop keeps running; it ends with the close.
+        The connector's ``flush``, awaited: push mode, each put's arrival was confirmed
+        (and its consumption, for one in shared memory); pull mode, each payload was
+        fetched. The loop runs on meanwhile.
+
+        Returns:
+            True when nothing is left unconfirmed; False after ``timeout_s``, or once the
+            connector is closed with puts unconfirmed.
         """
-        connector = self._shutdown()
+        loop = self._loop
+        if loop is None or loop is not asyncio.get_running_loop():
+            self._bind()
+        return await self._flush(bounded_timeout(timeout_s))
+
+    async def _flush(self, timeout_s: float) -> bool:
+        connector, loop, watch = self.connector, asyncio.get_running_loop(), self._watch
+        self._flushing += 1
+        if watch is not None:  # before the first look: an acknowledgement after it is heard
+            watch.want_room(True)
+        acked = self._acked = self._acked or asyncio.Event()
+        deadline = loop.time() + timeout_s
+        try:
+            # Acknowledgements wake it (the watch's room notices); the slices catch what wakes nobody.
+            while not connector.flush(0):
+                remaining = deadline - loop.time()
+                if remaining <= 0 or connector.closed:
+                    return False
+                acked.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(acked.wait(), min(remaining, _FLUSH_SLICE_S))
+            return True
+        finally:
+            self._flushing -= 1
+            if not self._flushing and not self._puts and watch is not None and self._watch is watch:
+                watch.want_room(False)
+
+    async def aclose(self) -> None:
+        """Wake every waiting get with None and every waiting put with a failure, then close the connector.
+
+        A connector driven by this loop is given up to its ``close_timeout_s`` for the
+        acknowledgements of its puts first, awaited (the loop runs on), and then closes here,
+        on the loop; each put still unconfirmed is reported as a threaded close reports it (a
+        WARNING naming the keys, ``drain_failures()``). A connector driven by threads closes in
+        a one-shot thread, since its close may wait for its I/O thread (about a second at
+        most, plus its ``close_timeout_s``); the loop runs on meanwhile.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_all()
+        if self._driver is not None and self._close_connector and not self.connector.closed:
+            linger = float(getattr(getattr(self.connector, "config", None), "close_timeout_s", 0.0))
+            try:
+                self._bind()  # a connector never awaited before: its loop drives the last acknowledgements
+            except RuntimeError:  # bound to another loop, which alone can do them: no linger
+                linger = 0.0
+            if linger > 0:
+                await self._flush(bounded_timeout(linger))
+        connector = self._release()
         if connector is None:
+            return
+        if self._driver is not None:
+            _close_without_linger(connector)  # here: the driver stops on this loop's thread
             return
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
@@ -680,17 +671,20 @@ class AsyncConnector:
         await done
 
     def close(self) -> None:
-        """Synchronous :meth:`aclose` (for code outside the loop, after it ended); blocks while the connector closes."""
-        connector = self._shutdown()
+        """Synchronous :meth:`aclose` (for code outside the loop, after it ended); blocks while the connector closes.
+
+        A connector driven by an event loop closes without a linger then (no loop runs to do it).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_all()
+        connector = self._release()
         if connector is not None:
             connector.close()
 
-    def _shutdown(self) -> OmniConnectorBase | None:
-        """Everything but closing the connector; the connector when the caller must close it."""
-        if self._closed:
-            return None
-        self._closed = True
-        self._wake_all()
+    def _release(self) -> OmniConnectorBase | None:
+        """Let go of this wrapper's own resources; the connector when the caller must close it."""
         loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
         for chans in self._channels.values():
             for chan in chans:
@@ -701,9 +695,6 @@ class AsyncConnector:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        self._stop_reading()
-        if self._reader is not None:
-            self._reader.close()
         self._expiries.close()
         watch, self._watch = self._watch, None
         if watch is not None:
@@ -715,6 +706,8 @@ class AsyncConnector:
         return self.connector if self._close_connector else None
 
     async def __aenter__(self) -> AsyncConnector:
+        if not self._closed:
+            self._bind()
         return self
 
     async def __aexit__(
@@ -730,8 +723,6 @@ class AsyncConnector:
             watch, self._watch = self._watch, None
             if watch is not None:
                 watch.close()
-            if self._reader is not None:
-                self._reader.close()
 
     def __repr__(self) -> str:
         return f"<AsyncConnector {getattr(self, 'connector', None)!r}>"
@@ -743,3 +734,11 @@ class AsyncConnector:
         base["aio_puts_waiting"] = len(self._puts)
         base["aio_handed_back"] = self._handed_back_count
         return base
+
+
+def _close_without_linger(connector: OmniConnectorBase) -> None:
+    """Close a connector whose acknowledgements were already waited for (on the loop)."""
+    if isinstance(connector, Lingering):
+        connector.close_with_linger(0.0)
+    else:
+        connector.close()

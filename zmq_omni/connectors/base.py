@@ -29,8 +29,6 @@ __all__ = [
     "ArrivalWatch",
     "FailureSource",
     "Flushable",
-    "LoopReadable",
-    "LoopReader",
     "OmniConnectorBase",
     "Slot",
     "TransferFailure",
@@ -171,73 +169,6 @@ class FailureSource(Protocol):
         ...
 
 
-class LoopReader(Protocol):
-    """A connector's receiving socket, read on an event loop's own thread (see :class:`LoopReadable`)."""
-
-    def fileno(self) -> int:
-        """A descriptor to poll for reading: it signals a change of the socket while it is lent."""
-        ...
-
-    def lend(self, waiting: Callable[[], bool] | None = None) -> None:
-        """Ask for the socket: its I/O thread stops reading it and then notifies the watches (an empty notice).
-
-        ``waiting()``, called from the I/O thread, says whether the loop has gets waiting: while it
-        does, the socket stays lent when idle (the loop reads what comes), else idleness returns it.
-        """
-        ...
-
-    def pump(
-        self, rounds: int = 1, *, woken: bool = True, hand: Callable[[Slot, tuple[Any, int]], bool] | None = None
-    ) -> bool | None:
-        """Read what is queued: True when done, False when more may be queued, None when not lent.
-
-        ``woken``: the descriptor woke the loop (a message is most likely queued); after False,
-        call again with ``woken=False``.
-
-        ``hand(slot, (obj, nbytes))``: offered each arrival that a get could take from the
-        mailbox at once (none of its address is there); True when a waiting get of the loop
-        took it, which counts as that get's take. The rest reach the mailbox and the watches.
-        """
-        ...
-
-    @property
-    def lent(self) -> bool:
-        """Whether the socket is the loop's now: False once its I/O thread took it back (lend again)."""
-        ...
-
-    @property
-    def take(self) -> Callable[[str, str, str], tuple[Any, int] | None]:
-        """``take(from_stage, to_stage, key)``: ``(obj, nbytes)`` if the item is in the mailbox, else None.
-
-        No look at the socket (the loop polls it), never waits; failures recorded as the connector's ``get`` does.
-        """
-        ...
-
-    def close(self) -> None:
-        """Release the descriptor. Idempotent."""
-        ...
-
-
-@runtime_checkable
-class LoopReadable(Protocol):
-    """A connector whose receiving socket an event loop may read itself (optional feature, ``zmq_omni.aio``).
-
-    Handing each message from an I/O thread to the loop thread costs two thread
-    wake-ups; a loop with gets waiting reads the socket on its own thread instead.
-    """
-
-    def loop_reader(self) -> LoopReader | None:
-        """A new reader for the calling loop (the caller closes it), or None when nothing arrives by itself here."""
-        ...
-
-    def get_nowait(self, from_stage: str, to_stage: str, get_key: str) -> tuple[Any, int] | None:
-        """``get`` by key that never waits, not even for a put of that key this process has on its way here.
-
-        An event loop's look: its get waits on the loop, never in the connector.
-        """
-        ...
-
-
 @runtime_checkable
 class WakeupSource(Protocol):
     """A connector that says when something arrived, so a receive loop can sleep until then (optional feature).
@@ -347,9 +278,11 @@ class ArrivalWatch:
     def deliver_inline(self, handler: Callable[[list[Slot]], None] | None) -> None:
         """Until called with None, hand addresses notified on this thread straight to ``handler``.
 
-        The watcher's thread only: arrivals it reads itself (a :class:`LoopReadable`
-        connector's reader, pumped on the event loop) reach its waiters at once,
-        without a round through the descriptor. Other threads' notices still write it.
+        The watcher's thread only: where that thread is also the one that stores the
+        arrivals (a connector driven by the watcher's event loop), they reach its
+        waiters at once, without a round through the descriptor. ``handler`` runs
+        inside the connector's read and must not raise. Other threads' notices (and
+        "anything" notices) still write the descriptor.
         """
         self._inline = handler
         self._inline_thread = threading.get_ident()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoint, env_name
 from ._loop import Driver, IoLoop
-from ._loop_reader import LoopReader
 from ._probe import probe
 from ._pull_client import FetchChannel, PullClient
 from ._pull_server import PullServer
@@ -30,7 +29,6 @@ __all__ = [
     "FetchChannel",
     "FailureCallback",
     "IoLoop",
-    "LoopReader",
     "NotifyingCondition",
     "PullClient",
     "PullServer",
