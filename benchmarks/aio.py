@@ -3,17 +3,19 @@
 Run: ``python benchmarks/aio.py`` (about a minute on 2 cores; ``--quick`` for less, ``--only rtt``
 for the round trip alone).
 
-Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
+Two processes, each with two ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
+a threaded one (its I/O thread drives its sockets) and one built by
+``AsyncConnector.create`` (its event loop drives its sockets; no I/O thread).
 
 * **lone-message RTT** -- one message in flight: A puts ``k``, B gets it and
   puts it back, A gets it. Threaded: both ends call ``put`` and
-  ``get_with_deadline`` (a condition wait). Async: both ends run
-  ``await conn.put`` / ``await conn.get`` on an event loop (asyncio, and uvloop
-  when installed). Median and p99 of the round trips, in microseconds.
-  Both paths run in the same two processes, in blocks of 50 round trips that
-  alternate: each process holds one connector per path (so the threaded one has
-  no watch nor loop reader), and the threaded blocks call it from the loop's
-  thread while nothing else runs on the loop. On this kind of machine a round
+  ``get_with_deadline`` (a condition wait) on the threaded connector. Async:
+  both ends run ``await conn.put`` / ``await conn.get`` on the loop-driven
+  connector (asyncio, and uvloop when installed). Median and p99 of the round
+  trips, in microseconds. Both paths run in the same two processes, in blocks
+  of 50 round trips that alternate; the threaded blocks call their connector
+  from the loop's thread while nothing else runs on the loop (the loop-driven
+  connector is idle then). On this kind of machine a round
   trip's time depends much on where the scheduler put the threads of both
   processes (threaded rounds in separate process pairs ranged 143-219 us); in
   one pair, both paths see the same placement, and "vs threaded" is the median
@@ -23,7 +25,8 @@ Two processes, each a ``ZmqConnector`` (push mode, ``role: dual``, ``ipc://``):
   ``get_with_deadline`` (what an adapter's receive worker does). Async, in
   order: one task awaits each key in turn. Async, all waiting: B starts N get
   tasks first, then A puts (the pattern the asyncio face is for; threaded, it
-  would take N threads). Messages per second from A's first put to B's last get.
+  would take N threads). B's async receivers are loop-driven; A puts from a
+  plain thread on threaded connectors in every mode. Messages per second from A's first put to B's last get.
   As for the round trip, the three receivers run in the same two processes (a
   pair per loop kind, one connector per receiver at each end), in turn within
   each round, and "threaded/this" is the median over rounds of this round's
@@ -107,12 +110,14 @@ def echo_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     from zmq_omni.connectors.zmq import ZmqConnector
 
     threaded = ZmqConnector(path_config("b", endpoints, awaited=False))
-    awaited = ZmqConnector(path_config("b", endpoints, awaited=True))
+    loop = new_loop(loop_kind)
+    # Driven by ``loop`` from its first await: no I/O thread.
+    awaited = AsyncConnector.create(spec(path_config("b", endpoints, awaited=True)))
     print("ready", flush=True)
     sys.stdin.readline()
 
     async def main() -> None:
-        async with AsyncConnector(awaited) as conn:
+        async with awaited as conn:
             for block in range(2 * n // BLOCK):
                 for i in range(block * BLOCK, (block + 1) * BLOCK):
                     if block % 2 == 0:
@@ -123,9 +128,9 @@ def echo_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
                         got = await conn.get("a", "b", f"p{i}", timeout=30)
                         assert got is not None
                         await conn.put("b", "a", f"q{i}", got[0])
-            awaited.flush(30)
+            await conn.flush(30)
 
-    run_and_close(loop_kind, main, threaded)
+    run_and_close(loop, main, threaded)
     sys.stdin.readline()
 
 
@@ -138,11 +143,12 @@ def drain_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
     from zmq_omni.connectors.zmq import ZmqConnector
 
     threaded = ZmqConnector(path_config("b", endpoints, awaited=False))
-    awaited = ZmqConnector(path_config("b", endpoints, awaited=True))
+    loop = new_loop(loop_kind)
+    awaited = AsyncConnector.create(spec(path_config("b", endpoints, awaited=True)))
     print("ready", flush=True)
 
     async def main() -> None:
-        async with AsyncConnector(awaited) as conn:
+        async with awaited as conn:
             while command := sys.stdin.readline().split():
                 mode, tag = command
                 keys = [f"{tag}-{i}" for i in range(n)]
@@ -161,14 +167,20 @@ def drain_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
                     print("waiting", flush=True)
                     assert None not in await asyncio.gather(*tasks)
                 print(json.dumps({"done": time.monotonic()}), flush=True)
-            awaited.flush(30)
+            await conn.flush(30)
 
-    run_and_close(loop_kind, main, threaded)
+    run_and_close(loop, main, threaded)
 
 
-def run_and_close(loop_kind: str, main: Callable[[], Coroutine[Any, Any, None]], threaded: Any) -> None:
-    """B's tail in both mixed modes: ``main`` on a new loop (it closes the awaited connector), then the threaded one."""
-    loop = new_loop(loop_kind)
+def spec(extra: dict[str, Any]) -> dict[str, Any]:
+    """The factory spec of a ZmqConnector with ``extra``."""
+    return {"name": "ZmqConnector", "extra": extra}
+
+
+def run_and_close(
+    loop: asyncio.AbstractEventLoop, main: Callable[[], Coroutine[Any, Any, None]], threaded: Any
+) -> None:
+    """B's tail in both mixed modes: ``main`` on ``loop`` (it closes the awaited connector), then the threaded one."""
     loop.run_until_complete(main())
     loop.close()
     threaded.flush(30)
@@ -352,7 +364,7 @@ def rtt_mixed(tmp: str, n: int, loop_kind: str) -> tuple[list[list[float]], list
     async def main() -> None:
         threaded = ZmqConnector(path_config("a", endpoints, awaited=False))
         try:
-            async with AsyncConnector(ZmqConnector(path_config("a", endpoints, awaited=True))) as conn:
+            async with AsyncConnector.create(spec(path_config("a", endpoints, awaited=True))) as conn:
                 peer = Peer("echo-mixed", endpoints, n, loop_kind)
                 peer.go()
                 payload = {"x": b"\0" * SMALL}
@@ -370,7 +382,7 @@ def rtt_mixed(tmp: str, n: int, loop_kind: str) -> tuple[list[list[float]], list
                         samples.append(time.perf_counter() - started)
                     (threaded_blocks if block % 2 == 0 else async_blocks).append(samples)
                 peer.finish()
-                conn.connector.flush(10)
+                await conn.flush(10)
         finally:
             threaded.flush(10)
             threaded.close()
