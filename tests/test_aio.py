@@ -361,6 +361,7 @@ async def test_put_waiting_for_room_lets_a_ticker_tick(short_tmp: Path, mode: st
             assert not blocked.done(), "the window was full: the put must still be waiting"
             assert sender.health()["aio_puts_waiting"] == 1
             ticks_while_waiting = ticks
+
             # Consuming one put frees room: the waiting put goes through. (The blocking gets run in a
             # thread: a pull-mode get is served by the sender, on this loop when the loop drives it.)
             def take(key: str) -> Any:

@@ -169,7 +169,7 @@ async def test_on_its_loops_thread_nothing_waits_and_what_would_wait_says_how(sh
             lambda: rx.connector.wait_for_change(0, timeout=1.0),
             lambda: tx.connector.flush(1.0),
         ):
-            with pytest.raises(RuntimeError, match="use .*(AsyncConnector|awaited)"):
+            with pytest.raises(RuntimeError, match=r"use .*(AsyncConnector|awaited)"):
                 call()
         assert tx.connector.flush(0) in (True, False)  # a look is fine
         # From another thread: a get waits on the mailbox while the loop reads; a put would use the loop's sockets.
@@ -191,7 +191,7 @@ async def test_a_pull_get_on_its_loops_thread_says_to_await_it(short_tmp: Path) 
     ):
         ok, _, meta = await tx.put("0", "1", "a", {"v": 1})
         assert ok
-        with pytest.raises(RuntimeError, match="await AsyncConnector.get"):
+        with pytest.raises(RuntimeError, match=r"await AsyncConnector\.get"):
             rx.connector.get("0", "1", "a", meta)
         got = await rx.get("0", "1", "a", meta, timeout=10)
         assert got is not None and got[0] == {"v": 1}

@@ -3,9 +3,10 @@
 The FETCH/FETCH_REPLY exchange is described in :mod:`zmq_omni.transport._pull_protocol`.
 
 Threads: put threads call :meth:`PullServer.store`, :meth:`~PullServer.forget`,
-:meth:`~PullServer.wait_fetched` and :meth:`~PullServer.close`; the connector's
-I/O thread runs the rest (it owns the ROUTER). Every field below ``_cv`` is
-guarded by it; the socket is touched by the I/O thread only.
+:meth:`~PullServer.wait_fetched` and :meth:`~PullServer.close`; the driver (the
+endpoint's I/O thread, or the event loop of a connector it drives) runs the
+rest (it owns the ROUTER). Every field below ``_cv`` is guarded by it; the
+socket is touched by the driver only.
 """
 
 from __future__ import annotations
