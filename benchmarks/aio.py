@@ -381,7 +381,8 @@ def rtt_mixed(tmp: str, n: int, loop_kind: str) -> tuple[list[list[float]], list
                         assert got is not None
                         samples.append(time.perf_counter() - started)
                     (threaded_blocks if block % 2 == 0 else async_blocks).append(samples)
-                peer.finish()
+                # B's last puts wait for our acknowledgements, which this loop sends: it runs meanwhile.
+                await asyncio.to_thread(peer.finish)
                 await conn.flush(10)
         finally:
             threaded.flush(10)

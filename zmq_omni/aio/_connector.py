@@ -250,7 +250,9 @@ class AsyncConnector:
             if got is not None:
                 return got
         if self.closed:
-            return self.connector.put(*args)  # counted and kept as a failure, as the backend does
+            if self.connector.closed:
+                return self.connector.put(*args)  # counted and kept as a failure, as the backend does
+            return (False, 0, None)  # this wrapper closes (aclose lingers): the put is not made
         if timeout is None:
             timeout = float(getattr(getattr(self.connector, "config", None), "put_timeout_s", math.inf))
         waiter = _PutWaiter(loop.create_future(), args)
