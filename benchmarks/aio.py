@@ -149,7 +149,7 @@ def drain_mixed(endpoints: dict[str, str], n: int, loop_kind: str) -> None:
 
     async def main() -> None:
         async with awaited as conn:
-            while command := sys.stdin.readline().split():
+            while (command := sys.stdin.readline().split()) and command != ["quit"]:
                 mode, tag = command
                 keys = [f"{tag}-{i}" for i in range(n)]
                 if mode == "thread":
