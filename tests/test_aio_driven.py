@@ -288,3 +288,37 @@ def test_threads_and_a_loop_never_share_a_bound_endpoint(short_tmp: Path) -> Non
         looped.close()
     with ZmqConnector(dict(extra)) as threaded:  # once closed, the address is free again
         assert threaded.endpoint == address
+
+
+@pytest.mark.anyio
+async def test_a_loop_driven_curve_receiver_serves_its_allow_list_only() -> None:
+    server_pub, server_sec = (key.decode() for key in zmq.curve_keypair())
+    good_pub, good_sec = (key.decode() for key in zmq.curve_keypair())
+    bad_pub, bad_sec = (key.decode() for key in zmq.curve_keypair())
+    receiver = spec(
+        stage_id="1",
+        role="receiver",
+        endpoints={"1": "tcp://127.0.0.1:0"},
+        curve_public_key=server_pub,
+        curve_secret_key=server_sec,
+        curve_allowed_clients=[good_pub],
+    )
+    async with AsyncConnector.create(receiver) as rx:
+        endpoint = rx.connector.endpoint
+        assert endpoint is not None
+        common = {"stage_id": "0", "role": "sender", "endpoints": {"1": endpoint}, "curve_server_key": server_pub}
+        common["close_timeout_s"] = 0.1  # the intruder's put is never confirmed
+        with (
+            ZmqConnector({**common, "curve_public_key": good_pub, "curve_secret_key": good_sec}) as good,
+            ZmqConnector({**common, "curve_public_key": bad_pub, "curve_secret_key": bad_sec}) as intruder,
+        ):
+            assert intruder.put("0", "1", "sneaky", {"v": 0})[0]  # handed to ZeroMQ; its handshake fails
+            assert good.put("0", "1", "secret", {"v": 1})[0]
+            got = await rx.get("0", "1", "secret", timeout=10)
+            assert got is not None and got[0] == {"v": 1}
+            for _ in range(500):
+                if rx.health().get("curve_refused", 0) > 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert rx.health()["curve_refused"] > 0
+            assert await rx.get("0", "1", "sneaky", timeout=0.2) is None
