@@ -21,8 +21,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ShmError
+from ..metrics import Counters
 from ._push_protocol import DROPPED_CANCELLED, DROPPED_UNCLAIMED
 from ._receive_protocol import ACK_BYTES, Item, Slot
+from ._shm import ShmReceive
 from ._tombstones import Tombstones
 
 __all__ = ["Mailbox"]
@@ -37,11 +40,26 @@ class Mailbox:
         max_tombstones: most tombstones held.
         on_armed: called (under the lock; it must only schedule) when an acknowledgement becomes
             owed, or due at once: the socket's owner times the flush (:attr:`flush_due`).
+        shm: the shared-memory reader: items holding a slot handle are opened by :meth:`result`,
+            and the slot of an item dropped unopened is released.
+        decode: an opened slot's views to the object.
+        counters: where a slot found gone is counted (``shm_stale``).
     """
 
     def __init__(
-        self, *, ack_delay_s: float, tombstone_ttl_s: float, max_tombstones: int, on_armed: Callable[[], None]
+        self,
+        *,
+        ack_delay_s: float,
+        tombstone_ttl_s: float,
+        max_tombstones: int,
+        on_armed: Callable[[], None],
+        shm: ShmReceive | None = None,
+        decode: Callable[[list[Any]], Any] = list,
+        counters: Counters | None = None,
     ) -> None:
+        self._shm = shm
+        self._decode = decode
+        self._counters = counters
         # A plain Lock under the condition: ``with lock`` costs a C call, a Condition's two Python ones.
         self.lock = threading.Lock()
         self._cv = threading.Condition(self.lock)
@@ -63,8 +81,8 @@ class Mailbox:
         self.drops = {"unclaimed": 0, "late": 0, "cleanup": 0}
 
     # -- the socket's owner -------------------------------------------------------------
-    def store(self, arrivals: list[tuple[Slot, Item]], now: float) -> list[Item]:
-        """Put one drain's arrivals in: one lock, one notify. The items they replaced or buried (to discard).
+    def store(self, arrivals: list[tuple[Slot, Item]], now: float) -> None:
+        """Put one drain's arrivals in: one lock, one notify (the items they replace or that are buried go).
 
         Arms the acknowledgement of their arrival (``flush_due``) if none is armed.
         """
@@ -83,10 +101,10 @@ class Mailbox:
             self.generation += 1
             if self.waiting:
                 self._cv.notify_all()
+        self._discard(gone)
         hook = self.on_arrivals
         if hook is not None and arrivals:
             hook([slot for slot, _ in arrivals])
-        return gone
 
     def _drop_buried(self, arrivals: list[tuple[Slot, Item]], gone: list[Item], now: float) -> list[tuple[Slot, Item]]:
         kept = []
@@ -134,7 +152,7 @@ class Mailbox:
     def pop(self, slot: Slot) -> Item | None:
         """Take ``slot``'s item (a get asks for it: its tombstones lift).
 
-        A shared-memory item's consumption is recorded only by :meth:`opened`.
+        A shared-memory item's consumption is recorded only by :meth:`result`.
         """
         with self.lock:
             return self.pop_locked(slot)
@@ -147,11 +165,6 @@ class Mailbox:
         if item is not None and item.loc is None:
             self._note_taken(item)
         return item
-
-    def opened(self, item: Item) -> None:
-        """A shared-memory item taken by :meth:`pop` is mapped (or found gone): its consumption counts now."""
-        with self.lock:
-            self._note_taken(item)
 
     def _note_taken(self, item: Item) -> None:
         """Record a consumption (holds the lock)."""
@@ -186,8 +199,8 @@ class Mailbox:
         with self.lock:
             return bool(self._tombs.entries) and self._tombs.covers(key, time.monotonic())
 
-    def forget(self, match: Callable[[str], bool], *, key: str | None, prefix: str | None) -> list[Item]:
-        """Drop the items whose key matches, burying ``key`` and/or ``prefix``; the items dropped."""
+    def forget(self, match: Callable[[str], bool], *, key: str | None, prefix: str | None) -> int:
+        """Drop the items whose key matches, burying ``key`` and/or ``prefix``; how many."""
         with self.lock:
             self._tombs.bury(time.monotonic(), key=key, prefix=prefix)
             items = [self._box.pop(slot) for slot in [s for s in self._box if match(s[2])]]
@@ -195,10 +208,11 @@ class Mailbox:
             self.drops["cleanup"] += len(items)
             if items:
                 self._arm(time.monotonic())
-        return items
+        self._discard(items)
+        return len(items)
 
-    def expire(self, now: float, unclaimed_ttl_s: float) -> list[Item]:
-        """Drop the items no get took within ``unclaimed_ttl_s``, and the lapsed tombstones; the items dropped."""
+    def expire(self, now: float, unclaimed_ttl_s: float) -> int:
+        """Drop the items no get took within ``unclaimed_ttl_s``, and the lapsed tombstones; how many items."""
         cutoff = now - unclaimed_ttl_s
         with self.lock:
             expired = []
@@ -213,7 +227,40 @@ class Mailbox:
             if expired:
                 self._arm(now)
             self._tombs.lapse(now)
-        return [item for _, item in expired]
+        self._discard([item for _, item in expired])
+        return len(expired)
+
+    def result(self, item: Item) -> tuple[Any, int]:
+        """What a get returns for ``item`` taken by :meth:`pop`: a slot handle's payload is opened here.
+
+        Its consumption counts only once the slot is mapped (or found gone): a sender that hears
+        "consumed" may unlink the slot, and one unlinked before the mapping would be lost while its
+        sender counts it delivered.
+
+        Raises:
+            ShmError: the payload expired or its sender withdrew it (the item is gone).
+            DecodeError: the payload is not a valid encoding.
+        """
+        if item.loc is None:
+            return item.obj, item.nbytes
+        assert self._shm is not None
+        try:
+            views = self._shm.open(item.loc)
+        finally:
+            with self.lock:
+                self._note_taken(item)
+        if views is None:
+            if self._counters is not None:
+                self._counters.add("shm_stale")
+            raise ShmError("its shared-memory payload expired or its sender withdrew it")
+        return self._decode(views), item.nbytes
+
+    def _discard(self, items: list[Item]) -> None:
+        """Release the slots of items dropped unopened."""
+        if self._shm is not None:
+            for item in items:
+                if item.loc is not None:
+                    self._shm.discard(item.loc)
 
     def wait_for_change(self, generation: int, timeout: float) -> int:
         """Wait until the generation differs from ``generation``, at most ``timeout``; the generation then."""

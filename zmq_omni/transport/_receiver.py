@@ -48,9 +48,9 @@ from typing import Any
 
 import zmq
 
-from ..errors import ShmError, from_zmq_error
+from ..errors import from_zmq_error
 from ..metrics import Counters
-from ._loop import IoLoop
+from ._loop import Driver
 from ._mailbox import Mailbox
 from ._push_protocol import _MAX_DRAIN
 from ._receive_protocol import Item, ReceiveProtocol, Reply, Slot
@@ -60,10 +60,7 @@ from ._shm import ShmReceive
 from ._sockets import bind, close_bound, close_socket, make_socket
 from ._thread_driver import Holder, SocketOwner
 
-__all__ = ["DEFAULT_ACK_DELAY_S", "Hand", "PushReceiver"]
-
-# Until the loop reader goes: its type of hand-off.
-Hand = Callable[[Slot, tuple[Any, int]], bool]
+__all__ = ["DEFAULT_ACK_DELAY_S", "PushReceiver"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -81,7 +78,7 @@ class PushReceiver:
 
     def __init__(
         self,
-        loop: IoLoop,
+        loop: Driver,
         bind_endpoint: str,
         *,
         incarnation: str,
@@ -102,8 +99,6 @@ class PushReceiver:
         getters_read: bool = True,
     ) -> None:
         self._loop = loop
-        self._shm = shm
-        self._decode = decode
         self.incarnation = incarnation
         self._counters = counters
         self._source_ttl = source_ttl_s
@@ -116,6 +111,9 @@ class PushReceiver:
             tombstone_ttl_s=tombstone_ttl_s,
             max_tombstones=max_tombstones,
             on_armed=self._flush_armed,
+            shm=shm,
+            decode=decode,
+            counters=counters,
         )
         self._watchers = 0  # wait_for_change callers (under the mailbox lock)
         self._watching = False  # the driver polls the descriptor (driver's, under the owner)
@@ -181,7 +179,7 @@ class PushReceiver:
             finally:
                 self._release_getter()
             item = self._mailbox.pop(slot)
-        return None if item is None else self._result(item)
+        return None if item is None else self._mailbox.result(item)
 
     def take_by(self, from_stage: str, to_stage: str, key: str, deadline: float) -> tuple[Any, int] | None:
         """Like :meth:`take`, waiting until ``time.monotonic() >= deadline``.
@@ -212,7 +210,7 @@ class PushReceiver:
                 item = self._read_for(slot, deadline)
         if item is None:
             return None
-        return self._result(item)
+        return self._mailbox.result(item)
 
     def _read_for(self, slot: Slot, deadline: float) -> Item | None:
         """Read the socket until ``slot``'s item arrives or ``deadline`` passes (holds it as a getter; releases it)."""
@@ -273,24 +271,6 @@ class PushReceiver:
             if not self._mailbox.closed:
                 raise from_zmq_error(exc, endpoint=self.endpoint, op="receive") from exc
 
-    def _result(self, item: Item) -> tuple[Any, int]:
-        """What a get returns for ``item``; a shared-memory item is opened (its consumption counts once it is).
-
-        A sender that hears "consumed" may unlink the slot: acknowledged before the mapping, the
-        payload would be lost while its sender counts it delivered.
-        """
-        if item.loc is None:
-            return item.obj, item.nbytes
-        assert self._shm is not None
-        try:
-            views = self._shm.open(item.loc)
-        finally:
-            self._mailbox.opened(item)
-        if views is None:
-            self._counters.add("shm_stale")
-            raise ShmError("its shared-memory payload expired or its sender withdrew it")
-        return self._decode(views), item.nbytes
-
     # -- the socket's holder ----------------------------------------------------------------
     def _read(self, want_key: str | None) -> None:
         """Read what is queued, at most one drain (holds the socket).
@@ -306,22 +286,26 @@ class PushReceiver:
             if message is None:
                 break
             key = receive(*message, now)
-            if protocol.replies:
+            if protocol.replies:  # a pong, or a health answer: what it reports arrived is in the mailbox first
+                self._store(now)
                 replies, protocol.replies = protocol.replies, []
                 self._send(replies)
             if key is not None and key == want_key:
                 break
             if not sock.get(_EVENTS) & _POLLIN:
                 break
-        if protocol.arrivals:
-            arrivals, protocol.arrivals = protocol.arrivals, []
-            gone = mailbox.store(arrivals, now)
-            if gone:
-                self._discard(gone)
+        self._store(now)
         if protocol.acks_due_now():
             mailbox.due_now()  # sent by this holder before it lets go, after its get took its item
         elif protocol.owes_acks():
             mailbox.arm(now)
+
+    def _store(self, now: float) -> None:
+        """Put the arrivals read so far in the mailbox (holds the socket)."""
+        protocol = self._protocol
+        if protocol.arrivals:
+            arrivals, protocol.arrivals = protocol.arrivals, []
+            self._mailbox.store(arrivals, now)
 
     def _settle(self) -> bool:
         """Send the acks due, and read until ZeroMQ holds nothing for us (holds the socket); True if it does.
@@ -352,12 +336,6 @@ class PushReceiver:
             except zmq.ZMQError:  # unroutable (a sender whose control socket is not connected yet, or gone) or full
                 routed = False
             sent(reply, routed)
-
-    def _discard(self, items: Iterable[Item]) -> None:
-        if self._shm is not None:
-            for item in items:
-                if item.loc is not None:
-                    self._shm.discard(item.loc)
 
     # -- the driver -------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -445,11 +423,10 @@ class PushReceiver:
         if expired:
             log.warning(
                 "%d items on %s were never taken within unclaimed_ttl_s=%ss: dropped",
-                len(expired),
+                expired,
                 self.endpoint,
                 self._unclaimed_ttl,
             )
-            self._discard(expired)
 
     # -- any thread --------------------------------------------------------------------------
     def buries(self, key: str) -> bool:
@@ -462,9 +439,7 @@ class PushReceiver:
         With ``key`` (``cleanup``, ``abandon_get``) or ``prefix`` (``cleanup_prefix``) it also
         leaves a tombstone: for ``tombstone_ttl_s`` an arrival under it is dropped at once.
         """
-        items = self._mailbox.forget(match, key=key, prefix=prefix)
-        self._discard(items)
-        return len(items)
+        return self._mailbox.forget(match, key=key, prefix=prefix)
 
     def stats(self) -> dict[str, Any]:
         """The mailbox's counters (see :meth:`Mailbox.stats`) and the BATCH messages taken in."""
