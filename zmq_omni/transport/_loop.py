@@ -156,6 +156,7 @@ class IoLoop(Driver):
         self._on_term: list[Callable[[], None]] = []
         self._stopping = False
         self._started = False
+        self._wake_lock = threading.Lock()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -172,10 +173,12 @@ class IoLoop(Driver):
         return self._started
 
     def wake(self) -> None:
-        """Make the loop run its calls and handlers now (cheap, lock-free, any thread)."""
-        # OSError: closed during shutdown, or the counter saturated: the loop is awake anyway.
-        with contextlib.suppress(OSError):
-            os.eventfd_write(self._wake_fd, 1)
+        """Make the loop run its calls and handlers now (cheap, any thread; nothing once stopped)."""
+        # Under the lock that closes it: a number closed and reused by another file is never written.
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                with contextlib.suppress(OSError):  # the counter saturated: the loop is awake anyway
+                    os.eventfd_write(self._wake_fd, 1)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread as soon as possible."""
@@ -203,8 +206,10 @@ class IoLoop(Driver):
             self._thread.join(timeout)
         alive = self._thread.is_alive()
         if not alive:
-            with contextlib.suppress(OSError):
-                os.close(self._wake_fd)
+            with self._wake_lock:
+                if self._wake_fd >= 0:
+                    os.close(self._wake_fd)
+                    self._wake_fd = -1
             for fn in self._on_term:
                 self._guard(fn)
             # Every socket of ours is closed by now; the last user's term() waits at most

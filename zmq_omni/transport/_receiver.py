@@ -1,9 +1,11 @@
 """Push mode, receiving half: a bound ROUTER feeding a keyed mailbox, read by one owner at a time.
 
-:class:`PushReceiver` assembles three parts:
+:class:`PushReceiver` assembles four parts:
 
 * :class:`~zmq_omni.transport._receive_protocol.ReceiveProtocol`: what each
   message means and what each sender must hear (no I/O);
+* :class:`~zmq_omni.transport._receive_socket.ReceiveSocket`: the ROUTER and
+  what its holder does with it (read, store, settle, flush, close);
 * :class:`~zmq_omni.transport._mailbox.Mailbox`: the items waiting for gets;
 * :class:`~zmq_omni.transport._thread_driver.SocketOwner`: who may use the
   socket now, the **driver** (the connector's I/O thread, or the event loop of
@@ -15,15 +17,19 @@ Synchronization, all of it:
 =========================  ===================================================  ==========================
 what                       guards / means                                       who takes or writes it
 =========================  ===================================================  ==========================
-``SocketOwner`` (a lock)   the ROUTER, the ``ReceiveProtocol`` and ``_watching``  the driver in a handler or
-                                                                                timer; a getter (try only,
+``SocketOwner`` (a lock)   the ROUTER and everything of ``ReceiveSocket``,      the driver in a handler or
+                           the ``ReceiveProtocol``, ``_watching``, ``_shut``    timer; a getter (try only,
                                                                                 never waited for but by
                                                                                 ``_shutdown``)
 ``SocketOwner.parked``     the driver does not watch the descriptor: getters    written by the driver;
                            read, and the reclaim tick takes the socket back     read by releasing getters
 ``Mailbox.lock`` (+ cv)    items, tombstones, consumptions handed over,         any thread; may try the
                            ``flush_due``, counters, ``closed``, ``_watchers``   owner under it, never wait
-``_recall`` (an eventfd)   wakes a reading getter: close, or acks now due       the driver, ``close``
+``_close_pending``         ``_shutdown`` could not take the socket: the getter  ``_shutdown``, the releasing
+                           holding it closes it as it lets go (mailbox lock)    getter, both under the lock
+``_reclaim_armed``         the reclaim tick is scheduled                        the driver's thread only
+``_recall`` (an eventfd)   wakes a reading getter: close, or acks now due;      the driver, ``close``
+                           closed under the mailbox lock (never written after)
 =========================  ===================================================  ==========================
 
 The descriptor the driver watches is ZeroMQ's ``zmq.FD``, never the socket:
@@ -43,7 +49,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -52,12 +58,10 @@ from ..errors import from_zmq_error
 from ..metrics import Counters
 from ._loop import Driver
 from ._mailbox import Mailbox
-from ._push_protocol import _MAX_DRAIN
-from ._receive_protocol import Item, ReceiveProtocol, Reply, Slot
-from ._router import recv_routed
-from ._security import Curve, watch_refusals
+from ._receive_protocol import Item, Slot
+from ._receive_socket import ReceiveSocket
+from ._security import Curve
 from ._shm import ShmReceive
-from ._sockets import bind, close_bound, close_socket, make_socket
 from ._thread_driver import Holder, SocketOwner
 
 __all__ = ["DEFAULT_ACK_DELAY_S", "PushReceiver"]
@@ -67,10 +71,6 @@ log = logging.getLogger("zmq_omni.transport")
 DEFAULT_ACK_DELAY_S = 0.02
 # A socket getters read stays theirs (no driver wake-up per get) until none read it this long.
 _RECLAIM_S = 0.02
-# Plain ints: ``sock.get(zmq.EVENTS) & zmq.POLLIN`` goes through enum.IntFlag, ~1 us a test on the hot path.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_SETTLE_ROUNDS = 4  # drains a holder does before it leaves the rest of a flood to the driver's next turn
 
 
 class PushReceiver:
@@ -119,30 +119,29 @@ class PushReceiver:
         self._watching = False  # the driver polls the descriptor (driver's, under the owner)
         self._reclaim_armed = False  # the reclaim tick is scheduled (driver's)
         self._shut = False  # the socket is closed (under the owner)
+        self._close_pending = False  # _shutdown left the close to the getter holding the socket (mailbox lock)
         self._recall = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
-        if curve is not None:
-            curve.make_server(self._sock)
-            watch_refusals(loop, self._sock, counters)
         try:
-            self.endpoint = bind(self._sock, bind_endpoint)
+            self._rs = ReceiveSocket(
+                loop,
+                bind_endpoint,
+                self._mailbox,
+                incarnation=incarnation,
+                decode=decode,
+                decode_each=decode_each,
+                hwm=hwm,
+                max_message_bytes=max_message_bytes,
+                max_frames=max_frames,
+                counters=counters,
+                health=health,
+                curve=curve,
+                shm=shm,
+            )
         except BaseException:
-            close_socket(self._sock)
             os.close(self._recall)
             raise
-        self._protocol = ReceiveProtocol(
-            endpoint=self.endpoint,
-            incarnation=incarnation,
-            decode=decode,
-            decode_each=decode_each,
-            max_message_bytes=max_message_bytes,
-            max_frames=max_frames,
-            counters=counters,
-            health=health,
-            shm=shm,
-            handover=self._mailbox.handover,
-        )
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self.endpoint = self._rs.endpoint
+        self._fd = self._rs.fd
         self._watch()
         loop.every(max(1.0, source_ttl_s / 10), self._expire_sources)
         loop.every(min(1.0, unclaimed_ttl_s / 4, tombstone_ttl_s / 4), self._expire_unclaimed)
@@ -172,12 +171,11 @@ class PushReceiver:
         slot = (from_stage, to_stage, key)
         item = self._mailbox.pop(slot)
         if item is None and self._owner.parked and self._getters_read and self._owner.try_take(Holder.GETTER):
-            try:
-                if not self._mailbox.closed:
-                    with self._closing_is_none():
-                        self._settle()
-            finally:
-                self._release_getter()
+            with self._closing_is_none():
+                try:
+                    self._rs.settle()
+                finally:
+                    self._release_getter()
             item = self._mailbox.pop(slot)
         return None if item is None else self._mailbox.result(item)
 
@@ -214,7 +212,7 @@ class PushReceiver:
 
     def _read_for(self, slot: Slot, deadline: float) -> Item | None:
         """Read the socket until ``slot``'s item arrives or ``deadline`` passes (holds it as a getter; releases it)."""
-        sock, recall, mailbox = self._sock, self._recall, self._mailbox
+        sock, recall, mailbox = self._rs.socket, self._recall, self._mailbox
         poll_set = [(sock, zmq.POLLIN), (recall, zmq.POLLIN)]
         try:
             while not mailbox.closed:
@@ -225,13 +223,13 @@ class PushReceiver:
                 due = mailbox.flush_due
                 if due is not None:
                     if due <= now:
-                        self._flush()
+                        self._rs.flush()
                         continue
                     wait = min(wait, due - now)
                 # Capped: an infinite deadline waits in 60 s slices (close and due acks wake it at once).
                 for ready, _ in zmq.zmq_poll(poll_set, int(min(wait, 60.0) * 1000) + 1):
                     if ready is sock:
-                        self._read(slot[2])
+                        self._rs.read(slot[2])
                     else:
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(recall)
@@ -245,15 +243,27 @@ class PushReceiver:
     def _release_getter(self) -> None:
         """A getter gives the socket back, leaving nothing behind the driver's back (see the module docstring)."""
         owner, mailbox = self._owner, self._mailbox
-        if not mailbox.closed:
-            if not owner.parked:  # the driver watches the descriptor: a signal this getter spent would be missed
-                if not self._settle():
-                    self._loop.call_soon(self._drive)
-            else:  # the driver's reclaim tick settles it
-                due = mailbox.flush_due
-                if due is not None and due <= time.monotonic():
-                    self._flush()
-        owner.release(Holder.GETTER)
+        try:
+            if not mailbox.closed:
+                if not owner.parked:  # the driver watches the descriptor: a signal this getter spent would be missed
+                    if not self._rs.settle():
+                        self._loop.call_soon(self._drive)
+                else:  # the driver's reclaim tick settles it
+                    due = mailbox.flush_due
+                    if due is not None and due <= time.monotonic():
+                        self._rs.flush()
+        finally:
+            with mailbox.lock:  # (_shutdown hands the close over under it when it cannot take the socket)
+                close_here = self._close_pending
+                if not close_here:
+                    owner.release(Holder.GETTER)
+            if close_here:
+                try:
+                    self._close_owned()
+                finally:
+                    owner.release(Holder.GETTER)
+        if close_here:
+            return
         if owner.parked and (self._watchers or mailbox.on_arrivals is not None) and not mailbox.closed:
             self._loop.call_soon(self._drive)  # someone waits for arrivals without reading: the driver reads now
         mailbox.wake_waiters()  # a getter waiting on the condition may read now
@@ -270,72 +280,6 @@ class PushReceiver:
         except zmq.ZMQError as exc:
             if not self._mailbox.closed:
                 raise from_zmq_error(exc, endpoint=self.endpoint, op="receive") from exc
-
-    # -- the socket's holder ----------------------------------------------------------------
-    def _read(self, want_key: str | None) -> None:
-        """Read what is queued, at most one drain (holds the socket).
-
-        A reading getter passes its key: the drain stops at a DATA of that key without asking
-        ZeroMQ whether more is queued (about 1 us, on every lone message's critical path).
-        """
-        sock, protocol, mailbox = self._sock, self._protocol, self._mailbox
-        now = time.monotonic()
-        receive, max_frames = protocol.receive, protocol.max_frames
-        for _ in range(_MAX_DRAIN):
-            message = recv_routed(sock, max_frames)
-            if message is None:
-                break
-            key = receive(*message, now)
-            if protocol.replies:  # a pong, or a health answer: what it reports arrived is in the mailbox first
-                self._store(now)
-                replies, protocol.replies = protocol.replies, []
-                self._send(replies)
-            if key is not None and key == want_key:
-                break
-            if not sock.get(_EVENTS) & _POLLIN:
-                break
-        self._store(now)
-        if protocol.acks_due_now():
-            mailbox.due_now()  # sent by this holder before it lets go, after its get took its item
-        elif protocol.owes_acks():
-            mailbox.arm(now)
-
-    def _store(self, now: float) -> None:
-        """Put the arrivals read so far in the mailbox (holds the socket)."""
-        protocol = self._protocol
-        if protocol.arrivals:
-            arrivals, protocol.arrivals = protocol.arrivals, []
-            self._mailbox.store(arrivals, now)
-
-    def _settle(self) -> bool:
-        """Send the acks due, and read until ZeroMQ holds nothing for us (holds the socket); True if it does.
-
-        A few drains at most: False leaves more queued (the caller hands it to the driver's next turn).
-        """
-        events, mailbox = self._sock.get, self._mailbox
-        for _ in range(_SETTLE_ROUNDS):
-            due = mailbox.flush_due
-            if due is not None and due <= time.monotonic():
-                self._flush()
-            if not events(_EVENTS) & _POLLIN:
-                return True
-            self._read(None)
-        return False
-
-    def _flush(self) -> None:
-        """Send every acknowledgement owed (holds the socket)."""
-        self._protocol.taken(*self._mailbox.handover(flushing=True))
-        self._send(self._protocol.flush())
-
-    def _send(self, replies: Iterable[Reply]) -> None:
-        sock, sent = self._sock, self._protocol.sent
-        for reply in replies:
-            try:
-                sock.send_multipart([reply.identity, reply.frame], zmq.NOBLOCK)
-                routed = True
-            except zmq.ZMQError:  # unroutable (a sender whose control socket is not connected yet, or gone) or full
-                routed = False
-            sent(reply, routed)
 
     # -- the driver -------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -359,10 +303,19 @@ class PushReceiver:
                 return
             owner.parked = False
             self._watch()
-            if not self._settle():
+            if not self._rs.settle():
                 self._loop.call_soon(self._drive)  # a flood: the rest on the driver's next turn
+        except BaseException:  # (logged by the driver) the signal may be spent: look again a moment later
+            self._loop.call_later(self._reclaim_s, self._drive)
+            raise
         finally:
-            owner.release(Holder.DRIVER)
+            self._release_driver()
+
+    def _release_driver(self) -> None:
+        """The driver gives the socket back; a getter that found it held waits on the mailbox: one may read now."""
+        self._owner.release(Holder.DRIVER)
+        if self._mailbox.waiting:
+            self._mailbox.wake_waiters()
 
     def _arm_reclaim(self) -> None:
         if not self._reclaim_armed:
@@ -400,12 +353,12 @@ class PushReceiver:
             return
         if self._owner.try_take(Holder.DRIVER):
             try:
-                if self._watching and not self._settle():  # (it flushes first)
+                if self._watching and not self._rs.settle():  # (it flushes first)
                     self._loop.call_soon(self._drive)
                 elif not self._watching:
-                    self._flush()
+                    self._rs.flush()
             finally:
-                self._owner.release(Holder.DRIVER)
+                self._release_driver()
         else:  # a getter holds the socket: it flushes when it wakes or leaves; else this, a moment later
             os.eventfd_write(self._recall, 1)
             self._loop.call_later(self._reclaim_s, self._flush_due)
@@ -413,9 +366,9 @@ class PushReceiver:
     def _expire_sources(self) -> None:
         if self._owner.try_take(Holder.DRIVER):  # else next time: a getter reads now
             try:
-                self._protocol.expire_sources(time.monotonic() - self._source_ttl)
+                self._rs.protocol.expire_sources(time.monotonic() - self._source_ttl)
             finally:
-                self._owner.release(Holder.DRIVER)
+                self._release_driver()
 
     def _expire_unclaimed(self) -> None:
         """Drop items no get took within ``unclaimed_ttl_s`` (their senders hear why) and lapsed tombstones."""
@@ -443,7 +396,7 @@ class PushReceiver:
 
     def stats(self) -> dict[str, Any]:
         """The mailbox's counters (see :meth:`Mailbox.stats`) and the BATCH messages taken in."""
-        return {**self._mailbox.stats(), "batches_received": self._protocol.batches}
+        return {**self._mailbox.stats(), "batches_received": self._rs.protocol.batches}
 
     def generation(self) -> int:
         """A counter bumped whenever items arrive in the mailbox (for :meth:`wait_for_change`)."""
@@ -476,22 +429,30 @@ class PushReceiver:
     def _shutdown(self) -> None:
         """The driver's last word: acknowledgements, then the socket (on the driver, as it stops)."""
         self.close()
-        if not self._owner.take(Holder.DRIVER, timeout=1.0):
-            log.warning("a getter on %s did not give its socket back at close", self.endpoint)
+        owner = self._owner
+        took = owner.take(Holder.DRIVER, timeout=1.0)  # a getter sees the close within one message
+        if not took:
+            with self._mailbox.lock:  # a getter releases under it: it sees the hand-over, or we take the socket
+                took = owner.try_take(Holder.DRIVER)
+                self._close_pending = not took
+        if not took:
+            log.warning("a getter on %s still reads at close: it closes the socket as it leaves", self.endpoint)
             return
         try:
-            self._shut = True
-            self._flush()
-            self._send(self._protocol.last_words())
-            if self._watching:
-                self._loop.remove_reader(self._fd)
-                self._watching = False
-            close_bound(self._sock, self.endpoint, linger_ms=200)
-            with self._mailbox.lock:
-                os.close(self._recall)
-                self._recall = -1
+            self._close_owned()
         finally:
-            self._owner.release(Holder.DRIVER)
+            self._release_driver()
+
+    def _close_owned(self) -> None:
+        """Last acknowledgements, then close the socket (holds it: the driver, or the getter handed the close)."""
+        self._shut = True
+        if self._watching:
+            self._loop.remove_reader(self._fd)
+            self._watching = False
+        self._rs.close()
+        with self._mailbox.lock:
+            os.close(self._recall)
+            self._recall = -1
 
     def __repr__(self) -> str:
         return f"<PushReceiver {self.endpoint} holder={self._owner.holder.value}>"

@@ -20,7 +20,7 @@ import ipaddress
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,12 +218,14 @@ def require_curve(endpoints: Iterable[tuple[str, str]], *, curve: bool, insecure
 _REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
-def watch_refusals(loop: Driver, sock: Any, counters: Counters) -> None:
+def watch_refusals(loop: Driver, sock: Any, counters: Counters, *, stop_on_stop: bool = True) -> Callable[[], None]:
     """Count the handshakes the CURVE server ``sock`` refused, as ``curve_refused`` in ``counters``.
 
     A plaintext client, a client that has the wrong server key and one that is
     not on the allow-list all fail the handshake; each failed attempt counts once.
     Call before ``bind``, from the loop's owner (the monitor runs on the loop thread).
+    Returns the function that stops the monitor; it runs as the loop stops unless
+    ``stop_on_stop`` is False (then the socket's owner calls it before closing it).
     """
     monitor = sock.get_monitor_socket(_REFUSALS)
 
@@ -246,4 +248,6 @@ def watch_refusals(loop: Driver, sock: Any, counters: Counters) -> None:
 
     counters.add("curve_refused", 0)
     loop.add_reader(monitor, drain)
-    loop.on_stop(stop)
+    if stop_on_stop:
+        loop.on_stop(stop)
+    return stop

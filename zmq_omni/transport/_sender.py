@@ -72,7 +72,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import ClosedResourceError, TransportTimeoutError, format_seconds, from_zmq_error
+from ..errors import ClosedResourceError, TransportError, TransportTimeoutError, format_seconds, from_zmq_error
 from ..metrics import Counters
 from ._batching import LONE_GAP_S, STREAM_FLUSH_S
 from ._endpoints import EndpointMap
@@ -279,7 +279,7 @@ class PushSender:
             if core.closed:
                 return  # close() took it and reported it
             peer.transmit(peer.socket(), out, low)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, TransportError) as exc:
             with core.lock:
                 if peer.win.retained.get(out.seq) is out:
                     peer.box.requeue([out])

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import DROPPED_ENDED, DeliveryError
+from ..errors import DROPPED_ENDED, DeliveryError, from_zmq_error
 from ..metrics import Counters
 from ._batching import RETRY_MAX_S, RETRY_MIN_S, Outbox
 from ._envelope import Kind, pack
@@ -149,10 +149,17 @@ class Peer:
         sock = self.data_sock
         if sock is None:
             core = self.core
-            sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=b"d" + core.sid.encode())
-            if core.curve is not None and self.server_key is not None:
-                core.curve.make_client(sock, self.server_key)
-            sock.connect(self.endpoint)
+            try:
+                sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=b"d" + core.sid.encode())
+            except zmq.ZMQError as exc:  # (out of sockets or descriptors)
+                raise from_zmq_error(exc, endpoint=self.endpoint, op="send") from exc
+            try:
+                if core.curve is not None and self.server_key is not None:
+                    core.curve.make_client(sock, self.server_key)
+                sock.connect(self.endpoint)
+            except zmq.ZMQError as exc:
+                close_socket(sock)
+                raise from_zmq_error(exc, endpoint=self.endpoint, op="connect") from exc
             self.data_sock = sock
         return sock
 

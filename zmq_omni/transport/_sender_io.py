@@ -97,10 +97,19 @@ class SenderIo:
         core = self._core
         if core.closed or peer.ctl_sock is not None:
             return
-        sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=b"c" + core.sid.encode())
-        if core.curve is not None and peer.server_key is not None:
-            core.curve.make_client(sock, peer.server_key)
-        sock.connect(peer.endpoint)
+        try:
+            sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=b"c" + core.sid.encode())
+        except zmq.ZMQError as exc:  # (out of sockets or descriptors): the next heartbeat tries again
+            log.warning("no control socket to %s yet: %s", peer.endpoint, exc)
+            return
+        try:
+            if core.curve is not None and peer.server_key is not None:
+                core.curve.make_client(sock, peer.server_key)
+            sock.connect(peer.endpoint)
+        except zmq.ZMQError as exc:
+            close_socket(sock)
+            log.warning("no control socket to %s yet: %s", peer.endpoint, exc)
+            return
         peer.ctl_sock = sock
         core.loop.add_reader(sock, lambda: self._on_ctl(peer))
 
@@ -244,6 +253,8 @@ class SenderIo:
                         at_risk,
                     )
         for peer in peers:
+            if peer.ctl_sock is None:  # its first try failed: without it, no REPLY would ever be read
+                self._open_ctl(peer)
             self.ping(peer)
 
     def ping(self, peer: Peer) -> None:

@@ -1,0 +1,168 @@
+"""Push mode, receiving half: the bound ROUTER and what its holder does with it.
+
+:class:`ReceiveSocket` reads messages into the
+:class:`~zmq_omni.transport._receive_protocol.ReceiveProtocol`, stores what
+arrived in the :class:`~zmq_omni.transport._mailbox.Mailbox`, sends the
+protocol's replies and the acknowledgements due, and closes the socket. Every
+method but the constructor is for the socket's holder only (see
+:mod:`~zmq_omni.transport._thread_driver`): nothing here decides who holds it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from ..metrics import Counters
+from ._loop import Driver
+from ._mailbox import Mailbox
+from ._push_protocol import _MAX_DRAIN
+from ._receive_protocol import ReceiveProtocol, Reply
+from ._router import recv_routed
+from ._security import Curve, watch_refusals
+from ._shm import ShmReceive
+from ._sockets import bind, close_bound, close_socket, make_socket
+
+__all__ = ["ReceiveSocket"]
+
+# Plain ints: ``sock.get(zmq.EVENTS) & zmq.POLLIN`` goes through enum.IntFlag, ~1 us a test on the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_SETTLE_ROUNDS = 4  # drains a holder does before it leaves the rest of a flood to the driver's next turn
+
+
+class ReceiveSocket:
+    """A bound ROUTER, its protocol and its mailbox (see the module docstring).
+
+    Raises:
+        TransportError: the bind failed (the endpoint is named).
+    """
+
+    def __init__(
+        self,
+        loop: Driver,
+        bind_endpoint: str,
+        mailbox: Mailbox,
+        *,
+        incarnation: str,
+        decode: Callable[[list[Any]], Any],
+        decode_each: Callable[[list[bytes]], list[Any]],
+        hwm: int,
+        max_message_bytes: int,
+        max_frames: int,
+        counters: Counters,
+        health: Callable[[], dict[str, Any]],
+        curve: Curve | None,
+        shm: ShmReceive | None,
+    ) -> None:
+        self._mailbox = mailbox
+        self._stop_refusals: Callable[[], None] | None = None
+        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
+        try:
+            if curve is not None:
+                curve.make_server(self._sock)
+                # Stopped by whoever closes the socket, holding it (the monitor is the socket's too).
+                self._stop_refusals = watch_refusals(loop, self._sock, counters, stop_on_stop=False)
+            self.endpoint = bind(self._sock, bind_endpoint)
+        except BaseException:
+            if self._stop_refusals is not None:
+                self._stop_refusals()
+            close_socket(self._sock)
+            raise
+        self.protocol = ReceiveProtocol(
+            endpoint=self.endpoint,
+            incarnation=incarnation,
+            decode=decode,
+            decode_each=decode_each,
+            max_message_bytes=max_message_bytes,
+            max_frames=max_frames,
+            counters=counters,
+            health=health,
+            shm=shm,
+            handover=mailbox.handover,
+        )
+        self._protocol = self.protocol
+        #: The ROUTER itself: for its holder only (a reading getter polls it).
+        self.socket = self._sock
+        #: ZeroMQ's descriptor for the socket: polling it touches no socket (the driver watches it).
+        self.fd: int = self._sock.getsockopt(zmq.FD)
+
+    def read(self, want_key: str | None) -> None:
+        """Read what is queued, at most one drain.
+
+        A reading getter passes its key: the drain stops at a DATA of that key without asking
+        ZeroMQ whether more is queued (about 1 us, on every lone message's critical path).
+        """
+        sock, protocol, mailbox = self._sock, self._protocol, self._mailbox
+        now = time.monotonic()
+        receive, max_frames = protocol.receive, protocol.max_frames
+        for _ in range(_MAX_DRAIN):
+            if mailbox.closed:  # close waits for the socket: leave it now
+                break
+            message = recv_routed(sock, max_frames)
+            if message is None:
+                break
+            key = receive(*message, now)
+            if protocol.replies:  # a pong, or a health answer: what it reports arrived is in the mailbox first
+                self._store(now)
+                replies, protocol.replies = protocol.replies, []
+                self.send(replies)
+            if key is not None and key == want_key:
+                break
+            if not sock.get(_EVENTS) & _POLLIN:
+                break
+        self._store(now)
+        if protocol.acks_due_now():
+            mailbox.due_now()  # sent by this holder before it lets go, after its get took its item
+        elif protocol.owes_acks():
+            mailbox.arm(now)
+
+    def _store(self, now: float) -> None:
+        """Put the arrivals read so far in the mailbox."""
+        protocol = self._protocol
+        if protocol.arrivals:
+            arrivals, protocol.arrivals = protocol.arrivals, []
+            self._mailbox.store(arrivals, now)
+
+    def settle(self) -> bool:
+        """Send the acks due, and read until ZeroMQ holds nothing for us; True if it does.
+
+        A few drains at most: False leaves more queued (the caller hands it to the driver's next turn).
+        """
+        events, mailbox = self._sock.get, self._mailbox
+        for _ in range(_SETTLE_ROUNDS):
+            if mailbox.closed:
+                return True
+            due = mailbox.flush_due
+            if due is not None and due <= time.monotonic():
+                self.flush()
+            if not events(_EVENTS) & _POLLIN:
+                return True
+            self.read(None)
+        return False
+
+    def flush(self) -> None:
+        """Send every acknowledgement owed."""
+        self._protocol.taken(*self._mailbox.handover(flushing=True))
+        self.send(self._protocol.flush())
+
+    def send(self, replies: Iterable[Reply]) -> None:
+        sock, sent = self._sock, self._protocol.sent
+        for reply in replies:
+            try:
+                sock.send_multipart([reply.identity, reply.frame], zmq.NOBLOCK)
+                routed = True
+            except zmq.ZMQError:  # unroutable (a sender whose control socket is not connected yet, or gone) or full
+                routed = False
+            sent(reply, routed)
+
+    def close(self) -> None:
+        """The last acknowledgements (every consumption not yet confirmed), then the socket."""
+        if self._stop_refusals is not None:
+            self._stop_refusals()
+        self.flush()
+        self.send(self._protocol.last_words())
+        close_bound(self._sock, self.endpoint, linger_ms=200)
