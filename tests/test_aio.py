@@ -309,7 +309,8 @@ async def test_get_cancelled_after_its_item_was_taken_hands_it_back() -> None:
 async def test_pull_mode_item_served_after_cancel_is_handed_back(short_tmp: Path) -> None:
     async with pair("zmq-pull", short_tmp) as (put_side, get_side, edge):
         task = asyncio.create_task(get_side.get(*edge, "late", timeout=30))
-        while not any(chan.fetches for chans in get_side._channels.values() for chan in chans):
+        # A waiting pull-mode get has sent its FETCH (both happen before its first await).
+        while get_side.health()["aio_gets_waiting"] < 1:
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

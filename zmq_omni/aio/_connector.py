@@ -22,10 +22,8 @@ How a waiting call wakes (nothing polls, no thread waits for it):
   only, and resolves their futures. Thousands of waiting gets are thousands of
   futures in a dict, and one file descriptor.
 * **get, ZeroMQ pull mode** -- items never arrive by themselves there: each get
-  sends a FETCH that the sender parks until the put (a long poll) on one
-  DEALER per sender endpoint (a :class:`~zmq_omni.transport.FetchChannel`),
-  whose ZeroMQ descriptor is registered with the loop; replies are matched to
-  waiters by request id.
+  sends a FETCH that the sender parks until the put (a long poll), on a
+  channel whose ZeroMQ descriptor is registered with the loop (``_fetches``).
 * **put** -- ``connector.try_put`` admits the put without waiting; when the
   window is full the put queues (first come, first served) and is retried
   when the watch reports that room freed.
@@ -39,7 +37,8 @@ item the sender serves after its get was cancelled or timed out is handed
 back the same way. A put cancelled while it waits for room is not made.
 
 Who owns what: every field is touched on the event loop's thread only (the
-watch's own lock covers its notifications from other threads).
+watch's own lock covers its notifications from other threads). The waiting
+calls' bookkeeping is in ``_waiters``, closing the wrapped connector in ``_closing``.
 """
 
 from __future__ import annotations
@@ -48,64 +47,27 @@ import asyncio
 import contextlib
 import logging
 import math
-import threading
 import warnings
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 from ..config import ConnectorSpec
-from ..connectors import Lingering, OmniConnectorBase, OmniConnectorFactory, create_connector
+from ..connectors import OmniConnectorBase, OmniConnectorFactory, create_connector
 from ..connectors.base import MAX_WAIT_S, ArrivalWatch, Slot, bounded_timeout
+from ._closing import close_in_thread, close_without_linger
 from ._driver import LoopDriver
 from ._expiry import Deadlines
+from ._fetches import Fetches
+from ._waiters import GetWaiter, GetWaiters, HandedBack, Metadata, PutLine, PutResult, PutWaiter
 
 __all__ = ["AsyncConnector"]
 
 log = logging.getLogger("zmq_omni.aio")
 
-_LONG_POLL_S = 3600.0  # what a pull-mode FETCH asks the sender to park at most (its own cap)
-_REFETCH_S = 0.05  # a FETCH the sender would not park is asked again after this
-_HANDED_BACK_MAX = 65_536  # items handed back and not taken again; beyond it the oldest are dropped (logged)
 # An awaited flush looks again this often between the acknowledgements' wake-ups (a pull server's
 # replies that finished leaving wake nobody).
 _FLUSH_SLICE_S = 0.01
-
-PutResult = tuple[bool, int, "dict[str, Any] | None"]
-Metadata = dict[str, Any] | None
-
-
-@dataclass(eq=False, slots=True)
-class _GetWaiter:
-    fut: asyncio.Future[tuple[Any, int] | None]
-    slot: Slot
-    metadata: dict[str, Any] | None
-
-
-@dataclass(eq=False, slots=True)
-class _PutWaiter:
-    fut: asyncio.Future[PutResult]
-    args: tuple[str, str, str, Any]
-
-
-@dataclass(eq=False, slots=True)
-class _Fetch:
-    """A FETCH sent on a channel and not answered yet (its waiter may be gone: then the item is handed back)."""
-
-    slot: Slot
-    endpoint: str
-    waiter: _GetWaiter | None
-    deadline: float | None  # the waiter's (loop time); None: wait as long as it takes
-    parked_until: float  # an "absent" answer before this time means the sender did not park the FETCH
-
-
-@dataclass(eq=False)
-class _Channel:
-    channel: Any  # a FetchChannel
-    fd: int
-    fetches: dict[int, _Fetch] = field(default_factory=dict)
 
 
 class AsyncConnector:
@@ -132,20 +94,17 @@ class AsyncConnector:
         self._watch: ArrivalWatch | None = None
         self.connector = connector
         self._close_connector = close_connector
-        self._gets: dict[Slot, deque[_GetWaiter]] = {}
-        self._puts: deque[_PutWaiter] = deque()
-        self._handed_back: dict[Slot, deque[tuple[Any, int]]] = {}
-        self._handed_back_count = 0
+        self._gets = GetWaiters()
+        self._handed_back = HandedBack()
         self._try_put: Callable[..., PutResult | None] | None = getattr(connector, "try_put", None)
+        self._puts = PutLine(self._try_put)
         self._pull = bool(getattr(connector, "pull_receiver", False))
-        # A pull-mode ZmqConnector (fetch_route, open_fetch_channel, fetch_done), or None.
-        self._fetcher: Any = connector if self._pull else None
-        self._ctx: Any = None  # the pull channels' ZeroMQ context (ours: closing the connector never closes them)
-        # Per sender endpoint, the channels: each holds fewer FETCHes in flight than half the high-water
-        # mark, since the sender's ROUTER cannot queue more replies to one DEALER than that (it keeps the
-        # payload and the FETCH would go unanswered). 5,000 waiting gets on one sender are ten DEALERs.
-        self._channels: dict[str, list[_Channel]] = {}
-        self._per_channel = max(1, int(getattr(getattr(connector, "config", None), "hwm", 1000)) // 2)
+        # A pull-mode ZmqConnector's FETCH channels, per sender endpoint: each holds fewer FETCHes in
+        # flight than half the high-water mark, since the sender's ROUTER cannot queue more replies to
+        # one DEALER than that (it keeps the payload and the FETCH would go unanswered). 5,000 waiting
+        # gets on one sender are ten DEALERs.
+        per_channel = max(1, int(getattr(getattr(connector, "config", None), "hwm", 1000)) // 2)
+        self._fetches = Fetches(connector, per_channel, self._hand_back) if self._pull else None
         # A ZmqConnector's get by key that never waits (its get would, for a put of this process on its
         # way there): the look of every awaited get. None: the backend's get never waits by key.
         self._nowait: Callable[[str, str, str], tuple[Any, int] | None] | None = (
@@ -154,7 +113,7 @@ class AsyncConnector:
         # The connector's sockets belong to this loop (a ZmqConnector built with a LoopDriver).
         driver = getattr(connector, "driver", None)
         self._driver: LoopDriver | None = driver if isinstance(driver, LoopDriver) else None
-        self._expiries: Deadlines[_GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
+        self._expiries: Deadlines[GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
         self._flushing = 0  # awaited flushes in progress (they want the watch's room notices too)
         self._acked: asyncio.Event | None = None  # set by room notices while a flush waits
         watch = connector.watch_arrivals()
@@ -255,60 +214,24 @@ class AsyncConnector:
             return (False, 0, None)  # this wrapper closes (aclose lingers): the put is not made
         if timeout is None:
             timeout = float(getattr(getattr(self.connector, "config", None), "put_timeout_s", math.inf))
-        waiter = _PutWaiter(loop.create_future(), args)
-        self._puts.append(waiter)
+        waiter = PutWaiter(loop.create_future(), args)
+        self._puts.add(waiter)
         if len(self._puts) == 1 and self._watch is not None:
             # Hear of room from now on, then try again: room freed since the first try is not missed.
             self._watch.want_room(True)
-            self._serve_puts()
+            self._puts.serve()
             if waiter.fut.done():
                 return waiter.fut.result()
-        timer = loop.call_later(min(max(timeout, 0.0), MAX_WAIT_S), self._put_timed_out, waiter)
+        timer = loop.call_later(min(max(timeout, 0.0), MAX_WAIT_S), self._puts.timed_out, waiter)
         try:
             return await waiter.fut
         finally:
             timer.cancel()
             if not waiter.fut.done():
                 waiter.fut.cancel()
-            with contextlib.suppress(ValueError):
-                self._puts.remove(waiter)
-            if self._puts:
-                self._serve_puts()  # a waiter ahead that left may have been holding the others back
-
-    def _serve_puts(self) -> None:
-        """Admit waiting puts in order while the window takes them."""
-        try_put = self._try_put
-        assert try_put is not None
-        puts = self._puts
-        while puts:
-            waiter = puts[0]
-            if waiter.fut.done():
-                puts.popleft()
-                continue
-            try:
-                got = try_put(*waiter.args)
-            except Exception as exc:  # a programming error of that put (its payload): its caller gets it
-                puts.popleft()
-                waiter.fut.set_exception(exc)
-                continue
-            if got is None:
-                return
-            puts.popleft()
-            waiter.fut.set_result(got)
-
-    def _put_timed_out(self, waiter: _PutWaiter) -> None:
-        if waiter.fut.done():
-            return
-        with contextlib.suppress(ValueError):
             self._puts.remove(waiter)
-        assert self._try_put is not None
-        # One last try that, without room, fails the put as put_timeout_s does in the blocking put.
-        try:
-            got = self._try_put(*waiter.args, True)
-        except Exception as exc:
-            waiter.fut.set_exception(exc)
-            return
-        waiter.fut.set_result(got if got is not None else (False, 0, None))
+            if self._puts:
+                self._puts.serve()  # a waiter ahead that left may have been holding the others back
 
     # -- get ------------------------------------------------------------------------------
     async def get(
@@ -344,7 +267,7 @@ class AsyncConnector:
             return None
         slot = (str(from_stage), str(to_stage), str(get_key))
         if self._handed_back:
-            kept = self._take_handed_back(slot)
+            kept = self._handed_back.take(slot)
             if kept is not None:
                 return kept
         if not self._pull:  # the common case first: the item is there (a closed connector returns None)
@@ -356,11 +279,8 @@ class AsyncConnector:
         if self.connector.closed or (timeout is not None and timeout <= 0 and not self._pull):
             return None
         deadline = None if timeout is None else loop.time() + min(max(timeout, 0.0), MAX_WAIT_S)
-        waiter = _GetWaiter(loop.create_future(), slot, metadata)
-        waiters = self._gets.get(slot)
-        if waiters is None:
-            waiters = self._gets[slot] = deque()
-        waiters.append(waiter)
+        waiter = GetWaiter(loop.create_future(), slot, metadata)
+        self._gets.add(waiter)
         expiry = deadline
         if self._pull and deadline is not None:
             # A pull-mode look is a round trip (as the blocking get's): give its answer time to come back.
@@ -368,8 +288,8 @@ class AsyncConnector:
             expiry = max(deadline, loop.time() + fetch_s) if timeout == 0 else deadline
         timer = None if expiry is None else self._expiries.add(loop, expiry, waiter)
         try:
-            if self._pull:
-                self._fetch(waiter, deadline)
+            if self._fetches is not None:
+                self._fetches.fetch(loop, waiter, deadline)
             return await waiter.fut
         except asyncio.CancelledError:
             if waiter.fut.done() and not waiter.fut.cancelled():
@@ -382,19 +302,10 @@ class AsyncConnector:
                 self._expiries.discard(timer)
             if not waiter.fut.done():
                 waiter.fut.cancel()
-            if waiter.slot in self._gets:  # (a resolved waiter is already out)
-                self._forget_waiter(waiter)
+            if self._gets.waits(waiter.slot):  # (a resolved waiter is already out)
+                self._gets.forget(waiter)
 
-    def _forget_waiter(self, waiter: _GetWaiter) -> None:
-        waiters = self._gets.get(waiter.slot)
-        if waiters is None:
-            return
-        with contextlib.suppress(ValueError):
-            waiters.remove(waiter)
-        if not waiters:
-            del self._gets[waiter.slot]
-
-    def _get_timed_out(self, waiter: _GetWaiter) -> None:
+    def _get_timed_out(self, waiter: GetWaiter) -> None:
         if not waiter.fut.done():
             if not self._pull:
                 # One last look: an arrival whose wake-up is still on its way is not missed.
@@ -404,41 +315,10 @@ class AsyncConnector:
                     return
             waiter.fut.set_result(None)
 
-    def _take_handed_back(self, slot: Slot) -> tuple[Any, int] | None:
-        kept = self._handed_back.get(slot)
-        if not kept:
-            return None
-        got = kept.popleft()
-        self._handed_back_count -= 1
-        if not kept:
-            del self._handed_back[slot]
-        return got
-
     def _hand_back(self, slot: Slot, got: tuple[Any, int]) -> None:
         """Keep an item taken for a get that is gone; a waiting get of its address takes it at once."""
-        if self._deliver(slot, got):
-            return
-        if self._handed_back_count >= _HANDED_BACK_MAX:
-            oldest = next(iter(self._handed_back))
-            self._take_handed_back(oldest)
-            log.warning("dropped an item of %s handed back by a cancelled get: %d are kept", oldest, _HANDED_BACK_MAX)
-        self._handed_back.setdefault(slot, deque()).append(got)
-        self._handed_back_count += 1
-
-    def _deliver(self, slot: Slot, got: tuple[Any, int]) -> bool:
-        """Give ``got`` to the first live waiter of ``slot`` (it leaves the queue); False when there is none."""
-        waiters = self._gets.get(slot)
-        if waiters is None:
-            return False
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.fut.done():
-                waiter.fut.set_result(got)
-                if not waiters:
-                    del self._gets[slot]
-                return True
-        del self._gets[slot]
-        return False
+        if not self._gets.deliver(slot, got):
+            self._handed_back.keep(slot, got)
 
     # -- wake-ups (loop thread) --------------------------------------------------------------
     def _on_wake(self) -> None:
@@ -455,7 +335,7 @@ class AsyncConnector:
             self._arrived(arrived)
         if room:
             if self._puts:
-                self._serve_puts()
+                self._puts.serve()
             if not self._puts and not self._flushing:  # (set again by the next put that finds no room)
                 watch.want_room(False)
 
@@ -471,31 +351,9 @@ class AsyncConnector:
 
     def _arrived(self, arrived: list[Slot] | None) -> None:
         """Resolve the waiters of the addresses that ``arrived`` (None: of every address)."""
-        gets = self._gets
-        if self._pull or not gets:
+        if self._pull or not self._gets:
             return
-        if arrived is None:
-            slots: list[Slot] = list(gets)
-        elif len(arrived) == 1:  # a lone message (what a round trip waits for)
-            slots = arrived
-        else:
-            slots = [slot for slot in dict.fromkeys(arrived) if slot in gets]
-        for slot in slots:
-            waiters = gets.get(slot)
-            if waiters is None:
-                continue
-            while waiters:
-                waiter = waiters[0]
-                if waiter.fut.done():
-                    waiters.popleft()
-                    continue
-                got = self._look(slot, waiter.metadata)
-                if got is None:
-                    break
-                waiters.popleft()
-                waiter.fut.set_result(got)
-            if not waiters:
-                gets.pop(slot, None)
+        self._gets.resolve(arrived, self._look)
 
     def _look(self, slot: Slot, metadata: Metadata) -> tuple[Any, int] | None:
         """The connector's non-blocking get, as this wrapper's looks make it (``slot`` is of strings).
@@ -510,83 +368,9 @@ class AsyncConnector:
 
     def _wake_all(self) -> None:
         """Closed: every waiting get gets None, every waiting put fails (as a put on a closed connector)."""
-        for waiters in list(self._gets.values()):
-            for waiter in waiters:
-                if not waiter.fut.done():
-                    waiter.fut.set_result(None)
-        self._gets.clear()
-        puts, self._puts = self._puts, deque()
-        for put in puts:
-            if put.fut.done():
-                continue
-            try:  # on a closed connector put counts and keeps the failure, as it does for any caller
-                put.fut.set_result(self.connector.put(*put.args) if self.connector.closed else (False, 0, None))
-            except Exception as exc:
-                put.fut.set_exception(exc)
-
-    # -- pull mode -----------------------------------------------------------------------------
-    def _fetch(self, waiter: _GetWaiter, deadline: float | None) -> None:
-        """Send (or send again) the FETCH of a waiting pull-mode get."""
-        assert self._loop is not None
-        if waiter.fut.done():
-            return
-        from_stage, to_stage, key = waiter.slot
-        route = self._fetcher.fetch_route(from_stage, to_stage, key, waiter.metadata)
-        if route is None:  # refused (a plaintext endpoint off the host): recorded by the connector
-            waiter.fut.set_result(None)
-            return
-        endpoint, server_key = route
-        chan = self._channel(endpoint, server_key)
-        # The server answers "not found" a little before the deadline, so the reply is in by then.
-        wait_s = _LONG_POLL_S if deadline is None else max(0.0, (deadline - self._loop.time()) * 0.8)
-        try:
-            req_id = chan.channel.send(from_stage, to_stage, key, wait_s)
-        except Exception as exc:
-            waiter.fut.set_result(self._fetcher.fetch_done(from_stage, to_stage, key, endpoint, exc))
-            return
-        chan.fetches[req_id] = _Fetch(waiter.slot, endpoint, waiter, deadline, self._loop.time() + wait_s / 2)
-        self._on_channel(chan)  # ZeroMQ's descriptor is edge-triggered: look once after each send
-
-    def _channel(self, endpoint: str, server_key: bytes | None) -> _Channel:
-        """A channel to ``endpoint`` with room for one more FETCH (opened when all are at their share)."""
-        chans = self._channels.setdefault(endpoint, [])
-        for chan in chans:
-            if len(chan.fetches) < self._per_channel:
-                return chan
-        if self._ctx is None:
-            import zmq
-
-            self._ctx = zmq.Context(io_threads=1)
-        channel = self._fetcher.open_fetch_channel(self._ctx, endpoint, server_key)
-        chan = _Channel(channel, channel.fileno())
-        chans.append(chan)
-        assert self._loop is not None
-        self._loop.add_reader(chan.fd, self._on_channel, chan)
-        return chan
-
-    def _on_channel(self, chan: _Channel) -> None:
-        for req_id, result in chan.channel.replies():
-            fetch = chan.fetches.pop(req_id, None)
-            if fetch is None:
-                continue  # an answer to a FETCH of a channel reopened since
-            got = self._fetcher.fetch_done(*fetch.slot, fetch.endpoint, result)
-            waiter = fetch.waiter
-            if got is not None:
-                if waiter is not None and not waiter.fut.done():
-                    waiter.fut.set_result(got)
-                else:
-                    self._hand_back(fetch.slot, got)
-            elif waiter is not None and not waiter.fut.done():
-                assert self._loop is not None
-                now = self._loop.time()
-                if result is None and (fetch.deadline is None or fetch.deadline > now):
-                    if now < fetch.parked_until:
-                        # Answered at once: the sender parks no more FETCHes now. Ask again a little later.
-                        self._loop.call_later(_REFETCH_S, self._fetch, waiter, fetch.deadline)
-                    else:
-                        self._fetch(waiter, fetch.deadline)  # the server's long poll ended first: ask again
-                else:
-                    waiter.fut.set_result(None)
+        self._gets.wake_all()
+        # On a closed connector put counts and keeps the failure, as it does for any caller.
+        self._puts.fail_all(self.connector.put if self.connector.closed else None)
 
     # -- flushing and closing -------------------------------------------------------------------
     async def flush(self, timeout_s: float) -> bool:
@@ -653,24 +437,9 @@ class AsyncConnector:
         if connector is None:
             return
         if self._driver is not None:
-            _close_without_linger(connector)  # here: the driver stops on this loop's thread
+            close_without_linger(connector)  # here: the driver stops on this loop's thread
             return
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def finish() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        def close() -> None:
-            try:
-                connector.close()
-            finally:
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(finish)
-
-        threading.Thread(target=close, name="zmq-omni-aio-close", daemon=True).start()
-        await done
+        await close_in_thread(connector)
 
     def close(self) -> None:
         """Synchronous :meth:`aclose` (for code outside the loop, after it ended); blocks while the connector closes.
@@ -688,15 +457,8 @@ class AsyncConnector:
     def _release(self) -> OmniConnectorBase | None:
         """Let go of this wrapper's own resources; the connector when the caller must close it."""
         loop = self._loop if self._loop is not None and not self._loop.is_closed() else None
-        for chans in self._channels.values():
-            for chan in chans:
-                if loop is not None:
-                    loop.remove_reader(chan.fd)
-                chan.channel.close()
-        self._channels.clear()
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        if self._fetches is not None:
+            self._fetches.close(loop)
         self._expiries.close()
         watch, self._watch = self._watch, None
         if watch is not None:
@@ -732,15 +494,7 @@ class AsyncConnector:
     def health(self) -> dict[str, Any]:
         """The connector's ``health()`` plus this wrapper's waiters (``aio_gets_waiting``, ``aio_puts_waiting``)."""
         base = self.connector.health()
-        base["aio_gets_waiting"] = sum(len(w) for w in self._gets.values())
+        base["aio_gets_waiting"] = self._gets.count()
         base["aio_puts_waiting"] = len(self._puts)
-        base["aio_handed_back"] = self._handed_back_count
+        base["aio_handed_back"] = self._handed_back.count
         return base
-
-
-def _close_without_linger(connector: OmniConnectorBase) -> None:
-    """Close a connector whose acknowledgements were already waited for (on the loop)."""
-    if isinstance(connector, Lingering):
-        connector.close_with_linger(0.0)
-    else:
-        connector.close()

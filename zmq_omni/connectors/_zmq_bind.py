@@ -1,0 +1,155 @@
+"""Binding a :class:`~zmq_omni.connectors.zmq.ZmqConnector`'s endpoint: the bound part and its settings.
+
+The bound part (a push receiver or a pull server) lives in a :class:`SharedEndpoint`
+held by every connector of this process bound at that address; the connectors on
+it must agree on the settings in :data:`BOUND_SETTINGS`. Plain functions: the
+connector hands them what they use.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..config.zmq import ZmqConnectorConfig
+from ..transport import Curve, Driver, IoLoop, PullServer, PushReceiver, ShmReceive, ShmSend
+from ..wire import DecodeLimits, decode_each
+from ._shared_endpoint import SharedEndpoint
+
+#: Most frames one message may have (a receiver refuses more; its decode limits say the same).
+MAX_FRAMES = 65536
+
+#: The settings a bound part uses, by mode: connectors sharing an endpoint must agree on these
+#: (and on the mode); the rest (send side, timeouts of gets, endpoints of other stages) may differ.
+_BOUND_COMMON = ("mode", "hwm", "shm", "shm_dir", "curve_secret_key", "curve_public_key", "curve_allowed_clients")
+BOUND_SETTINGS: dict[str, tuple[str, ...]] = {
+    "push": (
+        *_BOUND_COMMON,
+        "max_message_bytes",
+        "max_header_depth",
+        "max_header_objects",
+        "allow_pickle",
+        "decode_device",
+        "peer_timeout_s",
+        "unclaimed_ttl_s",
+        "ack_delay_s",
+        "tombstone_ttl_s",
+        "max_tombstones",
+    ),
+    "pull": (
+        *_BOUND_COMMON,
+        "put_timeout_s",
+        "pull_ttl_s",
+        "max_unacked",
+        "max_unacked_bytes",
+        "shm_threshold",
+        "shm_pool_max_bytes",
+        "shm_min_free_bytes",
+        "shm_ttl_s",
+    ),
+}
+
+
+def shm_pool(cfg: ZmqConnectorConfig, loop: Driver) -> ShmSend:
+    """A sending shared-memory pool as configured, reaped every second on ``loop``."""
+    pool = ShmSend(
+        directory=cfg.shm_dir,
+        threshold=cfg.shm_threshold,
+        max_bytes=cfg.shm_pool_max_bytes,
+        min_free_bytes=cfg.shm_min_free_bytes,
+        ttl_s=cfg.shm_ttl_s,
+    )
+    loop.every(1.0, pool.reap)
+    return pool
+
+
+def open_endpoint(
+    cfg: ZmqConnectorConfig,
+    stage: str,
+    bind_at: str,
+    advertised: str | None,
+    agreed: Any,
+    *,
+    driver: Driver,
+    curve: Curve | None,
+    decode: Callable[[list[Any]], Any],
+    limits: DecodeLimits,
+    device: Any,
+) -> SharedEndpoint:
+    """Bind a new :class:`SharedEndpoint` for ``stage`` at ``bind_at``, driven by its own I/O thread (started).
+
+    A connector driven by an event loop (``driver`` is not threaded) binds one on its own driver
+    instead, that no other connector shares. ``cfg``, ``curve``, ``decode``, ``limits`` and
+    ``device`` are the binding connector's; ``agreed`` the settings its sharers must agree on.
+    """
+    threaded = driver.threaded
+    # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
+    own_context = curve is not None and curve.allowed_clients is not None
+    loop = IoLoop(f"zmq-omni-bound-{stage}", private_context=own_context) if threaded else driver
+    fast_path = cfg.shm != "off"
+    shm_receive: ShmReceive | None = None
+    shm_send: ShmSend | None = None
+    try:
+        if fast_path and cfg.mode == "push":
+            shm_receive = ShmReceive(directory=cfg.shm_dir)
+        if fast_path and cfg.mode == "pull":
+            shm_send = shm_pool(cfg, loop)
+        if curve is not None:
+            auth = curve.start_authenticator(loop.ctx)
+            if auth is not None:
+                loop.on_term(auth.stop)
+        shared = SharedEndpoint(
+            bind_at, agreed, loop, shm_receive=shm_receive, shm_send=shm_send, exclusive=not threaded
+        )
+        if cfg.mode == "push":
+            shared.part = PushReceiver(
+                loop,  # type: ignore[arg-type]  # (PushReceiver's annotation names IoLoop; any Driver drives it)
+                bind_at,
+                incarnation=uuid.uuid4().hex[:16],
+                decode=decode,
+                decode_each=functools.partial(decode_each, allow_pickle=cfg.allow_pickle, limits=limits, device=device),
+                hwm=cfg.hwm,
+                max_message_bytes=cfg.max_message_bytes,
+                max_frames=MAX_FRAMES,
+                source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
+                counters=shared.counters,
+                unclaimed_ttl_s=cfg.unclaimed_ttl_s,
+                ack_delay_s=cfg.ack_delay_s,
+                tombstone_ttl_s=cfg.tombstone_ttl_s,
+                max_tombstones=cfg.max_tombstones,
+                health=shared.health,
+                curve=curve,
+                shm=shm_receive,
+                getters_read=threaded,  # a loop's socket is read on the loop only
+            )
+        else:
+            fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
+            shared.part = PullServer(
+                loop,
+                bind_at,
+                fixed,
+                put_timeout_s=cfg.put_timeout_s,
+                ttl_s=cfg.pull_ttl_s,
+                max_unacked=cfg.max_unacked,
+                max_unacked_bytes=cfg.max_unacked_bytes,
+                hwm=cfg.hwm,
+                max_frames=MAX_FRAMES,
+                counters=shared.counters,
+                on_failure=shared.on_owned_failure,
+                health=shared.health,
+                curve=curve,
+                shm=shm_send,
+                owner_of=shared.owner_of,
+            )
+        if threaded:
+            loop.start()
+    except BaseException:
+        if threaded:
+            loop.stop(timeout=1.0)
+        for shm in (shm_send, shm_receive):
+            if shm is not None:
+                shm.close()
+        raise
+    return shared
