@@ -51,6 +51,7 @@ _POLLIN = int(zmq.POLLIN)
 _FD = int(zmq.FD)
 # A foreign thread's stop() checks this often whether the loop it handed the stop to still runs.
 _STOP_SLICE_S = 0.05
+_FAILED_RETRY_S = 0.05  # a handler that raised is served again after this, not at once
 
 
 class _Reader:
@@ -159,7 +160,12 @@ class LoopDriver(Driver):
         self.call_soon(_nothing)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop's thread on its next turn (any thread; before attaching: once attached)."""
+        """Run ``fn`` on the loop's thread on its next turn (any thread; before attaching: once attached).
+
+        Nothing once stopped: what it would have done went with the sockets.
+        """
+        if self._stopped:
+            return
         self._calls.append(fn)
         loop = self._loop
         if loop is None or self._stopped:
@@ -225,9 +231,9 @@ class LoopDriver(Driver):
                 return
             self._stopped = True
             self._started = True
-            calls, self._calls = self._calls, deque()
-            for fn in calls:  # handed over before the stop: they may open what the hooks close
-                self._guard(fn)
+            calls = self._calls
+            while calls:  # handed over before the stop: they may open what the hooks close
+                self._guard(calls.popleft())
             for fn in self._on_stop:
                 self._guard(fn)
             loop = self._loop
@@ -326,7 +332,33 @@ class LoopDriver(Driver):
             return
         sock = reader.sock
         if sock is None or self._holds_messages(sock):  # (the look also resets ZeroMQ's descriptor)
-            self._run(reader.handler)
+            try:
+                reader.handler()
+            except Exception:
+                log.exception(
+                    "%s: handler %r failed; its descriptor is looked at again in %ss",
+                    self._name,
+                    reader.handler,
+                    _FAILED_RETRY_S,
+                )
+                self._back_off(reader)
+            if self._sockets:
+                self._look_at_sockets()
+
+    def _back_off(self, reader: _Reader) -> None:
+        """A handler failed with its descriptor still readable: serving it again at once would spin the loop."""
+        assert self._loop is not None
+        reader.queued = True  # (no look re-queues it meanwhile)
+        self._loop.remove_reader(reader.fd)
+        self._loop.call_later(_FAILED_RETRY_S, self._resume_reader, reader)
+
+    def _resume_reader(self, reader: _Reader) -> None:
+        reader.queued = False
+        key = reader.sock if reader.sock is not None else reader.fd
+        if self._stopped or self._loop is None or self._readers.get(key) is not reader:
+            return
+        self._loop.add_reader(reader.fd, self._on_readable, reader)
+        self._on_readable(reader)
 
     def _run(self, fn: Callable[[], None]) -> None:
         """Run a callback, then look at every socket it may have used (see the module docstring)."""
