@@ -282,3 +282,23 @@ def test_a_flush_racing_close_says_what_close_could_not_confirm(
     assert flushed == [False]  # close() reported the five: the flush did not see them delivered
     assert sorted(f.key for f in sender.drain_failures()) == [f"k{i}" for i in range(5)]
     assert sender.flush(0.1) is False
+
+
+def test_calls_on_a_closed_connector_write_to_no_file_that_reuses_its_descriptors(short_tmp: Path) -> None:
+    # A closed connector's descriptors (the I/O threads' wake-ups) are closed; files opened afterwards
+    # take their numbers. Calls on the closed connector must not write into those files.
+    receiver = ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": f"ipc://{short_tmp}/r.sock"}})
+    receiver.close()
+    files = [open(short_tmp / f"f{i}", "wb+") for i in range(64)]  # noqa: SIM115 (closed below)
+    try:
+        watch = receiver.watch_arrivals()
+        watch.close()
+        assert receiver.get("0", "1", "k") is None
+        receiver.cleanup("k")
+        time.sleep(0.05)
+        for f in files:
+            f.seek(0)
+            assert f.read() == b"", f"{f.name} was written to"
+    finally:
+        for f in files:
+            f.close()
