@@ -68,7 +68,8 @@ class Mailbox:
         self._tombs = Tombstones(tombstone_ttl_s, max_tombstones)
         self._consumed: list[tuple[str, int]] = []  # for the protocol: taken by gets or replaced by re-puts
         self._dropped: list[tuple[str, int, int]] = []  # for the protocol: dropped unconsumed, with a DROPPED_* code
-        self._taken_bytes = 0
+        self._taken_bytes = 0  # taken since the last handover (the protocol's count)
+        self._heavy_bytes = 0  # taken since the last prompt flush they caused (ACK_BYTES)
         self._on_armed = on_armed
         #: When the acknowledgement of what left the mailbox is due (None: nothing owed).
         self.flush_due: float | None = None
@@ -172,9 +173,11 @@ class Mailbox:
         self.gets += 1
         self.bytes_taken += item.nbytes
         self._taken_bytes += item.nbytes
-        if self._taken_bytes >= ACK_BYTES and self.flush_due != 0.0:
-            # Large items read before their gets came (their arrival acks are out): their consumption
-            # is acknowledged now, not ack_delay_s later.
+        self._heavy_bytes += item.nbytes
+        if self._heavy_bytes >= ACK_BYTES:
+            # Every ACK_BYTES of payload taken is acknowledged now, not ack_delay_s later, whatever
+            # flushes happened meanwhile: their senders keep each item until they hear it consumed.
+            self._heavy_bytes = 0
             self.flush_due = 0.0
             self._on_armed()
         else:
