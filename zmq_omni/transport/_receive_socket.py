@@ -127,13 +127,13 @@ class ReceiveSocket:
             arrivals, protocol.arrivals = protocol.arrivals, []
             self._mailbox.store(arrivals, now)
 
-    def settle(self) -> bool:
+    def settle(self, rounds: int = _SETTLE_ROUNDS) -> bool:
         """Send the acks due, and read until ZeroMQ holds nothing for us; True if it does.
 
         A few drains at most: False leaves more queued (the caller hands it to the driver's next turn).
         """
         events, mailbox = self._sock.get, self._mailbox
-        for _ in range(_SETTLE_ROUNDS):
+        for _ in range(rounds):
             if mailbox.closed:
                 return True
             due = mailbox.flush_due

@@ -59,7 +59,7 @@ from ..metrics import Counters
 from ._loop import Driver
 from ._mailbox import Mailbox
 from ._receive_protocol import Item, Slot
-from ._receive_socket import ReceiveSocket
+from ._receive_socket import _SETTLE_ROUNDS, ReceiveSocket
 from ._security import Curve
 from ._shm import ShmReceive
 from ._thread_driver import Holder, SocketOwner
@@ -303,7 +303,8 @@ class PushReceiver:
                 return
             owner.parked = False
             self._watch()
-            if not self._rs.settle():
+            # An event loop runs its other callbacks between drains (a flood must not stall it).
+            if not self._rs.settle(_SETTLE_ROUNDS if self._getters_read else 1):
                 self._loop.call_soon(self._drive)  # a flood: the rest on the driver's next turn
         except BaseException:  # (logged by the driver) the signal may be spent: look again a moment later
             self._loop.call_later(self._reclaim_s, self._drive)
