@@ -60,17 +60,18 @@ class ReceiveSocket:
     ) -> None:
         self._mailbox = mailbox
         self._stop_refusals: Callable[[], None] | None = None
-        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
+        #: The ROUTER itself: for its holder only (a reading getter polls it).
+        self.socket = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
         try:
             if curve is not None:
-                curve.make_server(self._sock)
+                curve.make_server(self.socket)
                 # Stopped by whoever closes the socket, holding it (the monitor is the socket's too).
-                self._stop_refusals = watch_refusals(loop, self._sock, counters, stop_on_stop=False)
-            self.endpoint = bind(self._sock, bind_endpoint)
+                self._stop_refusals = watch_refusals(loop, self.socket, counters, stop_on_stop=False)
+            self.endpoint = bind(self.socket, bind_endpoint)
         except BaseException:
             if self._stop_refusals is not None:
                 self._stop_refusals()
-            close_socket(self._sock)
+            close_socket(self.socket)
             raise
         self.protocol = ReceiveProtocol(
             endpoint=self.endpoint,
@@ -84,11 +85,8 @@ class ReceiveSocket:
             shm=shm,
             handover=mailbox.handover,
         )
-        self._protocol = self.protocol
-        #: The ROUTER itself: for its holder only (a reading getter polls it).
-        self.socket = self._sock
         #: ZeroMQ's descriptor for the socket: polling it touches no socket (the driver watches it).
-        self.fd: int = self._sock.getsockopt(zmq.FD)
+        self.fd: int = self.socket.getsockopt(zmq.FD)
 
     def read(self, want_key: str | None) -> None:
         """Read what is queued, at most one drain.
@@ -96,7 +94,7 @@ class ReceiveSocket:
         A reading getter passes its key: the drain stops at a DATA of that key without asking
         ZeroMQ whether more is queued (about 1 us, on every lone message's critical path).
         """
-        sock, protocol, mailbox = self._sock, self._protocol, self._mailbox
+        sock, protocol, mailbox = self.socket, self.protocol, self._mailbox
         now = time.monotonic()
         receive, max_frames = protocol.receive, protocol.max_frames
         for _ in range(_MAX_DRAIN):
@@ -122,7 +120,7 @@ class ReceiveSocket:
 
     def _store(self, now: float) -> None:
         """Put the arrivals read so far in the mailbox."""
-        protocol = self._protocol
+        protocol = self.protocol
         if protocol.arrivals:
             arrivals, protocol.arrivals = protocol.arrivals, []
             self._mailbox.store(arrivals, now)
@@ -132,7 +130,7 @@ class ReceiveSocket:
 
         A few drains at most: False leaves more queued (the caller hands it to the driver's next turn).
         """
-        events, mailbox = self._sock.get, self._mailbox
+        events, mailbox = self.socket.get, self._mailbox
         for _ in range(rounds):
             if mailbox.closed:
                 return True
@@ -146,11 +144,11 @@ class ReceiveSocket:
 
     def flush(self) -> None:
         """Send every acknowledgement owed."""
-        self._protocol.taken(*self._mailbox.handover(flushing=True))
-        self.send(self._protocol.flush())
+        self.protocol.taken(*self._mailbox.handover(flushing=True))
+        self.send(self.protocol.flush())
 
     def send(self, replies: Iterable[Reply]) -> None:
-        sock, sent = self._sock, self._protocol.sent
+        sock, sent = self.socket, self.protocol.sent
         for reply in replies:
             try:
                 sock.send_multipart([reply.identity, reply.frame], zmq.NOBLOCK)
@@ -164,5 +162,5 @@ class ReceiveSocket:
         if self._stop_refusals is not None:
             self._stop_refusals()
         self.flush()
-        self.send(self._protocol.last_words())
-        close_bound(self._sock, self.endpoint, linger_ms=200)
+        self.send(self.protocol.last_words())
+        close_bound(self.socket, self.endpoint, linger_ms=200)
