@@ -531,6 +531,10 @@ def test_tombstones_cover_a_key_or_a_prefix_plus_digits_renew_on_each_drop_and_l
     tombs.bury(2.0, prefix="a")
     tombs.lift("a12")  # a get of a key under it: nobody may drop it any more
     assert not tombs.covers("a12", 2.1) and len(tombs) == 0
+    tombs.bury(3.0, key="a12", prefix="a", firm=True)  # a cleanup's: no get lifts it
+    tombs.bury(3.1, key="a12")  # renewed without firm: still firm
+    tombs.lift("a12")
+    assert tombs.covers("a12", 3.2) and tombs.covers("a7", 3.2) and tombs.buried(3.2) == [("a12", None), (None, "a")]
 
 
 def test_tombstones_past_their_bound_evict_the_one_that_lapses_first() -> None:
@@ -544,7 +548,7 @@ def test_tombstones_past_their_bound_evict_the_one_that_lapses_first() -> None:
 
 _TOMB_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["bury_key", "bury_prefix", "arrive", "lift", "lapse"]),
+        st.sampled_from(["bury_key", "bury_prefix", "bury_firm_key", "bury_firm_prefix", "arrive", "lift", "lapse"]),
         st.sampled_from(["k", "k1", "k12", "k1x", "1", ""]),
         st.floats(0.0, 0.7),
     ),
@@ -557,12 +561,14 @@ _TOMB_OPS = st.lists(
 def test_tombstones_match_a_model_of_buried_names(ops: list[tuple[str, str, float]], max_count: int) -> None:
     tombs = Tombstones(ttl_s=1.0, max_count=max_count)
     model: dict[tuple[str, str], float] = {}  # (kind, name) -> lapses at
+    firm: set[tuple[str, str]] = set()  # those no lift removes
     now = 0.0
 
     def lay(kind: str, name: str) -> None:
         model.pop((kind, name), None)
         model[(kind, name)] = now + 1.0
         while len(model) > max_count:  # the oldest laid or renewed goes (the first, in insertion order)
+            firm.discard(next(iter(model)))
             del model[next(iter(model))]
 
     def covering(key: str) -> tuple[str, str] | None:
@@ -579,6 +585,11 @@ def test_tombstones_match_a_model_of_buried_names(ops: list[tuple[str, str, floa
         elif op == "bury_prefix":
             tombs.bury(now, prefix=name)
             lay("prefix", name)
+        elif op.startswith("bury_firm_"):
+            kind = op.removeprefix("bury_firm_")
+            tombs.bury(now, firm=True, **{kind: name})
+            lay(kind, name)
+            firm.add((kind, name))
         elif op == "arrive":
             found = covering(name)
             assert tombs.covers(name, now) == (found is not None), (name, model)
@@ -587,11 +598,13 @@ def test_tombstones_match_a_model_of_buried_names(ops: list[tuple[str, str, floa
         elif op == "lift":
             tombs.lift(name)
             for entry in [e for e in model if e == ("key", name) or (e[0] == "prefix" and key_matches(name, e[1]))]:
-                del model[entry]
+                if entry not in firm:
+                    del model[entry]
         else:
             tombs.lapse(now)
             for entry in [e for e, t in model.items() if t <= now]:
                 del model[entry]
+                firm.discard(entry)
         assert len(tombs) <= max_count
         assert {n: covering(n) is not None for n in ("k", "k1", "k12", "1")} == {
             n: tombs._find(n, now) is not None for n in ("k", "k1", "k12", "1")

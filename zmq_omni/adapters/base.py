@@ -577,8 +577,9 @@ class OmniTransferAdapterBase(ABC):
     def _recv_after_get(self, target: RecvTarget) -> None:
         """Called after every blocking get of ``target`` (whether it returned an object or not).
 
-        A get lifts the connector's tombstones of its key; a subclass whose stream
-        of that key was given up while the get ran lays them again here.
+        A get may lift the connector's tombstones of its key (``ZmqConnector``: those of
+        ``abandon_get``, not a cleanup's); a subclass whose stream of that key was given
+        up while the get ran lays them again here.
         """
 
     @abstractmethod

@@ -782,12 +782,13 @@ class OmniChunkManager(OmniTransferAdapterBase):
     def _recv_after_get(self, target: RecvTarget) -> None:
         """Bury the stream of ``target`` again when it was given up while the get of ``target`` ran.
 
-        A get lifts the connector's tombstones covering its key (someone wants
-        it again). A cancel, release or failure that gave the stream up between
-        this worker choosing the key and its get returning laid those
-        tombstones first, so the get lifted them: the stream's later chunks
-        would then wait unclaimed in the connector until its
-        ``unclaimed_ttl_s`` instead of being dropped as cancelled.
+        A get may lift the connector's tombstones covering its key (someone wants
+        it again; ``ZmqConnector`` lifts ``abandon_get``'s, never those of
+        ``cleanup_prefix``). A cancel, release or failure that gave the stream up
+        between this worker choosing the key and its get returning laid those
+        tombstones first, so a connector whose get lifted them would leave the
+        stream's later chunks waiting unclaimed until its ``unclaimed_ttl_s``
+        instead of dropping them as cancelled.
         """
         prefix = target.key.rstrip("0123456789")
         with self._lock:

@@ -110,7 +110,8 @@ class ZmqConnectorConfig:
             it arrived is dropped (its sender's window frees; counted as ``dropped_unclaimed``).
         tombstone_ttl_s: push mode: after ``cleanup``, ``cleanup_prefix`` or ``abandon_get``,
             puts arriving under that key or prefix are dropped at once for this long (each
-            one dropped renews it; counted as ``dropped_late``); a ``get`` of the key lifts it.
+            one dropped renews it; counted as ``dropped_late``); a ``get`` of the key lifts only
+            ``abandon_get``'s (a cleanup's holds whatever gets ask).
         max_tombstones: push mode: most tombstones held; past it the oldest is forgotten.
         degraded_hold_s: how long ``health()`` stays ``degraded`` after a put failed or an
             unclaimed item was dropped (it clears sooner once a put succeeds again).

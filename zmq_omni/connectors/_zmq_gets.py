@@ -20,7 +20,8 @@ from .base import ArrivalWatch, bounded_deadline, bounded_timeout
 #: A get or wait_for_change on a push receiver re-arms its wait this often, to see its own connector's close
 #: (a receiver other connectors of the process still hold stays open, and so does not wake it).
 _HOLD_CHECK_S = 0.5
-# A get waiting for this process's own put looks again this often whether another connector took it.
+# A get waiting for this process's own put re-checks this often that the put is still expected: another
+# connector of the endpoint taking it, or a cleanup, wakes nothing that wait listens to (an arrival ends it at once).
 _OWN_CHECK_S = 0.05
 
 

@@ -42,7 +42,7 @@ from ..wire import DecodeLimits
 from ._early_puts import take_early
 from ._shared_endpoint import SharedEndpoint, acquire, has_served, served
 from ._zmq_bind import BOUND_SETTINGS, open_endpoint, shm_pool
-from .base import OmniConnectorBase
+from .base import OmniConnectorBase, key_matches_prefix
 
 log = logging.getLogger("zmq_omni.connectors")
 
@@ -213,10 +213,13 @@ class ZmqParts(OmniConnectorBase):
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
-            # This process's puts on their way here since before the bind are expected now; those
-            # cleaned up meanwhile are dropped (already in, or as they come).
-            for key in take_early(advertised, shared) if advertised is not None else ():
-                part.forget(functools.partial(operator.eq, key), key=key)
+            # This process's puts on their way here since before the bind are expected now; what was
+            # cleaned up meanwhile is dropped (already in, or as it comes, from anyone), whatever gets ask.
+            for key, prefix in take_early(advertised, shared) if advertised is not None else ():
+                if prefix is None:
+                    part.forget(functools.partial(operator.eq, key), key=key, firm=True)
+                else:
+                    part.forget(functools.partial(_under_prefix, prefix), prefix=prefix, firm=True)
             self._receiver = part
         else:
             assert part is not None
@@ -317,3 +320,8 @@ class ZmqParts(OmniConnectorBase):
                 shared.hook_room(self._notify_room)
         if self._sender is not None:
             self._sender.on_window_change(self._notify_room)
+
+
+def _under_prefix(prefix: str, key: str) -> bool:
+    """``key_matches_prefix`` with the prefix first (bound by ``functools.partial``)."""
+    return key_matches_prefix(key, prefix)

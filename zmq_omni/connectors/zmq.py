@@ -46,7 +46,16 @@ from typing import Any
 from ..config import ConnectorExtra
 from ..config.zmq import ZmqConnectorConfig
 from ..errors import format_seconds
-from ..transport import Curve, Driver, EndpointMap, IoLoop, insecure_from_env, require_curve, tune_malloc
+from ..transport import (
+    Curve,
+    Driver,
+    EndpointMap,
+    IoLoop,
+    PushReceiver,
+    insecure_from_env,
+    require_curve,
+    tune_malloc,
+)
 from ..wire import DecodeLimits, decode, resolve_device
 from ._early_puts import cancel_early
 from ._zmq_bind import MAX_FRAMES
@@ -187,10 +196,11 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         connector of this process bound there (they share one mailbox).
 
         Push mode: a put of the key ``request_id`` itself arriving within ``tombstone_ttl_s`` is dropped
-        at once (a tombstone); later arrivals of the other keys wait for a get as usual (bury a chunk
-        stream with :meth:`cleanup_prefix`). A push sender cancels none of its puts still on their way
-        (vllm-omni #6670): it releases only its copies of those the receiver holds; the others are
-        released once they arrive.
+        at once (a tombstone, which no ``get`` lifts); later arrivals of the other keys wait for a get as
+        usual (bury a chunk stream with :meth:`cleanup_prefix`). A connector that has not bound its
+        endpoint yet (it binds at its first ``get``) keeps the cleanup and buries it when it binds.
+        A push sender cancels none of its puts still on their way (vllm-omni #6670): it releases only
+        its copies of those the receiver holds; the others are released once they arrive.
         """
         rid = str(request_id)
         return self._forget(lambda k: key_matches_request(k, rid), key=rid) > 0
@@ -198,7 +208,8 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
     def cleanup_prefix(self, prefix: str) -> int:
         """Drop everything held under ``prefix`` followed by digits (vllm-omni's rule); return how many.
 
-        Push mode: puts under the prefix arriving within ``tombstone_ttl_s`` are dropped at once.
+        Push mode: puts under the prefix arriving within ``tombstone_ttl_s`` are dropped at once,
+        whatever gets ask meanwhile, as with :meth:`cleanup` (before the bind too).
         A push sender cancels none of its puts still on their way, as with :meth:`cleanup`.
         """
         prefix = str(prefix)
@@ -208,8 +219,9 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         """The caller stopped waiting for ``get_key``: drop it if it is here, and whatever arrives for it later.
 
         Push mode: the item (now or arriving within ``tombstone_ttl_s``) is dropped and
-        acknowledged as consumed, so its sender's window frees. Pull mode keeps nothing
-        here: the server's copy expires after its ``pull_ttl_s``.
+        acknowledged as consumed, so its sender's window frees; a later ``get`` of the key
+        asks for it again (it lifts that tombstone). Pull mode keeps nothing here: the
+        server's copy expires after its ``pull_ttl_s``.
         """
         key = str(get_key)
         if self._receiver is not None:
@@ -218,19 +230,28 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
                 self._shared.settle_where(lambda k: k == key)
 
     def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
+        """A cleanup: drop what matches everywhere we hold it, and bury ``key`` / ``prefix`` firmly."""
         dropped = 0
-        # Puts of this process still on their way to our own endpoint are dropped as they arrive: each key
-        # gets a tombstone (receiver-side cleanup; puts to other endpoints go on, #6670).
-        in_flight: list[str] = []
-        if self._shared is not None and self._shared.expected:
-            in_flight = self._shared.settle_where(match)
-        if self._receiver is None:  # our puts to an endpoint nobody here bound yet, from any of our connectors
-            cancel_early(match, [endpoint for _, endpoint in self._endpoints.items()])
-        if self._receiver is not None:
-            dropped += self._receiver.forget(match, key=key, prefix=prefix)
+        bound = [] if self._shared is None or self._receiver is None else [self._shared]
+        if self._receiver is None and self.settings.mode == "push":
+            # Not bound (yet): kept for whichever of our connectors binds the endpoint we would bind (any
+            # of ours while the stage is up to the first get's call), or applied at once where one has.
+            # Never another stage's endpoint: a sender's cleanup cancels none of its puts (#6670).
+            stage = self._bind_stage(None)
+            endpoint = None if stage is None else self._endpoints.get(stage)
+            endpoints = [e for _, e in self._endpoints.items()] if stage is None else [endpoint] if endpoint else []
+            ttl_s = self.settings.tombstone_ttl_s
+            bound = cancel_early(match, endpoints, key=key, prefix=prefix, ttl_s=ttl_s)
+        for shared in bound:
+            receiver = shared.part
+            assert isinstance(receiver, PushReceiver)
+            # Puts of this process still on their way here are dropped as they arrive: each key gets a
+            # tombstone (receiver-side cleanup; puts to other endpoints go on, #6670).
+            in_flight = shared.settle_where(match) if shared.expected else []
+            dropped += receiver.forget(match, key=key, prefix=prefix, firm=True)
             for buried in in_flight:
                 if buried != key:
-                    self._receiver.forget(functools.partial(operator.eq, buried), key=buried)
+                    receiver.forget(functools.partial(operator.eq, buried), key=buried, firm=True)
         if self._server is not None:
             dropped += self._server.forget(match)
         if self._sender is not None:

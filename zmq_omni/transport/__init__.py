@@ -18,6 +18,7 @@ from ._sender import PushSender
 from ._shm import ShmReceive, ShmSend
 from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import tune_malloc
+from ._tombstones import Tombstones
 
 __all__ = [
     "ENV_BIND",
@@ -36,6 +37,7 @@ __all__ = [
     "PushSender",
     "ShmReceive",
     "ShmSend",
+    "Tombstones",
     "WouldBlock",
     "check_endpoint",
     "env_name",

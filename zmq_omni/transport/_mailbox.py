@@ -151,7 +151,7 @@ class Mailbox:
 
     # -- any thread -----------------------------------------------------------------------
     def pop(self, slot: Slot) -> Item | None:
-        """Take ``slot``'s item (a get asks for it: its tombstones lift).
+        """Take ``slot``'s item (a get asks for it: its tombstones lift, but for the firm ones).
 
         A shared-memory item's consumption is recorded only by :meth:`result`.
         """
@@ -202,10 +202,10 @@ class Mailbox:
         with self.lock:
             return bool(self._tombs.entries) and self._tombs.covers(key, time.monotonic())
 
-    def forget(self, match: Callable[[str], bool], *, key: str | None, prefix: str | None) -> int:
-        """Drop the items whose key matches, burying ``key`` and/or ``prefix``; how many."""
+    def forget(self, match: Callable[[str], bool], *, key: str | None, prefix: str | None, firm: bool = False) -> int:
+        """Drop the items whose key matches, burying ``key`` and/or ``prefix`` (``firm``: no get lifts it); how many."""
         with self.lock:
-            self._tombs.bury(time.monotonic(), key=key, prefix=prefix)
+            self._tombs.bury(time.monotonic(), key=key, prefix=prefix, firm=firm)
             items = [self._box.pop(slot) for slot in [s for s in self._box if match(s[2])]]
             self._dropped.extend((item.sid, item.seq, DROPPED_CANCELLED) for item in items)
             self.drops["cleanup"] += len(items)

@@ -387,13 +387,16 @@ class PushReceiver:
         """True while a tombstone covers ``key``: a put of it arriving now is dropped."""
         return self._mailbox.buries(key)
 
-    def forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
+    def forget(
+        self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None, firm: bool = False
+    ) -> int:
         """Drop mailbox items whose key matches (their senders hear why); return how many.
 
         With ``key`` (``cleanup``, ``abandon_get``) or ``prefix`` (``cleanup_prefix``) it also
-        leaves a tombstone: for ``tombstone_ttl_s`` an arrival under it is dropped at once.
+        leaves a tombstone: for ``tombstone_ttl_s`` an arrival under it is dropped at once. A get
+        of a key under it lifts it unless it is ``firm`` (a cleanup's).
         """
-        return self._mailbox.forget(match, key=key, prefix=prefix)
+        return self._mailbox.forget(match, key=key, prefix=prefix, firm=firm)
 
     def stats(self) -> dict[str, Any]:
         """The mailbox's counters (see :meth:`Mailbox.stats`) and the BATCH messages taken in."""

@@ -4,7 +4,9 @@
 prefix: for ``ttl_s`` a put arriving under it is dropped at once (acknowledged as
 consumed, so its sender's window frees) instead of waiting in the mailbox for a
 ``get`` that will never come. Each drop renews the tombstone, so a stream still
-arriving keeps it; a ``get`` of a buried key lifts it (someone wants it again).
+arriving keeps it. A ``get`` of a buried key lifts the tombstones that are not
+*firm* (``abandon_get``'s: the caller asks for the key again); a firm one
+(``cleanup``, ``cleanup_prefix``: the request is over) stays until it lapses.
 At most ``max_count`` tombstones are held: past it the one that lapses first goes.
 
 :class:`~zmq_omni.transport._receiver.PushReceiver` holds one under its ``_lock``;
@@ -15,7 +17,7 @@ The invariants the tests check after any sequence of calls:
 * ``len(tombstones) <= max_count``;
 * :meth:`Tombstones.covers` is true exactly when a tombstone of the key, or of a
   prefix it extends by decimal digits only, was laid or renewed less than ``ttl_s``
-  ago and was neither lifted nor evicted since.
+  ago and was neither lifted (a firm one never is) nor evicted since.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Tombstones:
         max_count: most tombstones held (keys and prefixes together).
     """
 
-    __slots__ = ("_max", "_prefixes", "_ttl", "entries", "evicted")
+    __slots__ = ("_firm", "_max", "_prefixes", "_ttl", "entries", "evicted")
 
     def __init__(self, ttl_s: float, max_count: int) -> None:
         self._ttl = ttl_s
@@ -41,17 +43,22 @@ class Tombstones:
         # truth, where ``len()`` would be a Python call per get). Read it, never change it.
         self.entries: dict[tuple[int, str], float] = {}
         self._prefixes = 0  # how many of them are prefixes (none: an arrival costs one lookup)
+        self._firm: set[tuple[int, str]] = set()  # those a get does not lift
         self.evicted = 0  # tombstones pushed out by max_count
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def bury(self, now: float, *, key: str | None = None, prefix: str | None = None) -> None:
-        """Lay (or renew) a tombstone of ``key`` and/or of ``prefix`` (keys that are it + digits)."""
-        if key is not None:
-            self._lay((_KEY, key), now)
-        if prefix is not None:
-            self._lay((_PREFIX, prefix), now)
+    def bury(self, now: float, *, key: str | None = None, prefix: str | None = None, firm: bool = False) -> None:
+        """Lay (or renew) a tombstone of ``key`` and/or of ``prefix`` (keys that are it + digits).
+
+        ``firm``: no :meth:`lift` removes it (a renewal without ``firm`` keeps it firm).
+        """
+        names = [(kind, name) for kind, name in ((_KEY, key), (_PREFIX, prefix)) if name is not None]
+        for name in names:
+            self._lay(name, now)
+            if firm:
+                self._firm.add(name)
 
     def covers(self, key: str, now: float) -> bool:
         """True when an arrival of ``key`` is to be dropped; its tombstone is renewed then."""
@@ -62,11 +69,15 @@ class Tombstones:
         return True
 
     def lift(self, key: str) -> None:
-        """A ``get`` asks for ``key`` again: forget every tombstone covering it, lapsed or not."""
-        self.entries.pop((_KEY, key), None)
+        """A ``get`` asks for ``key`` again: forget every tombstone covering it that is not firm, lapsed or not."""
+        firm = self._firm
+        name = (_KEY, key)
+        if name not in firm:
+            self.entries.pop(name, None)
         if self._prefixes:
             for end in _prefix_ends(key):
-                if self.entries.pop((_PREFIX, key[:end]), None) is not None:
+                name = (_PREFIX, key[:end])
+                if name not in firm and self.entries.pop(name, None) is not None:
                     self._prefixes -= 1
 
     def lapse(self, now: float) -> int:
@@ -102,8 +113,13 @@ class Tombstones:
             self._remove(next(iter(self.entries)))
             self.evicted += 1
 
+    def buried(self, now: float) -> list[tuple[str | None, str | None]]:
+        """The live tombstones, oldest first, each as ``(key, None)`` or ``(None, prefix)``."""
+        return [(name, None) if kind == _KEY else (None, name) for (kind, name), t in self.entries.items() if t > now]
+
     def _remove(self, name: tuple[int, str]) -> None:
         del self.entries[name]
+        self._firm.discard(name)
         if name[0] == _PREFIX:
             self._prefixes -= 1
 
