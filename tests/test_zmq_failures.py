@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -396,3 +398,39 @@ def test_pull_server_bounds_the_long_polls_it_parks(
         assert sender.health()["fetches_not_parked"] == 50
     finally:
         flooder.close(linger=0)
+
+
+@pytest.mark.parametrize("how", ["try_put", "timeout"])
+def test_a_pull_connector_whose_stores_failed_is_collectable_once_closed(
+    connectors: list[ZmqConnector], short_tmp: Path, how: str
+) -> None:
+    # Two connectors of one process share one pull server; the store is full, so the second one's puts fail.
+    # The server keeps nothing of a store that failed: once closed, that connector is garbage (no registry
+    # entry of the server's, nor of the endpoint the other connector still holds, pins it).
+    spec = {
+        "stage_id": "0",
+        "role": "sender",
+        "mode": "pull",
+        "endpoints": {"0": f"ipc://{short_tmp}/owners.sock"},
+        "max_unacked": 1,
+        "put_timeout_s": 0.05,
+        "close_timeout_s": 0.1,
+    }
+    keeper = make(connectors, **spec)
+    assert keeper.put("0", "1", "held", {"n": 0})[0]
+    failing = ZmqConnector(spec)
+    for i in range(200):
+        if how == "try_put":
+            assert failing.try_put("0", "1", f"k{i}", {"n": i}) is None
+        elif i < 3:  # each one waits put_timeout_s
+            assert failing.put("0", "1", f"k{i}", {"n": i})[0] is False
+    assert keeper.health()["pending"] == 1  # the failed stores kept nothing
+    failing.close()
+    gone = weakref.ref(failing)
+    del failing
+    gc.collect()
+    assert gone() is None
+    # The server still serves the payload of the connector that holds it.
+    receiver = make(connectors, stage_id="1", role="receiver", mode="pull", endpoints=spec["endpoints"])
+    got = receiver.get_with_deadline("0", "1", "held", deadline=time.monotonic() + 10)
+    assert got is not None and got[0] == {"n": 0}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
@@ -160,4 +162,30 @@ def test_pull_server_answers_a_client_of_the_previous_version_in_its_own_format(
         header = ask(2, "0", "1", "absent", 0, False)  # the flag asks for the probe
         assert header[:2] == [2, False] and isinstance(header[2], list) and len(header[2]) == 2
         assert ask(3, "0", "1", "k", 0)[:2] == [3, True]  # an old client gets frames, in the old shape
+        sock.close(linger=0)
+
+
+def test_a_pull_connector_closed_while_its_reply_waits_in_shared_memory_is_collectable(
+    short_tmp: Path, shm_dir: str, zmq_ctx: zmq.Context[Any]
+) -> None:
+    # A fetcher that said it reads our shared memory and never opens the slot keeps that reply leaving
+    # (the slot waits READY for it). The connector that put it closes meanwhile, another one of the
+    # process keeps the server: the reply still leaving holds nothing of the closed connector.
+    scfg, _ = pull_configs(short_tmp, shm_dir)
+    scfg = {**scfg, "close_timeout_s": 0.1}
+    with ZmqConnector(scfg) as keeper:
+        owner = ZmqConnector(scfg)
+        assert owner.put("0", "1", "k", {"data": np.ones(MiB, dtype=np.uint8)})[0]
+        sock = zmq_ctx.socket(zmq.DEALER)
+        sock.connect(scfg["endpoints"]["0"])
+        sock.send(pack(Kind.FETCH, (1, "0", "1", "k", 0, True)))
+        assert sock.poll(10_000)
+        kind, header, _ = unpack(sock.recv_multipart()[0])
+        assert kind is Kind.FETCH_REPLY and header[1] is True and len(header) == 4  # a handle, not frames
+        assert keeper.health()["pending"] == 1  # its reply has not left: nobody opened the slot
+        owner.close()
+        gone = weakref.ref(owner)
+        del owner
+        gc.collect()
+        assert gone() is None
         sock.close(linger=0)

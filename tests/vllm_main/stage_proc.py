@@ -124,17 +124,23 @@ class Stage:
             self._check_progress()
 
     def _check_progress(self) -> None:
+        # The adapter's and the mixin's receive threads both get here, and can see the last chunk at once:
+        # which of them writes each file is decided under the lock, so each is written by one thread, once.
         with self._lock:
             counts = [len(v) for v in self.received.values()]
-        if all(c >= self.chunks - 1 for c in counts) and not self.streamed.is_set():
+            stream_now = all(c >= self.chunks - 1 for c in counts) and not self.streamed.is_set()
+            finish_now = all(c == self.chunks for c in counts) and not self.done.is_set()
+            if stream_now:
+                self.streamed.set()
+            if finish_now:
+                self.done.set()
+            result = json.dumps({"received": self.received, "problems": self.problems}) if finish_now else ""
+        if stream_now:
             (self.workdir / "streamed").touch()
-            self.streamed.set()
-        if all(c == self.chunks for c in counts) and not self.done.is_set():
-            result = {"received": self.received, "problems": self.problems}
+        if finish_now:
             tmp = self.workdir / "result.json.tmp"
-            tmp.write_text(json.dumps(result))
+            tmp.write_text(result)
             tmp.rename(self.workdir / "result.json")
-            self.done.set()
 
     def start(self) -> None:
         for index, request in enumerate(self.requests):

@@ -141,7 +141,6 @@ def open_endpoint(
                 health=shared.health,
                 curve=curve,
                 shm=shm_send,
-                owner_of=shared.owner_of,
             )
         if threaded:
             loop.start()

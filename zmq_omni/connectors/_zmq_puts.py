@@ -153,11 +153,10 @@ class ZmqSending(ZmqParts):
                     raise
                 metadata: dict[str, Any] = {"key": key, "size": nbytes, "transport": PUSH_METADATA_TAG}
             else:
-                server, shared = self._server, self._shared
-                assert server is not None and shared is not None
+                server = self._server
+                assert server is not None
                 # The payload is ours in the shared store: our flush waits for it, its failures come back to us.
-                shared.stored_by((from_stage, to_stage, key), self)
-                metadata = server.store(from_stage, to_stage, key, frames, nbytes, block=block)
+                metadata = server.store(from_stage, to_stage, key, frames, nbytes, block=block, owner=self)
         except TransportError as exc:
             return self._fail_put(from_stage, to_stage, key, exc)
         if self._put_failed_at is not None:  # puts go through again: health() need not wait degraded_hold_s

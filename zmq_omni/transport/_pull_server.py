@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,8 +50,11 @@ _MAX_PARKED = 65536
 _PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
 
 
-#: A failure of a stored payload, with its owner first (see ``PullServer``'s ``owner_of``).
+#: A failure of a stored payload, with its owner first (the ``owner`` its :meth:`PullServer.store` named).
 OwnedFailureCallback = Callable[[Any, str, str, str, str, str, ZmqOmniError], None]
+
+#: The owner of a reply still leaving once that owner was garbage-collected: its loss is counted, reported to none.
+_GONE = object()
 
 
 class _Stored:
@@ -67,17 +71,27 @@ class _Leaving:
     """A payload reply handed to ZeroMQ that has not left yet.
 
     Its frames are still being written (``tracker`` not done), or its
-    shared-memory slot was not opened yet (``loc``).
+    shared-memory slot was not opened yet (``loc``, for as long as the pool
+    keeps the slot). Its owner is held weakly: a connector that closed while
+    the server goes on serving others must not be kept alive by a reply.
     """
 
-    __slots__ = ("loc", "nbytes", "owner", "slot", "tracker")
+    __slots__ = ("_owner", "loc", "nbytes", "slot", "tracker")
 
     def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None, owner: Any = None) -> None:
         self.slot = slot
         self.nbytes = nbytes
         self.tracker = tracker
         self.loc = loc
-        self.owner = owner
+        self._owner = None if owner is None else weakref.ref(owner)
+
+    @property
+    def owner(self) -> Any:
+        """The payload's owner; None when it had none, ``_GONE`` once it was garbage-collected."""
+        if self._owner is None:
+            return None
+        owner = self._owner()
+        return _GONE if owner is None else owner
 
 
 class PullServer:
@@ -100,15 +114,13 @@ class PullServer:
         health: Callable[[], dict[str, Any]],
         curve: Curve | None = None,
         shm: ShmSend | None = None,
-        owner_of: Callable[[Slot], Any] | None = None,
     ) -> None:
         """Bind and serve on ``loop``.
 
-        ``owner_of(slot)`` names the owner of each payload as it is stored (under the store's
-        lock): ``on_failure`` gets it first, ``wait_fetched`` and ``drop_owned`` select by it.
+        Each payload keeps the ``owner`` its :meth:`store` named: ``on_failure`` gets it first,
+        ``wait_fetched`` and ``drop_owned`` select by it.
         """
         self._loop = loop
-        self._owner_of = owner_of
         self._shm = shm
         self._probe = None if shm is None else shm.probe  # named in every reply to a client that asks
         self._put_timeout = put_timeout_s
@@ -152,9 +164,21 @@ class PullServer:
         self._cv.listener = listener
 
     def store(
-        self, from_stage: str, to_stage: str, key: str, frames: list[Any], nbytes: int, *, block: bool = True
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        frames: list[Any],
+        nbytes: int,
+        *,
+        block: bool = True,
+        owner: Any = None,
     ) -> dict[str, Any]:
         """Keep a payload until fetched; return the metadata a receiver fetches it with.
+
+        ``owner`` (the storing connector, weakly referenceable) is kept with the payload
+        only: a store that raises keeps nothing of it, :meth:`drop_owned` lets go of its
+        unfetched payloads, and a reply still leaving holds it weakly.
 
         Raises:
             TransportTimeoutError: the store stayed full for ``put_timeout_s``.
@@ -184,7 +208,6 @@ class PullServer:
             old = self._store.pop(slot, None)
             if old is not None:  # a re-put of an unfetched key replaces it
                 self._bytes -= old.nbytes
-            owner = None if self._owner_of is None else self._owner_of(slot)
             self._store[slot] = _Stored(frames, nbytes, time.monotonic() + self._ttl, owner)
             self._bytes += nbytes
             self._puts += 1
@@ -256,7 +279,7 @@ class PullServer:
     def drop_owned(self, owner: Any) -> list[str]:
         """Take ``owner``'s unfetched payloads out of the store and report them lost; return their keys.
 
-        Replies of its payloads already leaving are left to finish.
+        Replies of its payloads already leaving are left to finish (they hold ``owner`` weakly).
         """
         with self._cv:
             dropped = [(slot, entry.owner) for slot, entry in self._store.items() if entry.owner is owner]
@@ -294,6 +317,8 @@ class PullServer:
         """Count and report each payload given up on (slot, owner) as a DeliveryError (no lock held)."""
         for (from_stage, to_stage, key), owner in lost:
             self._counters.add(counter)
+            if owner is _GONE:  # nobody is left to tell
+                continue
             reason = why(to_stage)
             error = DeliveryError(reason, key=key, endpoint=self.endpoint)
             self._on_failure(owner, "put", from_stage, to_stage, key, reason, error)
