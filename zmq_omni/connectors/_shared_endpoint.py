@@ -65,8 +65,6 @@ __all__ = ["Holder", "SharedEndpoint", "acquire", "has_served", "served"]
 
 log = logging.getLogger("zmq_omni.connectors")
 
-#: Slots announced by :meth:`SharedEndpoint.stored_by` and not yet stored (a store that failed leaves one).
-_MAX_PUT_OWNERS = 65536
 #: Longest an acquire waits for the same address's bind or close in progress (each is bounded near a second).
 _BUSY_WAIT_S = 2.0
 
@@ -126,8 +124,6 @@ class SharedEndpoint:
         # Push mode: slot -> until when a put of it from this process is expected here (in put order).
         # Public for one use: ``if shared.expected:`` is the get path's test for "none" (a dict's truth).
         self.expected: OrderedDict[Slot, float] = OrderedDict()
-        # Pull mode: slot -> the holder whose put is storing it (the server takes it as the payload's owner).
-        self._put_by: OrderedDict[Slot, Holder] = OrderedDict()
         self._closed = False
 
     # -- holders ---------------------------------------------------------------------------
@@ -158,19 +154,6 @@ class SharedEndpoint:
             holder = holders[0] if holders else None
         if holder is not None:
             holder._on_failure(op, from_stage, to_stage, key, reason, error)
-
-    def stored_by(self, slot: Slot, holder: Holder) -> None:
-        """Pull mode: ``holder`` is storing ``slot`` now; the server records it as the payload's owner."""
-        with self._lock:
-            self._put_by[slot] = holder
-            self._put_by.move_to_end(slot)
-            while len(self._put_by) > _MAX_PUT_OWNERS:
-                self._put_by.popitem(last=False)
-
-    def owner_of(self, slot: Slot) -> Holder | None:
-        """The holder that announced it is storing ``slot`` (the pull server asks as it stores it)."""
-        with self._lock:
-            return self._put_by.pop(slot, None)
 
     def hook_arrivals(self, fn: Callable[[list[Slot]], None]) -> None:
         """Call ``fn`` with the slots of each drain's arrivals (push mode; a holder's watches)."""
