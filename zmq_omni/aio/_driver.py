@@ -12,14 +12,17 @@ at ``zmq.EVENTS``) may spend that signal while a message waits. So:
 
 * a ZeroMQ socket given to :meth:`LoopDriver.add_reader` is watched through
   its descriptor, and its handler runs when ``zmq.EVENTS`` says POLLIN;
-* after every callback the driver runs (a handler, a timer, a
-  :meth:`~LoopDriver.call_soon` call), any of which may have used a socket, it
-  looks at ``zmq.EVENTS`` of every registered socket, and the handler of each
-  that holds messages runs on the loop's next turn: a handler that drains a
-  bounded batch and leaves the rest is called again then, after the loop's
-  other callbacks (fairness), never in a tight loop;
+* the driver looks at ``zmq.EVENTS`` of a registered socket after each
+  callback that may have used it: after a socket's handler, at that socket;
+  after a timer or a :meth:`~LoopDriver.call_soon` call, at every registered
+  socket. The handler of each that holds messages runs on the loop's next
+  turn: a handler that drains a bounded batch and leaves the rest is called
+  again then, after the loop's other callbacks (fairness), never in a tight
+  loop. So a handler uses no registered socket but its own (the parts' sockets
+  are each used by one part, whose other uses run in timers and calls);
 * a plain descriptor (an ``int``) given to :meth:`~LoopDriver.add_reader` is
-  watched as it is (level-triggered); its handler keeps the rule above itself.
+  watched as it is (level-triggered); its handler keeps the rule above itself,
+  and uses no registered ZeroMQ socket either.
 
 The driver may be built before the loop runs: until :meth:`LoopDriver.attach`
 (the ``AsyncConnector``'s first await), readers, timers and calls are
@@ -108,7 +111,7 @@ class LoopDriver(Driver):
         self._stopped = False
         self._stop_lock = threading.Lock()
         self._readers: dict[Any, _Reader] = {}  # what add_reader was given -> its entry
-        self._sockets: list[_Reader] = []  # the ZeroMQ sockets among them (looked at after each callback)
+        self._sockets: list[_Reader] = []  # the ZeroMQ sockets among them (looked at after each timer and call)
         self._calls: deque[Callable[[], None]] = deque()
         self._calls_armed = False  # a _run_calls is queued on the loop (loop thread's flag)
         self._timers: set[_Timer] = set()  # pending one-shot timers and every periodic one
@@ -342,8 +345,9 @@ class LoopDriver(Driver):
                     _FAILED_RETRY_S,
                 )
                 self._back_off(reader)
-            if self._sockets:
-                self._look_at_sockets()
+            # A handler uses its own socket alone (see the module docstring): look at that one.
+            if sock is not None and not reader.queued and self._holds_messages(sock):
+                self._queue(reader)
 
     def _back_off(self, reader: _Reader) -> None:
         """A handler failed with its descriptor still readable: serving it again at once would spin the loop."""
@@ -361,7 +365,7 @@ class LoopDriver(Driver):
         self._on_readable(reader)
 
     def _run(self, fn: Callable[[], None]) -> None:
-        """Run a callback, then look at every socket it may have used (see the module docstring)."""
+        """Run a timer's callback, then look at every socket it may have used (see the module docstring)."""
         self._guard(fn)
         if self._sockets:
             self._look_at_sockets()

@@ -99,7 +99,11 @@ class Driver(ABC):
 
     @abstractmethod
     def add_reader(self, sock: Any, handler: Callable[[], None]) -> None:
-        """Call ``handler`` whenever ``sock`` (a ZeroMQ socket, or a plain descriptor) is readable."""
+        """Call ``handler`` whenever ``sock`` (a ZeroMQ socket, or a plain descriptor) is readable.
+
+        The handler uses no registered ZeroMQ socket but ``sock``: an event-loop driver looks at
+        ``sock`` alone after it (other uses of a socket belong in timers and calls).
+        """
 
     @abstractmethod
     def remove_reader(self, sock: Any) -> None:

@@ -88,8 +88,8 @@ class ReceiveSocket:
         #: ZeroMQ's descriptor for the socket: polling it touches no socket (the driver watches it).
         self.fd: int = self.socket.getsockopt(zmq.FD)
 
-    def read(self, want_key: str | None) -> None:
-        """Read what is queued, at most one drain.
+    def read(self, want_key: str | None) -> bool:
+        """Read what is queued, at most one drain; True when it left ZeroMQ holding nothing for us.
 
         A reading getter passes its key: the drain stops at a DATA of that key without asking
         ZeroMQ whether more is queued (about 1 us, on every lone message's critical path).
@@ -97,11 +97,13 @@ class ReceiveSocket:
         sock, protocol, mailbox = self.socket, self.protocol, self._mailbox
         now = time.monotonic()
         receive, max_frames = protocol.receive, protocol.max_frames
+        drained = False
         for _ in range(_MAX_DRAIN):
             if mailbox.closed:  # close waits for the socket: leave it now
                 break
             message = recv_routed(sock, max_frames)
             if message is None:
+                drained = True
                 break
             key = receive(*message, now)
             if protocol.replies:  # a pong, or a health answer: what it reports arrived is in the mailbox first
@@ -111,12 +113,14 @@ class ReceiveSocket:
             if key is not None and key == want_key:
                 break
             if not sock.get(_EVENTS) & _POLLIN:
+                drained = True
                 break
         self._store(now)
         if protocol.acks_due_now():
             mailbox.due_now()  # sent by this holder before it lets go, after its get took its item
         elif protocol.owes_acks():
             mailbox.arm(now)
+        return drained
 
     def _store(self, now: float) -> None:
         """Put the arrivals read so far in the mailbox."""
@@ -128,19 +132,23 @@ class ReceiveSocket:
     def settle(self, rounds: int = _SETTLE_ROUNDS) -> bool:
         """Send the acks due, and read until ZeroMQ holds nothing for us; True if it does.
 
-        A few drains at most: False leaves more queued (the caller hands it to the driver's next turn).
+        ``rounds`` drains at most: False leaves more queued (the caller hands it to the driver's next turn).
+        A drain that found the queue empty is taken at its word unless acks went out after it.
         """
-        events, mailbox = self.socket.get, self._mailbox
-        for _ in range(rounds):
-            if mailbox.closed:
-                return True
+        mailbox = self._mailbox
+        drained, drains = False, 0
+        while not mailbox.closed:
             due = mailbox.flush_due
             if due is not None and due <= time.monotonic():
                 self.flush()
-            if not events(_EVENTS) & _POLLIN:
+                drained = False  # a send may spend ZeroMQ's signal of what came meanwhile: ask again
+            if drained:
                 return True
-            self.read(None)
-        return False
+            if drains == rounds:
+                return not self.socket.get(_EVENTS) & _POLLIN
+            drained = self.read(None)
+            drains += 1
+        return True
 
     def flush(self) -> None:
         """Send every acknowledgement owed."""
