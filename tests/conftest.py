@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -104,3 +105,12 @@ def zmq_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
         yield ctx
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def made() -> Iterator[list[Any]]:
+    """ZmqConnectors a test builds and appends here; each is closed at once when the test ends."""
+    connectors: list[Any] = []
+    yield connectors
+    for conn in connectors:
+        conn.close_with_linger(0)

@@ -8,7 +8,6 @@ from another connector (a sender of another stage) or from this process before a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +16,6 @@ import pytest
 from zmq_omni.connectors.zmq import ZmqConnector
 
 from .conftest import wait_until
-
-
-@pytest.fixture
-def made() -> Iterator[list[ZmqConnector]]:
-    connectors: list[ZmqConnector] = []
-    yield connectors
-    for conn in connectors:
-        conn.close_with_linger(0)
 
 
 def _spec(short_tmp: Path, **extra: Any) -> dict[str, Any]:

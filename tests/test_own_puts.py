@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,6 @@ import pytest
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import EncodeError
 from zmq_omni.wire import DecodeLimits, encode
-
-
-@pytest.fixture
-def made() -> Iterator[list[ZmqConnector]]:
-    connectors: list[ZmqConnector] = []
-    yield connectors
-    for conn in connectors:
-        conn.close_with_linger(0)
 
 
 def _spec(short_tmp: Path, **extra: Any) -> dict[str, Any]:
