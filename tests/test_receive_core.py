@@ -349,7 +349,9 @@ async def test_hostile_frames_never_stall_the_event_loop(
     assert took < 1.5, f"a get(timeout=0.5) took {took:.2f} s during the attack"
     assert [g[0] if g else None for g in got] == [{"n": 0}, {"n": 1}, {"n": 2}]
     assert later is not None and later[0] == {"n": "later"}
-    assert ticker.worst < 0.1, f"the event loop stalled {ticker.worst * 1000:.0f} ms"
+    assert ticker.worst < 0.1, (
+        f"the event loop stalled {ticker.worst * 1000:.0f} ms ({ticker.worst_wall * 1000:.0f} ms by the clock)"
+    )
 
 
 # -- close right after large puts ------------------------------------------------------------------------------------
