@@ -94,7 +94,6 @@ class AsyncConnector:
         self._watch: ArrivalWatch | None = None
         self.connector = connector
         self._close_connector = close_connector
-        self._gets = GetWaiters()
         self._handed_back = HandedBack()
         self._try_put: Callable[..., PutResult | None] | None = getattr(connector, "try_put", None)
         self._puts = PutLine(self._try_put)
@@ -110,6 +109,7 @@ class AsyncConnector:
         self._nowait: Callable[[str, str, str], tuple[Any, int] | None] | None = (
             None if self._pull else getattr(connector, "get_nowait", None)
         )
+        self._gets = GetWaiters(self._look, self._nowait)
         # The connector's sockets belong to this loop (a ZmqConnector built with a LoopDriver).
         driver = getattr(connector, "driver", None)
         self._driver: LoopDriver | None = driver if isinstance(driver, LoopDriver) else None
@@ -204,7 +204,7 @@ class AsyncConnector:
         if try_put is None:  # the backend's put never waits for room
             return self.connector.put(from_stage, to_stage, put_key, data)
         args = (from_stage, to_stage, put_key, data)
-        if not self._puts and not self._closed:  # (a closed connector's try_put fails the put as put does)
+        if not self._puts.waiters and not self._closed:  # (a closed connector's try_put fails the put as put does)
             got = try_put(*args)
             if got is not None:
                 return got
@@ -266,12 +266,13 @@ class AsyncConnector:
         if self._closed:
             return None
         slot = (str(from_stage), str(to_stage), str(get_key))
-        if self._handed_back:
+        if self._handed_back.count:
             kept = self._handed_back.take(slot)
             if kept is not None:
                 return kept
         if not self._pull:  # the common case first: the item is there (a closed connector returns None)
-            got = self._look(slot, metadata)
+            nowait = self._nowait
+            got = nowait(*slot) if nowait is not None else self.connector.get(*slot, metadata)
             if got is not None:
                 return got
         if timeout is not None and math.isnan(timeout):
@@ -302,7 +303,7 @@ class AsyncConnector:
                 self._expiries.discard(timer)
             if not waiter.fut.done():
                 waiter.fut.cancel()
-            if self._gets.waits(waiter.slot):  # (a resolved waiter is already out)
+            if slot in self._gets.by_slot:  # (a resolved waiter is already out)
                 self._gets.forget(waiter)
 
     def _get_timed_out(self, waiter: GetWaiter) -> None:
@@ -331,8 +332,8 @@ class AsyncConnector:
         if self.closed:
             self._wake_all()
             return
-        if arrived is None or arrived:
-            self._arrived(arrived)
+        if (arrived is None or arrived) and not self._pull:  # (pull mode: nothing arrives by itself)
+            self._gets.resolve(arrived)
         if room:
             if self._puts:
                 self._puts.serve()
@@ -345,15 +346,10 @@ class AsyncConnector:
         Called inside the connector's read: a failure here is logged, never raised into it.
         """
         try:
-            self._arrived(arrived)
+            if not self._pull:
+                self._gets.resolve(arrived)
         except Exception:
             log.exception("handing arrivals to the waiting gets failed")
-
-    def _arrived(self, arrived: list[Slot] | None) -> None:
-        """Resolve the waiters of the addresses that ``arrived`` (None: of every address)."""
-        if self._pull or not self._gets:
-            return
-        self._gets.resolve(arrived, self._look)
 
     def _look(self, slot: Slot, metadata: Metadata) -> tuple[Any, int] | None:
         """The connector's non-blocking get, as this wrapper's looks make it (``slot`` is of strings).

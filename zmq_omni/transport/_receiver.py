@@ -302,7 +302,8 @@ class PushReceiver:
             if self._shut:
                 return
             owner.parked = False
-            self._watch()
+            if not self._watching:
+                self._watch()
             # An event loop runs its other callbacks between drains (a flood must not stall it).
             if not self._rs.settle(_SETTLE_ROUNDS if self._getters_read else 1):
                 self._loop.call_soon(self._drive)  # a flood: the rest on the driver's next turn
