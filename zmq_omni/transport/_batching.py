@@ -63,10 +63,6 @@ class Outbox:
         self.blocked = False  # the last flush met the high-water mark; the I/O thread retries
         self.retry_s = RETRY_MIN_S  # the next retry's delay while blocked (data_lock holder only)
 
-    def idle(self, now: float) -> bool:
-        """True when a small put may leave at once on its own: nothing queued, no stream on, not blocked."""
-        return not self.items and now >= self.busy_until and not self.blocked
-
     def add(self, out: Out, now: float, max_messages: int, batch_bytes: int) -> bool:
         """Queue ``out``; True when the outbox should leave now (by the put's own thread, if the socket is free).
 

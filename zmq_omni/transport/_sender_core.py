@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import DROPPED_ENDED, DeliveryError, from_zmq_error
+from ..errors import DROPPED_ENDED, DeliveryError, TransportError, from_zmq_error
 from ..metrics import Counters
 from ._batching import RETRY_MAX_S, RETRY_MIN_S, Outbox
 from ._envelope import Kind, pack
@@ -249,14 +249,20 @@ class Peer:
         try:
             if core.closed:
                 return False  # close() took every queued put and reported it
-            sock = self.socket()
+            try:
+                sock = self.socket()
+            except TransportError:  # no socket (out of descriptors): what was taken waits for the retry
+                if taken:
+                    with core.lock:
+                        self.box.requeue([o for o in taken if self.win.retained.get(o.seq) is o])
+                raise
             if taken is None:
                 self.send_queued(sock, low)
             else:
                 self.send_or_requeue(sock, taken, low)
             self.box.retry_s = RETRY_MIN_S
             return True
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, TransportError) as exc:
             with core.lock:
                 self.box.blocked = True
             if not isinstance(exc, zmq.Again):
