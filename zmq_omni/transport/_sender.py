@@ -42,9 +42,9 @@ what                       guards / means                                who tak
                            sends the PING as it lets go                  holder in ``Peer.release`` (under lock)
 ``peer.close_pending``     stop found the socket held: the holder        the same
                            closes it as it lets go
-``box.flush_armed``        one flush of the outbox is scheduled on the   set by a put thread, ``Peer.release`` or
-                           I/O thread                                    a streaming flush; cleared by the flush
-                                                                         it scheduled (under lock)
+``box.flush_armed``        one flush of the outbox is scheduled on the   set by a put thread or ``Peer.release``;
+                           I/O thread                                    cleared by the flush it scheduled (under
+                                                                         lock)
 ``box.blocked``            the last send met the high-water mark: the    set by a data-socket holder, cleared by
                            I/O thread retries, backing off               the I/O thread's flush (under lock)
 ``core.acks_wanted``       one chain of ack requests runs at a time      set by a put thread, cleared by the chain
