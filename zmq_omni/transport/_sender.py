@@ -27,9 +27,9 @@ what                       guards / means                                who tak
 =========================  ============================================  ==========================================
 ``core.lock``              the window and every ``PeerWindow`` and       put threads and the I/O thread, for
 (+ ``core.cv``)            ``Out`` in it, ``core.peers``, each outbox    sections without I/O (``cv.wait`` apart);
-                           (but ``retry_s``), ``ping_owed``,             under it a ``data_lock`` is only ever
-                           ``close_pending``, ``closed``, the counters,  *tried*, never waited for
-                           ``high_since``, the ack-request state
+                           (but ``retry_s``), ``close_pending``,         under it a ``data_lock`` is only ever
+                           ``closed``, the counters, ``high_since``,     *tried*, never waited for
+                           the ack-request state
 ``peer.data_lock``         the peer's data socket, ``ping_no``,          put threads: tried under ``core.lock`` (an
                            ``box.retry_s``; its holder is the only       outbox due to leave), or waited for up
                            sender on that socket                         to the put's deadline with no lock held
@@ -38,10 +38,8 @@ what                       guards / means                                who tak
                                                                          held). A holder may then take
                                                                          ``core.lock``. Released only by
                                                                          ``Peer.release``, under ``core.lock``
-``peer.ping_owed``         a beat found the socket held: the holder      set by the I/O thread, cleared by the
-                           sends the PING as it lets go                  holder in ``Peer.release`` (under lock)
-``peer.close_pending``     stop found the socket held: the holder        the same
-                           closes it as it lets go
+``peer.close_pending``     stop found the socket held: the holder        set by the I/O thread, cleared by the
+                           closes it as it lets go                       holder in ``Peer.release`` (under lock)
 ``box.flush_armed``        one flush of the outbox is scheduled on the   set by a put thread or ``Peer.release``;
                            I/O thread                                    cleared by the flush it scheduled (under
                                                                          lock)
@@ -58,9 +56,10 @@ what                       guards / means                                who tak
 =========================  ============================================  ==========================================
 
 Lock order: ``data_lock`` before ``core.lock``; the other way round only
-without waiting. ``Peer.release`` checks ``ping_owed``/``close_pending`` and
-releases under ``core.lock``, where the I/O thread sets them after failing to
-take ``data_lock``: an owed PING or a pending close is never missed.
+without waiting. ``Peer.release`` checks ``close_pending`` and releases under
+``core.lock``, where the I/O thread sets it after failing to take
+``data_lock``: a pending close is never missed. A PING that finds the data
+socket held is skipped: the next beat (or ack request) sends one.
 """
 
 from __future__ import annotations

@@ -248,11 +248,10 @@ class SenderIo:
             self.ping(peer)
 
     def ping(self, peer: Peer) -> None:
-        """Send ``peer`` a PING now, or have the put thread holding its socket send it as it lets go."""
+        """Send ``peer`` a PING now, unless a put thread holds its socket (the next beat or ack request pings)."""
         core = self._core
         with core.lock:
             if not peer.data_lock.acquire(False):
-                peer.ping_owed = not core.closed  # sent by Peer.release
                 return
             low = peer.win.low
         try:
