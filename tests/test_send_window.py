@@ -496,7 +496,8 @@ def test_a_lone_put_leaves_at_once_and_a_stream_waits_for_its_batch() -> None:
     assert box.take(1 << 16, "1", 256) == [a] and not a.queued
     box.busy_until = 0.0 + STREAM_FLUSH_S
     assert not box.add(b, 0.0001, 256, 1 << 16)  # busy: rides in the next batch
-    assert box.add(c, 0.0001 + STREAM_FLUSH_S, 256, 1 << 16)  # its oldest waited long enough
+    assert not box.add(c, 0.0001 + STREAM_FLUSH_S, 256, 1 << 16)  # still busy: the I/O thread's turn flushes
+    assert box.add(Out(3, "0", "k3", [b"x"], 10, 1.0, None), 0.0002, 3, 1 << 16)  # full: it leaves now
     box.blocked = True
     assert not box.add(Out(9, "0", "k", [b""], 1, 1.0, None), 1.0, 1, 1)  # never while blocked
 

@@ -1,13 +1,11 @@
-"""The push sender's data-socket hand-over (:class:`Peer`), driven directly: each race forced with a real socket.
+"""The push sender's data-socket hand-over (:class:`Peer`), driven directly with a real socket.
 
-The I/O thread's part is played by a helper thread at the exact moment the race needs, so each test is
-deterministic: closing at stop never closes a data socket a put thread holds, and a PING a beat left owed
-is sent as the holder lets go.
+This thread plays both the put thread and the I/O thread, so the race is deterministic: closing at stop
+never closes a data socket a put thread holds.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,41 +63,3 @@ def test_closing_never_closes_a_data_socket_a_put_thread_holds(sender: tuple[Sen
     assert sock.closed and peer.data_sock is None
     assert peer.data_lock.acquire(False)
     peer.data_lock.release()
-
-
-class _RaceAtRelease:
-    """A ``data_lock`` whose release lets the I/O thread try the socket just before letting go."""
-
-    def __init__(self, racer: threading.Thread) -> None:
-        self._lock = threading.Lock()
-        self._racer = racer
-        self.armed = False
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def release(self) -> None:
-        if self.armed:
-            self.armed = False
-            self._racer.start()
-            self._racer.join(0.3)  # a racer that waits for the holder is let through after the release
-        self._lock.release()
-
-
-def test_a_beat_that_finds_the_socket_held_is_never_lost(sender: tuple[SenderCore, SenderIo, Peer, Any]) -> None:
-    _, io, peer, router = sender
-    racer = threading.Thread(target=io.ping, args=(peer,))  # the heartbeat, on the I/O thread
-    lock = _RaceAtRelease(racer)
-    peer.data_lock = lock  # type: ignore[assignment]
-    lock.acquire()
-    peer.socket()
-    lock.armed = True
-    peer.release()  # the put thread lets go while the beat tries the socket
-    racer.join(5.0)
-    assert not racer.is_alive()
-    assert peer.ping_no == 1 and not peer.ping_owed, "the PING the beat left owed was never sent"
-    assert router.poll(5000)
-    assert router.recv_multipart()[1][:2] == b"ZT"

@@ -19,7 +19,7 @@ __all__ = ["LONE_GAP_S", "RETRY_MAX_S", "RETRY_MIN_S", "STREAM_FLUSH_S", "Outbox
 RETRY_MIN_S = 0.001  # a batch refused at the high-water mark is retried after this, doubling...
 RETRY_MAX_S = 0.05  # ...up to this
 # A flush that found puts queued keeps the peer busy this much longer (a stream is on): puts ride in batches
-# without waking the I/O thread, and a put flushes the outbox itself once its oldest entry waited this long.
+# without waking the I/O thread, whose next turn flushes them.
 STREAM_FLUSH_S = 0.0002
 # A lone put sent by its own thread keeps the peer busy only this long: a put loop (one put every
 # 10-20 us) still forms a stream that rides in batches, while one message in flight at a time (a
@@ -52,38 +52,28 @@ def batch_end(outs: Sequence[Out], start: int, batch_bytes: int, to_stage: str, 
 class Outbox:
     """Small puts of one peer waiting for a BATCH, and the state that decides when it leaves."""
 
-    __slots__ = ("blocked", "busy_until", "flush_armed", "items", "nbytes", "retry_s", "since")
+    __slots__ = ("blocked", "busy_until", "flush_armed", "items", "nbytes", "retry_s")
 
     def __init__(self) -> None:
         self.items: list[Out] = []
         self.nbytes = 0
-        self.since = 0.0  # when the oldest put in the outbox was queued
         self.busy_until = 0.0  # a small put before this time rides in the next batch instead of going at once
         self.flush_armed = False  # a flush is scheduled on the I/O thread: new small puts ride with it
         self.blocked = False  # the last flush met the high-water mark; the I/O thread retries
         self.retry_s = RETRY_MIN_S  # the next retry's delay while blocked (data_lock holder only)
 
-    def idle(self, now: float) -> bool:
-        """True when a small put may leave at once on its own: nothing queued, no stream on, not blocked."""
-        return not self.items and now >= self.busy_until and not self.blocked
-
     def add(self, out: Out, now: float, max_messages: int, batch_bytes: int) -> bool:
         """Queue ``out``; True when the outbox should leave now (by the put's own thread, if the socket is free).
 
         It leaves at once when the peer is idle (no added latency), or when it is
-        full, or when its oldest put waited ``STREAM_FLUSH_S``; never while blocked.
+        full; never while blocked.
         """
         out.queued = True
         items = self.items
-        if not items:
-            self.since = now
         items.append(out)
         self.nbytes += entry_cost(out)
         return not self.blocked and (
-            (len(items) == 1 and now >= self.busy_until)
-            or len(items) >= max_messages
-            or self.nbytes >= batch_bytes
-            or now - self.since >= STREAM_FLUSH_S
+            (len(items) == 1 and now >= self.busy_until) or len(items) >= max_messages or self.nbytes >= batch_bytes
         )
 
     def take(self, batch_bytes: int, to_stage: str, max_messages: int) -> list[Out]:

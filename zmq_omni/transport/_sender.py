@@ -7,8 +7,9 @@ leave together by :class:`~zmq_omni.transport._batching.Outbox`. The sender is
 three modules, by who runs the code:
 
 * here, the **put threads**: :meth:`PushSender.send` (admission, window waits,
-  and the three ways out: a lone small put at once, small puts in a BATCH, a
-  large one directly) and the rest of the public API;
+  and the two ways out: a small put through the peer's outbox, which a lone
+  one leaves at once as one DATA and a stream in BATCHes, a large one
+  directly) and the rest of the public API;
 * :mod:`~zmq_omni.transport._sender_io`, the connector's **I/O thread** (its
   driver, see :class:`~zmq_omni.transport.Driver`; driven by an event loop,
   the loop's thread, which then runs the puts too): control sockets and
@@ -26,24 +27,22 @@ what                       guards / means                                who tak
 =========================  ============================================  ==========================================
 ``core.lock``              the window and every ``PeerWindow`` and       put threads and the I/O thread, for
 (+ ``core.cv``)            ``Out`` in it, ``core.peers``, each outbox    sections without I/O (``cv.wait`` apart);
-                           (but ``retry_s``), ``ping_owed``,             under it a ``data_lock`` is only ever
-                           ``close_pending``, ``closed``, the counters,  *tried*, never waited for
-                           ``high_since``, the ack-request state
-``peer.data_lock``         the peer's data socket, ``ping_no``,          put threads: tried under ``core.lock`` (a
-                           ``box.retry_s``; its holder is the only       lone put, a full outbox), or waited for up
+                           (but ``retry_s``), ``close_pending``,         under it a ``data_lock`` is only ever
+                           ``closed``, the counters, ``high_since``,     *tried*, never waited for
+                           the ack-request state
+``peer.data_lock``         the peer's data socket, ``ping_no``,          put threads: tried under ``core.lock`` (an
+                           ``box.retry_s``; its holder is the only       outbox due to leave), or waited for up
                            sender on that socket                         to the put's deadline with no lock held
                                                                          (a direct send). The I/O thread: only
                                                                          tried (at stop: waited for 0.5 s, no lock
                                                                          held). A holder may then take
                                                                          ``core.lock``. Released only by
                                                                          ``Peer.release``, under ``core.lock``
-``peer.ping_owed``         a beat found the socket held: the holder      set by the I/O thread, cleared by the
-                           sends the PING as it lets go                  holder in ``Peer.release`` (under lock)
-``peer.close_pending``     stop found the socket held: the holder        the same
-                           closes it as it lets go
-``box.flush_armed``        one flush of the outbox is scheduled on the   set by a put thread, ``Peer.release`` or
-                           I/O thread                                    a streaming flush; cleared by the flush
-                                                                         it scheduled (under lock)
+``peer.close_pending``     stop found the socket held: the holder        set by the I/O thread, cleared by the
+                           closes it as it lets go                       holder in ``Peer.release`` (under lock)
+``box.flush_armed``        one flush of the outbox is scheduled on the   set by a put thread or ``Peer.release``;
+                           I/O thread                                    cleared by the flush it scheduled (under
+                                                                         lock)
 ``box.blocked``            the last send met the high-water mark: the    set by a data-socket holder, cleared by
                            I/O thread retries, backing off               the I/O thread's flush (under lock)
 ``core.acks_wanted``       one chain of ack requests runs at a time      set by a put thread, cleared by the chain
@@ -57,9 +56,10 @@ what                       guards / means                                who tak
 =========================  ============================================  ==========================================
 
 Lock order: ``data_lock`` before ``core.lock``; the other way round only
-without waiting. ``Peer.release`` checks ``ping_owed``/``close_pending`` and
-releases under ``core.lock``, where the I/O thread sets them after failing to
-take ``data_lock``: an owed PING or a pending close is never missed.
+without waiting. ``Peer.release`` checks ``close_pending`` and releases under
+``core.lock``, where the I/O thread sets it after failing to take
+``data_lock``: a pending close is never missed. A PING that finds the data
+socket held is skipped: the next beat (or ack request) sends one.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import ClosedResourceError, TransportError, TransportTimeoutError, format_seconds, from_zmq_error
+from ..errors import ClosedResourceError, TransportTimeoutError, format_seconds, from_zmq_error
 from ..metrics import Counters
 from ._batching import LONE_GAP_S, STREAM_FLUSH_S
 from ._endpoints import EndpointMap
@@ -205,23 +205,18 @@ class PushSender:
             self._bytes_sent += nbytes
             low = win.low
             outs: list[Out] | None = None
-            wake = lone = False
+            wake = False
             batched = bool(win.batch_bytes) and core.batchable(out)
             if batched:
                 box = peer.box
-                if box.idle(now) and peer.data_lock.acquire(False):
-                    # One message in flight at a time: it leaves from this thread at once, as one DATA.
-                    lone = True
-                    box.busy_until = now + LONE_GAP_S
-                elif box.add(out, now, core.batch_max_messages, win.batch_bytes) and peer.data_lock.acquire(False):
+                if box.add(out, now, core.batch_max_messages, win.batch_bytes) and peer.data_lock.acquire(False):
+                    # A lone put (the peer idle) leaves from this thread at once, as one DATA; else a BATCH.
                     outs = peer.take_batch()
                     box.busy_until = now + (STREAM_FLUSH_S if len(outs) > 1 else LONE_GAP_S)
                 elif not box.flush_armed:
                     # It stays queued: make sure the I/O thread flushes it (one wake-up per busy period).
                     box.flush_armed = wake = True
-        if lone:
-            self._send_lone(peer, out, low)  # releases data_lock
-        elif outs is not None:
+        if outs is not None:
             try:  # on an error the I/O thread retries (the put already returned; its deadline still runs)
                 peer.send_batches(outs, low)
             finally:
@@ -267,27 +262,6 @@ class PushSender:
                 )
             core.cv.wait(remaining)
         return time.monotonic()
-
-    def _send_lone(self, peer: Peer, out: Out, low: int) -> None:
-        """Send a small put that found its peer idle (caller holds ``data_lock``, released here).
-
-        On a send error it joins the outbox for the I/O thread's retry, as a batch that met the
-        high-water mark does (the put already returned; its deadline still runs).
-        """
-        core = self._core
-        try:
-            if core.closed:
-                return  # close() took it and reported it
-            peer.transmit(peer.socket(), out, low)
-        except (zmq.ZMQError, TransportError) as exc:
-            with core.lock:
-                if peer.win.retained.get(out.seq) is out:
-                    peer.box.requeue([out])
-                peer.box.blocked = True
-            if not isinstance(exc, zmq.Again):
-                log.warning("sending to %s failed: %s", peer.endpoint, exc)
-        finally:
-            peer.release()
 
     def _send_direct(self, peer: Peer, out: Out, low: int, deadline: float, block: bool) -> None:
         """Send a put that cannot ride in a BATCH; on failure take it back and raise.

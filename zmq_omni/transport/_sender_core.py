@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import DROPPED_ENDED, DeliveryError, from_zmq_error
+from ..errors import DROPPED_ENDED, DeliveryError, TransportError, from_zmq_error
 from ..metrics import Counters
 from ._batching import RETRY_MAX_S, RETRY_MIN_S, Outbox
 from ._envelope import Kind, pack
@@ -136,9 +136,6 @@ class Peer:
         self.data_sock: Any = None  # data_lock
         self.ping_no = 0  # data_lock
         self.ctl_sock: Any = None  # the I/O thread's alone
-        # core.lock. A beat found a put thread holding the data socket: that thread sends the PING when it lets
-        # go, so a stream of puts can neither starve the heartbeat nor delay the first shm verdict.
-        self.ping_owed = False
         self.close_pending = False  # core.lock. Closing found the data socket held: its holder closes it.
         self.flush_soon: Callable[[], None] = lambda: None  # the I/O thread's flush of this outbox
 
@@ -249,14 +246,20 @@ class Peer:
         try:
             if core.closed:
                 return False  # close() took every queued put and reported it
-            sock = self.socket()
+            try:
+                sock = self.socket()
+            except TransportError:  # no socket (out of descriptors): what was taken waits for the retry
+                if taken:
+                    with core.lock:
+                        self.box.requeue([o for o in taken if self.win.retained.get(o.seq) is o])
+                raise
             if taken is None:
                 self.send_queued(sock, low)
             else:
                 self.send_or_requeue(sock, taken, low)
             self.box.retry_s = RETRY_MIN_S
             return True
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, TransportError) as exc:
             with core.lock:
                 self.box.blocked = True
             if not isinstance(exc, zmq.Again):
@@ -264,23 +267,19 @@ class Peer:
             return False
 
     def release(self) -> None:
-        """Let go of ``data_lock``: first send a PING a beat left owed, or close a socket closing left pending.
+        """Let go of ``data_lock``: first close the socket if closing left that to us.
 
         The check and the release happen under ``core.lock``, where the I/O thread sets
-        ``ping_owed``/``close_pending`` after failing to take ``data_lock``: neither is missed.
+        ``close_pending`` after failing to take ``data_lock``: it is never missed.
         Then make sure queued puts get a flush (none once closed: close() took them).
         """
         core = self.core
         retry_in: float | None = None
         while True:
             with core.lock:
-                # Without a data socket (reset after an expiry) an owed PING waits for the next holder.
-                owed = self.ping_owed and not core.closed and self.data_sock is not None
                 closing = self.close_pending
-                if owed or core.closed:
-                    self.ping_owed = False
                 self.close_pending = False
-                if not (owed or closing):
+                if not closing:
                     box = self.box
                     arm = bool(box.items) and not box.flush_armed and not core.closed
                     if arm:
@@ -290,11 +289,7 @@ class Peer:
                             box.retry_s = min(RETRY_MAX_S, box.retry_s * 2)
                     self.data_lock.release()
                     break
-                low = self.win.low
-            if closing:
-                self.close_socket()
-            else:
-                self.send_ping(self.data_sock, low)
+            self.close_socket()
         if not arm:
             return
         if retry_in is not None:

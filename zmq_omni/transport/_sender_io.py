@@ -41,11 +41,6 @@ _VERDICT_TYPES = (type(None), bool)
 # may have left just before the consumption that would have freed the window.
 _ACK_REQUEST_S = 0.002
 _ACK_REQUEST_MAX_S = 0.1
-# While a stream is on, the I/O thread re-checks the outbox on its next turn (a timer due now) rather
-# than after STREAM_FLUSH_S: zmq_poll counts whole milliseconds, so a 200 us timer would hold a queued
-# put for up to 1 ms (a p99 latency of ~1.3 ms instead of ~0.5 ms for a put->get round trip). Not
-# call_soon: from a call, that would run again in the same turn, before any socket is polled.
-_STREAM_RECHECK_S = 0.0
 # At stop, how long to wait for a put thread to let go of a data socket (it notices close() within a send slice).
 _CLOSE_WAIT_S = 0.5
 
@@ -206,9 +201,8 @@ class SenderIo:
     def flush(self, peer: Peer) -> None:
         """Send everything queued for ``peer``.
 
-        A turn that finds nothing queued ends the busy period (the next put goes out at once). One that
-        finds puts queued means a stream is on: it sends them and keeps the peer busy for another
-        ``STREAM_FLUSH_S``, so the stream's puts ride in batches without a wake-up per put.
+        Puts found queued mean a stream is on: it sends them and keeps the peer busy for another
+        ``STREAM_FLUSH_S``, so the stream's next puts queue too (the first of them schedules the next flush).
         """
         core = self._core
         box = peer.box
@@ -226,10 +220,6 @@ class SenderIo:
         if streaming:
             with core.lock:
                 box.busy_until = time.monotonic() + STREAM_FLUSH_S
-                if box.flush_armed:
-                    return
-                box.flush_armed = True
-            core.loop.call_later(_STREAM_RECHECK_S, peer.flush_soon)
 
     # -- beats and deadlines ----------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -258,11 +248,10 @@ class SenderIo:
             self.ping(peer)
 
     def ping(self, peer: Peer) -> None:
-        """Send ``peer`` a PING now, or have the put thread holding its socket send it as it lets go."""
+        """Send ``peer`` a PING now, unless a put thread holds its socket (the next beat or ack request pings)."""
         core = self._core
         with core.lock:
             if not peer.data_lock.acquire(False):
-                peer.ping_owed = not core.closed  # sent by Peer.release
                 return
             low = peer.win.low
         try:
