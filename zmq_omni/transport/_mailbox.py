@@ -157,13 +157,8 @@ class Mailbox:
 
         A shared-memory item's consumption is recorded only by :meth:`result`.
         """
-        with self.lock:  # (pop_locked's body: one call fewer on every get)
-            if self._tombs.entries:
-                self._tombs.lift(slot[2])
-            item = self._box.pop(slot, None)
-            if item is not None and item.loc is None:
-                self._note_taken(item)
-            return item
+        with self.lock:
+            return self.pop_locked(slot)
 
     def pop_locked(self, slot: Slot) -> Item | None:
         """:meth:`pop` for a caller holding :attr:`lock`."""
