@@ -109,7 +109,7 @@ class AsyncConnector:
         self._nowait: Callable[[str, str, str], tuple[Any, int] | None] | None = (
             None if self._pull else getattr(connector, "get_nowait", None)
         )
-        self._gets = GetWaiters(self._look, self._nowait)
+        self._gets = GetWaiters(self._look)
         # The connector's sockets belong to this loop (a ZmqConnector built with a LoopDriver).
         driver = getattr(connector, "driver", None)
         self._driver: LoopDriver | None = driver if isinstance(driver, LoopDriver) else None
@@ -204,7 +204,7 @@ class AsyncConnector:
         if try_put is None:  # the backend's put never waits for room
             return self.connector.put(from_stage, to_stage, put_key, data)
         args = (from_stage, to_stage, put_key, data)
-        if not self._puts.waiters and not self._closed:  # (a closed connector's try_put fails the put as put does)
+        if not self._puts and not self._closed:  # (a closed connector's try_put fails the put as put does)
             got = try_put(*args)
             if got is not None:
                 return got
@@ -271,8 +271,7 @@ class AsyncConnector:
             if kept is not None:
                 return kept
         if not self._pull:  # the common case first: the item is there (a closed connector returns None)
-            nowait = self._nowait
-            got = nowait(*slot) if nowait is not None else self.connector.get(*slot, metadata)
+            got = self._look(slot, metadata)
             if got is not None:
                 return got
         if timeout is not None and math.isnan(timeout):
@@ -303,7 +302,7 @@ class AsyncConnector:
                 self._expiries.discard(timer)
             if not waiter.fut.done():
                 waiter.fut.cancel()
-            if slot in self._gets.by_slot:  # (a resolved waiter is already out)
+            if self._gets.waits(slot):  # (a resolved waiter is already out)
                 self._gets.forget(waiter)
 
     def _get_timed_out(self, waiter: GetWaiter) -> None:

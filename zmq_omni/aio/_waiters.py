@@ -51,47 +51,43 @@ class GetWaiters:
 
     Args:
         look: the backend's non-blocking get of an address, given the waiter's metadata.
-        look_by_key: the same by address alone (``slot`` unpacked), where the backend finds items by
-            key: called directly, one call fewer per arrival (None: ``look`` is used).
     """
 
-    def __init__(
-        self,
-        look: Callable[[Slot, Metadata], tuple[Any, int] | None],
-        look_by_key: Callable[[str, str, str], tuple[Any, int] | None] | None = None,
-    ) -> None:
-        #: The queues of waiters by address (read by the owner's hot path; changed only here).
-        self.by_slot: dict[Slot, deque[GetWaiter]] = {}
+    def __init__(self, look: Callable[[Slot, Metadata], tuple[Any, int] | None]) -> None:
+        self._by_slot: dict[Slot, deque[GetWaiter]] = {}
         self._look = look
-        self._look_by_key = look_by_key
 
     def __bool__(self) -> bool:
-        return bool(self.by_slot)
+        return bool(self._by_slot)
 
     def count(self) -> int:
         """How many gets wait (resolved ones not yet gone included)."""
-        return sum(len(w) for w in self.by_slot.values())
+        return sum(len(w) for w in self._by_slot.values())
 
     def add(self, waiter: GetWaiter) -> None:
         """Queue ``waiter`` behind the other waiters of its address."""
-        waiters = self.by_slot.get(waiter.slot)
+        waiters = self._by_slot.get(waiter.slot)
         if waiters is None:
-            waiters = self.by_slot[waiter.slot] = deque()
+            waiters = self._by_slot[waiter.slot] = deque()
         waiters.append(waiter)
+
+    def waits(self, slot: Slot) -> bool:
+        """True while gets of ``slot`` are queued (a resolved waiter has left its queue)."""
+        return slot in self._by_slot
 
     def forget(self, waiter: GetWaiter) -> None:
         """Take ``waiter`` out of its queue (it ended without an item)."""
-        waiters = self.by_slot.get(waiter.slot)
+        waiters = self._by_slot.get(waiter.slot)
         if waiters is None:
             return
         with contextlib.suppress(ValueError):
             waiters.remove(waiter)
         if not waiters:
-            del self.by_slot[waiter.slot]
+            del self._by_slot[waiter.slot]
 
     def deliver(self, slot: Slot, got: tuple[Any, int]) -> bool:
         """Give ``got`` to the first live waiter of ``slot`` (it leaves the queue); False when there is none."""
-        waiters = self.by_slot.get(slot)
+        waiters = self._by_slot.get(slot)
         if waiters is None:
             return False
         while waiters:
@@ -99,17 +95,17 @@ class GetWaiters:
             if not waiter.fut.done():
                 waiter.fut.set_result(got)
                 if not waiters:
-                    del self.by_slot[slot]
+                    del self._by_slot[slot]
                 return True
-        del self.by_slot[slot]
+        del self._by_slot[slot]
         return False
 
     def resolve(self, arrived: list[Slot] | None) -> None:
         """Resolve the waiters of the addresses that ``arrived`` (None: of every address) with what the look finds."""
-        gets = self.by_slot
+        gets = self._by_slot
         if not gets:
             return
-        look, by_key = self._look, self._look_by_key
+        look = self._look
         if arrived is None:
             slots: list[Slot] = list(gets)
         elif len(arrived) == 1:  # a lone message (what a round trip waits for)
@@ -125,7 +121,7 @@ class GetWaiters:
                 if waiter.fut.done():
                     waiters.popleft()
                     continue
-                got = by_key(*slot) if by_key is not None else look(slot, waiter.metadata)
+                got = look(slot, waiter.metadata)
                 if got is None:
                     break
                 waiters.popleft()
@@ -135,11 +131,11 @@ class GetWaiters:
 
     def wake_all(self) -> None:
         """Closed: every waiting get gets None."""
-        for waiters in list(self.by_slot.values()):
+        for waiters in list(self._by_slot.values()):
             for waiter in waiters:
                 if not waiter.fut.done():
                     waiter.fut.set_result(None)
-        self.by_slot.clear()
+        self._by_slot.clear()
 
 
 class PutLine:
@@ -147,26 +143,25 @@ class PutLine:
 
     def __init__(self, try_put: Callable[..., PutResult | None] | None) -> None:
         self._try_put = try_put
-        #: The waiting puts, in order (read by the owner's hot path: empty, a put tries at once).
-        self.waiters: deque[PutWaiter] = deque()
+        self._waiters: deque[PutWaiter] = deque()
 
     def __len__(self) -> int:
-        return len(self.waiters)
+        return len(self._waiters)
 
     def add(self, waiter: PutWaiter) -> None:
         """Queue ``waiter`` behind the puts already waiting."""
-        self.waiters.append(waiter)
+        self._waiters.append(waiter)
 
     def remove(self, waiter: PutWaiter) -> None:
         """Take ``waiter`` out of the line (it ended); a no-op when it already left."""
         with contextlib.suppress(ValueError):
-            self.waiters.remove(waiter)
+            self._waiters.remove(waiter)
 
     def serve(self) -> None:
         """Admit waiting puts in order while the window takes them."""
         try_put = self._try_put
         assert try_put is not None  # (a backend without try_put never waits for room)
-        puts = self.waiters
+        puts = self._waiters
         while puts:
             waiter = puts[0]
             if waiter.fut.done():
@@ -199,7 +194,7 @@ class PutLine:
 
     def fail_all(self, put: Callable[..., PutResult] | None) -> None:
         """Closed: every waiting put fails (``put``: the closed connector's, which counts and keeps the failure)."""
-        puts, self.waiters = self.waiters, deque()
+        puts, self._waiters = self._waiters, deque()
         for waiter in puts:
             if waiter.fut.done():
                 continue

@@ -173,9 +173,8 @@ class SharedEndpoint:
         """Point the part's single hooks at the fan-outs (under ``_lock``); none while nobody listens."""
         part = self.part
         if isinstance(part, PushReceiver):
-            hooks = self._arrival_hooks
-            if hooks:  # one listener (the common case) is called directly, without the fan-out
-                part.on_arrivals = hooks[0] if len(hooks) == 1 else self._arrived
+            if self._arrival_hooks:
+                part.on_arrivals = self._arrived
                 part.watch_soon()
             else:
                 part.on_arrivals = None

@@ -189,19 +189,9 @@ class ZmqGets(ZmqPullFetch):
             return None
         if self._receiver is None and self._client is None:
             self._receiver_or_bind(to_stage)
-        receiver = self._receiver
-        if receiver is None:
+        if self._receiver is None:
             return self._get(from_stage, to_stage, key, None, None, wait_for_own=False)
-        try:  # (_take without a deadline or a wait for our own put, inlined: every awaited get's look)
-            got = receiver.take(from_stage, to_stage, key)
-        except ZmqOmniError as exc:
-            self._take_failed(from_stage, to_stage, key, exc)
-            return None
-        if got is not None:
-            shared = self._shared
-            if shared is not None and shared.expected:
-                shared.settle((from_stage, to_stage, key))
-        return got
+        return self._take(from_stage, to_stage, key, None, wait_for_own=False)
 
     def _take(
         self, from_stage: str, to_stage: str, key: str, deadline: float | None, *, wait_for_own: bool = True

@@ -89,8 +89,7 @@ class Mailbox:
         """
         gone: list[Item] = []
         with self.lock:
-            if self.flush_due is None:
-                self._arm(now)
+            self._arm(now)
             if self._tombs.entries:
                 arrivals = self._drop_buried(arrivals, gone, now)
             box = self._box
@@ -182,7 +181,7 @@ class Mailbox:
             self._heavy_bytes = 0
             self.flush_due = 0.0
             self._on_armed()
-        elif self.flush_due is None:
+        else:
             self._arm(time.monotonic())
 
     def wait(self, timeout: float) -> None:
