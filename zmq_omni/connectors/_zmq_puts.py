@@ -15,7 +15,7 @@ from ..errors import ClosedResourceError, MessageTooLargeError, TransportError, 
 from ..transport import PushReceiver, WouldBlock
 from ..wire import encode, frames_nbytes
 from ._early_puts import drop_early, put_early
-from ._shared_endpoint import has_served, served
+from ._shared_endpoint import served
 from ._zmq_parts import ZmqParts
 
 #: Marks the metadata of our push-mode puts: a ``get`` handed it waits for that put to arrive.
@@ -131,7 +131,7 @@ class ZmqSending(ZmqParts):
             if sender is not None:
                 # A put to an endpoint this process binds is expected there: a get of it waits for it.
                 target = self._endpoints.get(to_stage)
-                local = served(target) if has_served() else None
+                local = served(target)
                 until = time.monotonic() + cfg.metadata_get_timeout_s
                 early = self._receiver is None and target is not None and self._bind_stage(to_stage) == to_stage
                 if local is not None:

@@ -79,7 +79,8 @@ class Outbox:
     def take(self, batch_bytes: int, to_stage: str, max_messages: int) -> list[Out]:
         """Remove the next batch, skipping puts that left the window meanwhile (no longer ``queued``)."""
         items = self.items
-        end = batch_end(items, 0, batch_bytes, to_stage, max_messages) if items else 0
+        # One put is a batch of its own whatever its size (a lone put's case): nothing to measure.
+        end = len(items) if len(items) < 2 else batch_end(items, 0, batch_bytes, to_stage, max_messages)
         if end == len(items):
             self.items = []
             self.nbytes = 0

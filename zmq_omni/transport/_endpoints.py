@@ -20,11 +20,12 @@ ENV_ENDPOINT_PREFIX = "ZMQ_OMNI_ENDPOINT_"
 ENV_BIND = "ZMQ_OMNI_BIND"
 
 _TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):(\d+|\*)$")
+_NOT_ALNUM = re.compile(r"[^0-9A-Za-z]")
 
 
 def env_name(stage: str) -> str:
     """The environment variable that overrides ``stage``'s endpoint (``talker-1`` -> ``..._TALKER_1``)."""
-    return ENV_ENDPOINT_PREFIX + re.sub(r"[^0-9A-Za-z]", "_", stage).upper()
+    return ENV_ENDPOINT_PREFIX + _NOT_ALNUM.sub("_", stage).upper()
 
 
 def check_endpoint(endpoint: str, what: str) -> str:
@@ -69,10 +70,16 @@ class EndpointMap:
         }
         bind = env.get(ENV_BIND)
         self.env_bind = None if bind is None else check_endpoint(bind, f"environment variable {ENV_BIND}")
+        # Each configured stage's endpoint with its override applied, so that a put (which looks up its
+        # stage every time) needs no variable name built per call.
+        self._resolved = {stage: self._env.get(env_name(stage)) or ep for stage, ep in self._configured.items()}
 
     def get(self, stage: str) -> str | None:
         """The endpoint of ``stage`` (environment first), or None when unknown."""
-        return self._env.get(env_name(stage)) or self._configured.get(stage)
+        endpoint = self._resolved.get(stage)
+        if endpoint is None:  # a stage only the environment names
+            endpoint = self._env.get(env_name(stage))
+        return endpoint
 
     def items(self) -> list[tuple[str, str]]:
         """Every ``(stage or variable, endpoint)`` known (configured keys and environment overrides)."""

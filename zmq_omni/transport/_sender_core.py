@@ -223,43 +223,44 @@ class Peer:
                     return low
                 outs = self.take_batch()
                 low = self.win.low
-            self.send_or_requeue(sock, outs, low)
+            if outs:
+                try:
+                    self.transmit_batch(sock, outs, low)
+                except BaseException:
+                    self.requeue(outs)
+                    raise
 
-    def send_or_requeue(self, sock: Any, outs: list[Out], low: int) -> None:
-        """Transmit a batch taken from the outbox; on any error put it back in front (order) and re-raise."""
-        if not outs:
-            return
-        try:
-            self.transmit_batch(sock, outs, low)
-        except BaseException:
-            with self.core.lock:
-                self.box.requeue([o for o in outs if self.win.retained.get(o.seq) is o])
-            raise
+    def requeue(self, taken: list[Out]) -> None:
+        """Put back in front of the outbox (their order) the puts taken from it that did not leave (no lock held).
+
+        Those the window no longer holds stay out: close() or expiry reported them.
+        """
+        with self.core.lock:
+            self.box.requeue([o for o in taken if self.win.retained.get(o.seq) is o])
 
     def send_batches(self, taken: list[Out] | None, low: int = 0) -> bool:
-        """Send ``taken``, or with None the whole outbox (caller holds ``data_lock``).
+        """Send ``taken`` as one message, or with None the whole outbox (caller holds ``data_lock``).
 
         True when it all went; False when closed or a send failed (the outbox is then
-        ``blocked`` and what was not sent stays queued for the I/O thread's retry).
+        ``blocked`` and what was not sent is back in front of it for the I/O thread's retry).
         """
         core = self.core
+        if core.closed:
+            return False  # close() took every queued put and reported it
         try:
-            if core.closed:
-                return False  # close() took every queued put and reported it
             try:
-                sock = self.socket()
-            except TransportError:  # no socket (out of descriptors): what was taken waits for the retry
+                sock = self.data_sock or self.socket()  # opened by the first send
+                if taken is None:
+                    self.send_queued(sock, low)
+                elif taken:
+                    self.transmit_batch(sock, taken, low)
+            except BaseException:
                 if taken:
-                    with core.lock:
-                        self.box.requeue([o for o in taken if self.win.retained.get(o.seq) is o])
+                    self.requeue(taken)
                 raise
-            if taken is None:
-                self.send_queued(sock, low)
-            else:
-                self.send_or_requeue(sock, taken, low)
             self.box.retry_s = RETRY_MIN_S
             return True
-        except (zmq.ZMQError, TransportError) as exc:
+        except (zmq.ZMQError, TransportError) as exc:  # TransportError: no socket (out of descriptors)
             with core.lock:
                 self.box.blocked = True
             if not isinstance(exc, zmq.Again):
