@@ -85,11 +85,10 @@ class Mailbox:
     def store(self, arrivals: list[tuple[Slot, Item]], now: float) -> None:
         """Put one drain's arrivals in: one lock, one notify (the items they replace or that are buried go).
 
-        Arms the acknowledgement of their arrival (``flush_due``) if none is armed.
+        The socket's holder arms the acknowledgement of their arrival (:meth:`arm`) once its drain is done.
         """
         gone: list[Item] = []
         with self.lock:
-            self._arm(now)
             if self._tombs.entries:
                 arrivals = self._drop_buried(arrivals, gone, now)
             box = self._box
@@ -120,21 +119,21 @@ class Mailbox:
                 kept.append((slot, item))
         return kept
 
-    def arm(self, now: float) -> None:
+    def arm(self) -> None:
         """An acknowledgement is owed (the protocol says so): have it sent within ``ack_delay_s``."""
         if self.flush_due is None:
             with self.lock:
-                self._arm(now)
+                self._arm()
 
     def due_now(self) -> None:
         """The acknowledgements are due at once (the socket's holder sends them before it lets go)."""
         with self.lock:
             self.flush_due = 0.0
 
-    def _arm(self, now: float) -> None:
+    def _arm(self) -> None:
         """An acknowledgement is owed: have it sent within ``ack_delay_s`` (holds the lock)."""
         if self.flush_due is None:
-            self.flush_due = now + self._ack_delay
+            self.flush_due = time.monotonic() + self._ack_delay
             self._on_armed()
 
     def handover(self, *, flushing: bool = False) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
@@ -182,7 +181,7 @@ class Mailbox:
             self.flush_due = 0.0
             self._on_armed()
         else:
-            self._arm(time.monotonic())
+            self._arm()
 
     def wait(self, timeout: float) -> None:
         """Wait on the condition at most ``timeout`` (holds :attr:`lock`): an arrival, a close or a reader leaving."""
@@ -211,7 +210,7 @@ class Mailbox:
             self._dropped.extend((item.sid, item.seq, DROPPED_CANCELLED) for item in items)
             self.drops["cleanup"] += len(items)
             if items:
-                self._arm(time.monotonic())
+                self._arm()
         self._discard(items)
         return len(items)
 
@@ -229,7 +228,7 @@ class Mailbox:
                 self._dropped.append((item.sid, item.seq, DROPPED_UNCLAIMED))
             self.drops["unclaimed"] += len(expired)
             if expired:
-                self._arm(now)
+                self._arm()
             self._tombs.lapse(now)
         self._discard([item for _, item in expired])
         return len(expired)

@@ -121,7 +121,7 @@ class ReceiveSocket:
         if protocol.acks_due_now():
             mailbox.due_now()  # sent by this holder before it lets go, after its get took its item
         elif protocol.owes_acks():
-            mailbox.arm(now)
+            mailbox.arm()
         return drained
 
     def _store(self, now: float) -> None:

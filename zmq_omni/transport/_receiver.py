@@ -49,7 +49,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -171,11 +171,13 @@ class PushReceiver:
         slot = (from_stage, to_stage, key)
         item = self._mailbox.pop(slot)
         if item is None and self._owner.parked and self._getters_read and self._owner.try_take(Holder.GETTER):
-            with self._closing_is_none():
+            try:
                 try:
                     self._rs.settle()
                 finally:
                     self._release_getter()
+            except zmq.ZMQError as exc:
+                self._raise_unless_closed(exc)
             item = self._mailbox.pop(slot)
         return None if item is None else self._mailbox.result(item)
 
@@ -191,54 +193,57 @@ class PushReceiver:
             raise RuntimeError("a blocking get on the thread that drives the connector would wait for itself")
         slot = (from_stage, to_stage, key)
         mailbox = self._mailbox
-        reading = False
         with mailbox.lock:
             item = mailbox.pop_locked(slot)
             while item is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or mailbox.closed:
+                if mailbox.closed:
                     return None
                 if self._getters_read and self._owner.try_take(Holder.GETTER):
-                    reading = True
-                    break
+                    break  # (a deadline already passed ends the read at once)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
                 mailbox.wait(remaining)
                 item = mailbox.pop_locked(slot)
-        if reading:
-            with self._closing_is_none():
-                item = self._read_for(slot, deadline)
-        if item is None:
-            return None
-        return self._mailbox.result(item)
+        if item is None:  # this getter holds the socket
+            try:
+                try:
+                    item = self._read_for(slot, deadline)
+                finally:
+                    self._release_getter()
+            except zmq.ZMQError as exc:
+                self._raise_unless_closed(exc)
+            if item is None:
+                return None
+        return mailbox.result(item)
 
     def _read_for(self, slot: Slot, deadline: float) -> Item | None:
-        """Read the socket until ``slot``'s item arrives or ``deadline`` passes (holds it as a getter; releases it)."""
-        sock, recall, mailbox = self._rs.socket, self._recall, self._mailbox
+        """Read the socket until ``slot``'s item arrives or ``deadline`` passes (a getter holding the socket)."""
+        rs, recall, mailbox = self._rs, self._recall, self._mailbox
+        sock = rs.socket
         poll_set = [(sock, zmq.POLLIN), (recall, zmq.POLLIN)]
-        try:
-            while not mailbox.closed:
-                now = time.monotonic()
-                wait = deadline - now
-                if wait <= 0:
-                    return None
-                due = mailbox.flush_due
-                if due is not None:
-                    if due <= now:
-                        self._rs.flush()
-                        continue
-                    wait = min(wait, due - now)
-                # Capped: an infinite deadline waits in 60 s slices (close and due acks wake it at once).
-                for ready, _ in zmq.zmq_poll(poll_set, int(min(wait, 60.0) * 1000) + 1):
-                    if ready is sock:
-                        self._rs.read(slot[2])
-                    else:
-                        with contextlib.suppress(BlockingIOError):
-                            os.eventfd_read(recall)
-                item = mailbox.pop(slot)
-                if item is not None:
-                    return item
-            return None
-        finally:
-            self._release_getter()
+        while not mailbox.closed:
+            now = time.monotonic()
+            wait = deadline - now
+            if wait <= 0:
+                return None
+            due = mailbox.flush_due
+            if due is not None:
+                if due <= now:
+                    rs.flush()
+                    continue
+                wait = min(wait, due - now)
+            # Capped: an infinite deadline waits in 60 s slices (close and due acks wake it at once).
+            for ready, _ in zmq.zmq_poll(poll_set, int(min(wait, 60.0) * 1000) + 1):
+                if ready is sock:
+                    rs.read(slot[2])
+                else:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(recall)
+            item = mailbox.pop(slot)
+            if item is not None:
+                return item
+        return None
 
     def _release_getter(self) -> None:
         """A getter gives the socket back, leaving nothing behind the driver's back (see the module docstring)."""
@@ -253,7 +258,9 @@ class PushReceiver:
                     if due is not None and due <= time.monotonic():
                         self._rs.flush()
         finally:
-            with mailbox.lock:  # (_shutdown hands the close over under it when it cannot take the socket)
+            # Released under the mailbox lock: a get that found the socket held counts itself waiting under
+            # it, so the check of ``waiting`` below misses none. (_shutdown hands the close over under it too.)
+            with mailbox.lock:
                 close_here = self._close_pending
                 if not close_here:
                     owner.release(Holder.GETTER)
@@ -266,20 +273,17 @@ class PushReceiver:
             return
         if owner.parked and (self._watchers or mailbox.on_arrivals is not None) and not mailbox.closed:
             self._loop.call_soon(self._drive)  # someone waits for arrivals without reading: the driver reads now
-        mailbox.wake_waiters()  # a getter waiting on the condition may read now
+        if mailbox.waiting:
+            mailbox.wake_waiters()  # a getter waiting on the condition may read now
 
-    @contextlib.contextmanager
-    def _closing_is_none(self) -> Iterator[None]:
-        """Around a getter's socket use: a pyzmq error from a receiver closed meanwhile ends the get.
+    def _raise_unless_closed(self, exc: zmq.ZMQError) -> None:
+        """A getter's pyzmq error: from a receiver closed meanwhile it ends the get (returns), else raised.
 
         Raises:
             TransportError: the error came from a receiver still open (translated, never raw pyzmq).
         """
-        try:
-            yield
-        except zmq.ZMQError as exc:
-            if not self._mailbox.closed:
-                raise from_zmq_error(exc, endpoint=self.endpoint, op="receive") from exc
+        if not self._mailbox.closed:
+            raise from_zmq_error(exc, endpoint=self.endpoint, op="receive") from exc
 
     # -- the driver -------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -435,7 +439,7 @@ class PushReceiver:
         """The driver's last word: acknowledgements, then the socket (on the driver, as it stops)."""
         self.close()
         owner = self._owner
-        took = owner.take(Holder.DRIVER, timeout=1.0)  # a getter sees the close within one message
+        took = owner.try_take(Holder.DRIVER, timeout=1.0)  # a getter sees the close within one message
         if not took:
             with self._mailbox.lock:  # a getter releases under it: it sees the hand-over, or we take the socket
                 took = owner.try_take(Holder.DRIVER)

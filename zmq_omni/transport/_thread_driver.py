@@ -43,9 +43,9 @@ class Holder(enum.Enum):
 class SocketOwner:
     """The right to use one socket (see the module docstring).
 
-    Lock order: :meth:`try_take` may be called under the receiver's mailbox lock (it never
-    waits); a holder may take the mailbox lock. :meth:`take` (which waits) is never called
-    under it.
+    Lock order: :meth:`try_take` without a timeout may be called under the receiver's mailbox
+    lock (it never waits then); a holder may take the mailbox lock. A take that waits is never
+    made under it.
     """
 
     __slots__ = ("_lock", "_thread", "holder", "last_release", "parked")
@@ -59,36 +59,22 @@ class SocketOwner:
         #: When a getter last released the socket (the driver resumes watching after an idle moment).
         self.last_release = 0.0
 
-    def try_take(self, who: Holder) -> bool:
-        """Take the socket for ``who`` if nobody holds it; never waits."""
-        if not self._lock.acquire(False):
+    def try_take(self, who: Holder, timeout: float = 0.0) -> bool:
+        """Take the socket for ``who`` if nobody holds it, waiting at most ``timeout`` for its holder to release it."""
+        if not self._lock.acquire(True, timeout):
             return False
-        self._held_by(who)
-        return True
-
-    def take(self, who: Holder, timeout: float) -> bool:
-        """Take the socket for ``who``, waiting at most ``timeout`` for its holder to release it."""
-        if not self._lock.acquire(timeout=timeout):
-            return False
-        self._held_by(who)
-        return True
-
-    def _held_by(self, who: Holder) -> None:
         assert self.holder is Holder.NOBODY, f"socket taken by {who.value} while {self.holder.value} holds it"
         self.holder = who
         self._thread = threading.get_ident()
+        return True
 
     def release(self, who: Holder) -> None:
         """Give the socket back; only its holder, on the thread that took it, may."""
-        self.check(who)
+        assert self.holder is who and self._thread == threading.get_ident(), (
+            f"{who.value} releases a socket held by {self.holder.value}"
+        )
         if who is Holder.GETTER:
             self.last_release = time.monotonic()
         self.holder = Holder.NOBODY
         self._thread = 0
         self._lock.release()
-
-    def check(self, who: Holder) -> None:
-        """Assert that ``who``, on this thread, holds the socket."""
-        assert self.holder is who and self._thread == threading.get_ident(), (
-            f"{who.value} uses a socket held by {self.holder.value}"
-        )
