@@ -307,12 +307,22 @@ def spawned(target: Any, *args: Any) -> Iterator[tuple[Any, Any]]:
 
 @contextmanager
 def io_paused(conn: Any) -> Iterator[None]:
-    """Keep ``conn``'s I/O thread busy while the block runs, so puts queue instead of leaving one by one."""
+    """Keep ``conn``'s I/O thread busy while the block runs, so puts queue instead of leaving one by one.
+
+    The data sockets of the peers already known are held too: a put that finds its peer idle would
+    otherwise send at once from its own thread, alone, whenever the machine is slow enough that no
+    two puts come within ``LONE_GAP_S`` of each other.
+    """
     release = threading.Event()
     loop = conn._loop
     assert loop is not None
     loop.call_soon(lambda: release.wait(5))
+    held = [peer.data_lock for peer in conn._sender._core.peers.values()]
+    for lock in held:
+        assert lock.acquire(timeout=5)
     try:
         yield
     finally:
+        for lock in held:
+            lock.release()
         release.set()

@@ -32,6 +32,9 @@ __all__ = ["ReceiveSocket"]
 # ``sock.get(zmq.EVENTS)`` does (resetting the descriptor alike), without pyzmq's option-enum lookup
 # (about 1 us less a look, one a drain).
 _zmq_poll = zmq.zmq_poll
+# A drain's time, whatever its messages cost: a peer sending messages of a thousand frames (each read
+# frame by frame, ~2.5 us a frame) must not hold an event loop's turn for its 512 messages (1.2 s).
+_DRAIN_BUDGET_S = 0.01
 _SETTLE_ROUNDS = 4  # drains a holder does before it leaves the rest of a flood to the driver's next turn
 
 
@@ -116,6 +119,8 @@ class ReceiveSocket:
                 break
             if not _zmq_poll(poll_in, 0):
                 drained = True
+                break
+            if time.monotonic() - now > _DRAIN_BUDGET_S:  # costly messages (many frames): the rest next turn
                 break
         self._store(now)
         if protocol.acks_due_now():

@@ -250,13 +250,7 @@ class PushReceiver:
         owner, mailbox = self._owner, self._mailbox
         try:
             if not mailbox.closed:
-                if not owner.parked:  # the driver watches the descriptor: a signal this getter spent would be missed
-                    if not self._rs.settle():
-                        self._loop.call_soon(self._drive)
-                else:  # the driver's reclaim tick settles it
-                    due = mailbox.flush_due
-                    if due is not None and due <= time.monotonic():
-                        self._rs.flush()
+                self._settle_for_driver()
         finally:
             # Released under the mailbox lock: a get that found the socket held counts itself waiting under
             # it, so the check of ``waiting`` below misses none. (_shutdown hands the close over under it too.)
@@ -275,6 +269,23 @@ class PushReceiver:
             self._loop.call_soon(self._drive)  # someone waits for arrivals without reading: the driver reads now
         if mailbox.waiting:
             mailbox.wake_waiters()  # a getter waiting on the condition may read now
+
+    def _settle_for_driver(self) -> None:
+        """A leaving getter reads what its spent signal announced and sends the acks due.
+
+        Never raises: the getter already holds its item, so a socket error here is the driver's to
+        meet on its next turn (it logs it), not a reason to fail this get and lose that item.
+        """
+        try:
+            if not self._owner.parked:  # the driver watches the descriptor: a signal this getter spent would be missed
+                if not self._rs.settle():
+                    self._loop.call_soon(self._drive)
+            else:  # the driver's reclaim tick settles it
+                due = self._mailbox.flush_due
+                if due is not None and due <= time.monotonic():
+                    self._rs.flush()
+        except zmq.ZMQError:
+            self._loop.call_soon(self._drive)
 
     def _raise_unless_closed(self, exc: zmq.ZMQError) -> None:
         """A getter's pyzmq error: from a receiver closed meanwhile it ends the get (returns), else raised.
@@ -318,10 +329,17 @@ class PushReceiver:
             self._release_driver()
 
     def _release_driver(self) -> None:
-        """The driver gives the socket back; a getter that found it held waits on the mailbox: one may read now."""
-        self._owner.release(Holder.DRIVER)
-        if self._mailbox.waiting:
-            self._mailbox.wake_waiters()
+        """The driver gives the socket back; a getter that found it held waits on the mailbox: one may read now.
+
+        Released under the mailbox lock, as a getter releases: a get that found the socket held
+        counts itself waiting under that lock, so the check of ``waiting`` misses none.
+        """
+        mailbox = self._mailbox
+        with mailbox.lock:
+            self._owner.release(Holder.DRIVER)
+            waiting = mailbox.waiting
+        if waiting:
+            mailbox.wake_waiters()
 
     def _arm_reclaim(self) -> None:
         if not self._reclaim_armed:
