@@ -194,8 +194,12 @@ class Mailbox:
     def wake_waiters(self) -> None:
         """Wake the threads waiting on the condition (a reader left: one of them may read now)."""
         with self.lock:
-            if self.waiting:
-                self._cv.notify_all()
+            self.wake_waiters_locked()
+
+    def wake_waiters_locked(self) -> None:
+        """:meth:`wake_waiters` for a caller holding :attr:`lock`."""
+        if self.waiting:
+            self._cv.notify_all()
 
     def buries(self, key: str) -> bool:
         """True while a tombstone covers ``key``: an arrival of it now would be dropped."""

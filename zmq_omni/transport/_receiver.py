@@ -273,8 +273,8 @@ class PushReceiver:
     def _settle_for_driver(self) -> None:
         """A leaving getter reads what its spent signal announced and sends the acks due.
 
-        Never raises: the getter already holds its item, so a socket error here is the driver's to
-        meet on its next turn (it logs it), not a reason to fail this get and lose that item.
+        Never raises: the getter already holds its item, so a socket error here is logged and left to
+        the driver's next turn, not a reason to fail this get and lose that item.
         """
         try:
             if not self._owner.parked:  # the driver watches the descriptor: a signal this getter spent would be missed
@@ -285,6 +285,7 @@ class PushReceiver:
                 if due is not None and due <= time.monotonic():
                     self._rs.flush()
         except zmq.ZMQError:
+            log.warning("settling %s as a getter left failed; the driver reads next", self.endpoint, exc_info=True)
             self._loop.call_soon(self._drive)
 
     def _raise_unless_closed(self, exc: zmq.ZMQError) -> None:
@@ -337,9 +338,7 @@ class PushReceiver:
         mailbox = self._mailbox
         with mailbox.lock:
             self._owner.release(Holder.DRIVER)
-            waiting = mailbox.waiting
-        if waiting:
-            mailbox.wake_waiters()
+            mailbox.wake_waiters_locked()
 
     def _arm_reclaim(self) -> None:
         if not self._reclaim_armed:
