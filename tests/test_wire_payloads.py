@@ -156,6 +156,46 @@ def test_unregistered_record_is_exactly_what_msgspec_msgpack_yields(obj: Any) ->
     assert list(got) == list(want) if isinstance(want, dict) else True  # field order too
 
 
+class _OmitBase(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class InnerChunk(_OmitBase):
+    decode: Any = None
+    start: int | None = None
+
+
+class OuterChunk(_OmitBase):
+    embed: InnerChunk | None = None
+    request_id: str | None = None
+    ids: list[int] = msgspec.field(default_factory=list)
+
+
+def test_a_struct_class_is_read_once_and_every_instance_still_encodes_as_msgspec_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vllm-omni's payloads are Structs like these; reading a class's fields each time cost a put milliseconds."""
+    calls: list[type] = []
+    fields = msgspec.structs.fields
+
+    def counting_fields(cls: Any) -> Any:
+        calls.append(cls)
+        return fields(cls)
+
+    monkeypatch.setattr(msgspec.structs, "fields", counting_fields)
+    chunks = [
+        OuterChunk(embed=InnerChunk(decode=np.arange(4), start=n), request_id=f"r{n}", ids=[n] * (n % 2))
+        for n in range(4)
+    ]
+    for chunk in chunks:
+        got = decode(encode(chunk))
+        plain = OuterChunk(embed=InnerChunk(start=chunk.embed.start), request_id=chunk.request_id, ids=chunk.ids)  # type: ignore[union-attr]
+        want = msgspec.msgpack.decode(msgspec.msgpack.encode(plain))
+        np.testing.assert_array_equal(got["embed"].pop("decode"), np.arange(4))
+        assert got == want
+    assert sorted(calls, key=id) == sorted([OuterChunk, InnerChunk], key=id)
+
+
 @pytest.mark.parametrize("obj", MSGSPEC_CASES, ids=lambda o: f"{type(o).__name__}")
 def test_registered_record_decodes_as_its_class(obj: Any) -> None:
     name = register_type(type(obj))

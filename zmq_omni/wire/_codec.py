@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import DecodeError, EncodeError
 from . import _dtypes, _registry, _staging
 from ._limits import DecodeLimits
-from ._shape import CONTAINER_MAP, brief, check_shape
+from ._shape import CONTAINER_MAP, brief, check_shape, walk_shape
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -373,6 +373,11 @@ class _Encoder:
         if name is None:
             return self._unsupported(tensor, f"torch tensor of dtype {tensor.dtype}, layout {tensor.layout}")
         tensor = tensor.detach()
+        if tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj():
+            # The common case (a contiguous CPU tensor with no lazy conjugate or negation), in the fewest torch calls.
+            flat = tensor.view(-1)
+            if flat.stride(0) == 1:
+                return self._descriptor(EXT_TENSOR, name, tuple(tensor.shape), 0, flat.view(torch.uint8).numpy(), True)
         if tensor.is_conj():
             tensor = tensor.resolve_conj()
         if tensor.is_neg():
@@ -393,16 +398,22 @@ class _Encoder:
         return self._descriptor(EXT_TENSOR, name, tuple(tensor.shape), 0, raw)
 
     def _descriptor(
-        self, code: int, name: str, shape: tuple[int, ...], layout: int, data: np.ndarray[Any, Any]
+        self,
+        code: int,
+        name: str,
+        shape: tuple[int, ...],
+        layout: int,
+        data: np.ndarray[Any, Any],
+        flat_bytes: bool = False,
     ) -> msgpack.ExtType:
-        """Build an array/tensor extension; ``data`` is contiguous in ``layout`` order."""
+        """Build an array/tensor extension; ``data`` is contiguous in ``layout`` order (``flat_bytes``: 1-D uint8)."""
         self.flags |= FLAG_EXT
         nbytes = data.nbytes
         ndim = len(shape)
         if ndim > 64:
             raise EncodeError(f"cannot encode an array of {ndim} dimensions (at most 64)")
         if nbytes >= self.threshold:
-            flat = data.reshape(-1, order="F" if layout else "C").view(np.uint8)
+            flat = data if flat_bytes else data.reshape(-1, order="F" if layout else "C").view(np.uint8)
             index = len(self.frames)
             self.frames.append(flat.data)
             return _new_ext(
@@ -544,7 +555,7 @@ def encode(
     lim = _DEFAULT_LIMITS if limits is None else limits
     if len(body) > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
         try:
-            check_shape(body, lim.max_depth, lim.max_objects)
+            walk_shape(body, lim.max_depth, lim.max_objects)
         except DecodeError as exc:
             raise EncodeError(f"cannot encode {_type_name(obj)}: a receiver would refuse it ({exc})") from None
     n_oob = len(frames) - 1
@@ -956,7 +967,7 @@ def decode_each(
                 # As decode's plain path: msgpack bounds every declared length by the input's.
                 body = frame[skip:]
                 if len(body) > objects or body.translate(CONTAINER_MAP).count(1) > depth:
-                    check_shape(body, depth, objects)
+                    walk_shape(body, depth, objects)
                 add(unpackb(body, ext_hook=reject, raw=False, strict_map_key=False))
             except DecodeError as exc:
                 add(exc)
@@ -1078,8 +1089,10 @@ def decode(
     try:
         # Depth and object count before msgpack builds anything. Inlined here, check_shape's first test for
         # the usual small header: too few bytes that may open an array or a map to nest past the limit.
-        if type(body) is not bytes or size > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
+        if type(body) is not bytes:
             check_shape(body, lim.max_depth, lim.max_objects)
+        elif size > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
+            walk_shape(body, lim.max_depth, lim.max_objects)
         if not flags:
             # Plain msgpack: the metadata-only hot path.
             # msgpack bounds every declared length by the input's length when no limit is

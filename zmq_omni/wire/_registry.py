@@ -174,33 +174,73 @@ def _record_value(obj: Any) -> Any:
 _EMPTY_FACTORIES = (list, dict, set, frozenset, bytearray)
 
 
+class _StructPlan(NamedTuple):
+    """What encoding a Struct class needs, read from the class once.
+
+    ``msgspec.structs.fields`` costs tens of microseconds a call: it re-evaluates the class's annotations.
+    """
+
+    array_like: bool
+    #: ``{tag_field: tag}`` to start the field map with, or ``None``; for array_like, ``[tag]`` or ``None``.
+    tag: Any
+    #: Every field, in order: ``(attribute, encode name, default or _NO_DEFAULT, empty-collection factory or None)``.
+    fields: tuple[tuple[str, str, Any, type | None], ...]
+    omit_defaults: bool
+
+
+#: A field without a default: no value is ever identical to it.
+_NO_DEFAULT = object()
+#: Plans by Struct class. Read without a lock (a dict read is atomic; two threads that miss at once
+#: build equal plans). Bounded: cleared when full, for programs that make classes on the fly.
+_struct_plans: dict[type, _StructPlan] = {}
+_PLANS_SIZE = 1024
+
+
+def _struct_plan(msgspec: Any, cls: type) -> _StructPlan:
+    config = cls.__struct_config__  # type: ignore[attr-defined]
+    nodefault = msgspec.NODEFAULT
+    fields = tuple(
+        (
+            info.name,
+            info.encode_name,
+            _NO_DEFAULT if info.default is nodefault else info.default,
+            info.default_factory if info.default_factory in _EMPTY_FACTORIES else None,
+        )
+        for info in msgspec.structs.fields(cls)
+    )
+    tag: Any = None
+    if config.tag is not None:
+        tag = [config.tag] if config.array_like else {config.tag_field: config.tag}
+    plan = _StructPlan(config.array_like, tag, fields, config.omit_defaults)
+    if len(_struct_plans) >= _PLANS_SIZE:
+        _struct_plans.clear()
+    _struct_plans[cls] = plan
+    return plan
+
+
 def _struct_value(msgspec: Any, obj: Any) -> Any:
     """What ``msgspec.msgpack.encode`` writes for a Struct, one level deep (values are left as objects)."""
     cls = type(obj)
-    config = cls.__struct_config__
-    names = cls.__struct_fields__
-    encode_names = cls.__struct_encode_fields__
+    plan = _struct_plans.get(cls)
+    if plan is None:
+        plan = _struct_plan(msgspec, cls)
     unset = msgspec.UNSET
-    if config.array_like:
+    if plan.array_like:
         # msgspec ignores omit_defaults for array_like Structs.
-        values = [getattr(obj, attr) for attr in names]
-        return values if config.tag is None else [config.tag, *values]
-    out: dict[str, Any] = {} if config.tag is None else {config.tag_field: config.tag}
-    if config.omit_defaults:
-        nodefault = msgspec.NODEFAULT
-        for info in msgspec.structs.fields(cls):
-            value = getattr(obj, info.name)
-            if value is unset:
-                continue
-            default, factory = info.default, info.default_factory
+        values = [getattr(obj, field[0]) for field in plan.fields]
+        return values if plan.tag is None else [*plan.tag, *values]
+    out: dict[str, Any] = {} if plan.tag is None else dict(plan.tag)
+    if plan.omit_defaults:
+        for attr, key, default, factory in plan.fields:
+            value = getattr(obj, attr)
             # msgspec's own test: the default object itself, or an empty collection from a collection factory.
-            if default is not nodefault and value is default:
+            if value is default or value is unset:
                 continue
-            if factory in _EMPTY_FACTORIES and type(value) is factory and not value:
+            if factory is not None and type(value) is factory and not value:
                 continue
-            out[info.encode_name] = value
+            out[key] = value
         return out
-    for attr, key in zip(names, encode_names, strict=True):
+    for attr, key, _, _ in plan.fields:
         value = getattr(obj, attr)
         if value is not unset:
             out[key] = value

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from ..errors import DecodeError
 
-__all__ = ["CONTAINER_MAP", "brief", "check_shape"]
+__all__ = ["CONTAINER_MAP", "brief", "check_shape", "walk_shape"]
 
 # Total encoded size of each msgpack type whose size the first byte fixes; 0 for the rest
 # (containers, str/bin/ext with a length field, and the never-used 0xc1).
@@ -89,11 +89,15 @@ def check_shape(data: bytes | memoryview, max_depth: int, max_objects: int) -> N
                 return
         elif size <= _COPY_TO_COUNT and bytes(data).translate(CONTAINER_MAP).count(1) <= max_depth:
             return
-    _scan(data if type(data) is bytes else memoryview(data).cast("B"), max_depth, max_objects)
+    walk_shape(data if type(data) is bytes else memoryview(data).cast("B"), max_depth, max_objects)
 
 
-def _scan(data: Any, max_depth: int, max_objects: int) -> None:
-    """Walk the type bytes of ``data``'s first object; raise at the first bound it breaks."""
+def walk_shape(data: Any, max_depth: int, max_objects: int) -> None:
+    """:func:`check_shape` without its first test: walk the type bytes of ``data``'s first object.
+
+    For callers that counted the container bytes themselves and found too many (``data`` is
+    ``bytes`` or a byte-format ``memoryview``). Raises at the first bound it breaks.
+    """
     fixed, same_size = _FIXED_T, _SAME_SIZE
     as_bytes = type(data) is bytes
     pos = 0
