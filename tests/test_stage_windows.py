@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 
 from zmq_omni import PipelineDriver, StageWorker, load_pipeline_config
+from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, RetryPolicy
+from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.stages import DriverEvent
-from zmq_omni.stages._link import _PutOrder
+from zmq_omni.stages._link import _EdgePair, _PutOrder
 
 MIB = 1 << 20
 
@@ -186,3 +188,25 @@ def test_request_ids_with_underscores_map_to_their_stream(suffix: str) -> None:
     order.announced("req_1_x_2_", "failed")
     assert order.before_chunk(f"req_1_x_2_{suffix}") == "failed"
     assert order.before_chunk(f"req_1_x_{suffix}") is None
+
+
+def test_the_chunks_of_a_request_whose_announcement_failed_fail_at_once_without_a_put() -> None:
+    namespace = f"order-{time.monotonic_ns()}"
+    inbound = InProcConnector({"namespace": namespace, "stage_id": "0"})
+    outbound = InProcConnector({"namespace": namespace, "stage_id": "0"})
+    pair = _EdgePair(inbound, outbound)
+    retry = RetryPolicy(attempts=5, deadline_s=30.0, backoff_initial_s=1.0)
+    with OmniChunkManager(ChunkManagerConfig(stage_id="0", downstream_stage_id="1", retry=retry), pair) as chunks:
+        pair.order.expect("a_0_")
+        chunks.save_async("a", {"x": np.zeros(4)})
+        time.sleep(0.1)
+        assert outbound.health()["pending"] == 0  # held: its announcement has not gone
+        pair.order.announced("a_0_", "could not announce the request to stage 1")
+        deadline = time.monotonic() + 5
+        failed: dict[str, str] = {}
+        while not failed:
+            assert time.monotonic() < deadline, "the chunk's failure was never reported"
+            failed = chunks.collect_failed_send_request_ids()
+            time.sleep(0.01)
+        assert "could not announce" in failed["a"] and "after 1 attempt" in failed["a"], failed  # not retried
+        assert outbound.health()["pending"] == 0  # never put
