@@ -9,9 +9,9 @@ How a downstream stage learns about a new request:
     order and registers each request with ``load_async``. Announcements are
     read with a look-ahead window, so one lost announcement does not block the
     ones behind it, and a restarted upstream (whose ``seq`` starts again at 0)
-    is picked up. After each announcement the sender also puts its ``seq``
-    under ``_zo_req_{stage_id}_head`` (a re-put replaces it, so one is held at
-    most): a receiver that finds nothing at its next ``seq`` while the head is
+    is picked up. After each burst of announcements the sender also puts the
+    latest ``seq`` under ``_zo_req_{stage_id}_head`` (a re-put replaces it, so
+    one is held at most): a receiver that finds nothing at its next ``seq`` while the head is
     at or past it jumps there, so a receiver that (re)started after its
     upstream announced many requests (a second ``zmq-omni drive`` against
     running stages, a restarted stage) learns of new requests at once. It
