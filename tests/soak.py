@@ -48,8 +48,8 @@ STAGES = (("thinker", "0"), ("talker", "1"), ("vocoder", "2"))
 #: the kill round drained): measured noise is 0-2.1 MiB (allocator and pool warm-up of a process moving 16 KiB
 #: chunks). With the CI sizes (320 steady requests) it catches a leak of about 40 KiB or more per request, and
 #: a queue or mailbox that keeps growing (today's dead edge grows the thinker by ~20 MiB).
-#: Plus what the window may hold in flight at a stage (1,024 puts of ~16 KiB: the allocator's high-water
-#: mark can rise by that much whenever a round fills it further than before).
+#: Plus what the window may hold in flight at a stage (``max_unacked`` puts of ~16 KiB: the allocator's
+#: high-water mark can rise by that much whenever a round fills it further than before), with room to spare.
 RSS_GROWTH_BOUND_KIB = 8 * 1024 + 16 * 1024
 
 
@@ -65,15 +65,12 @@ class SoakSettings:
     kill_round: int = 1
     stall_timeout_s: float = 3.0
     request_timeout_s: float = 40.0
-    #: The send window (puts held unconsumed per sender): above one round's output (per_round x chunks =
-    #: 480), far below the run's (4,800), so chunks that cancelled or failed requests left held would still
-    #: exhaust it within the run (and "left at the end" sees any). Not smaller: with a window below one
-    #: round's output, a stage's announcement can time out behind its own chunks to requests the next stage
-    #: has not admitted yet, and that stage's look-ahead then jumps past the announcements still on their
-    #: way, failing a whole round ("stalled ... waiting for chunk 0"). A known open defect of the stage
-    #: announcements (announcements share the chunks' window), not of the transport; 128 shows it about
-    #: one run in ten over tcp.
-    max_unacked: int = 1024
+    #: The send window (puts held unconsumed per sender): far below one round's output (per_round x chunks =
+    #: 480) and the run's (4,800), so a stage always has more in flight than its window holds: announcements
+    #: share the window with the chunks and must still never wait behind chunks nobody will consume (the
+    #: stages put a request's chunks only after its announcement, and announcements first), and chunks
+    #: that cancelled or failed requests left held would exhaust it within the run ("left at the end" sees any).
+    max_unacked: int = 128
     #: A cancelled / raising request must end this long after its submission at most.
     fault_bound_s: float = 20.0
     #: A reused id must be refused this fast (the stage knows at once; stalls take stall_timeout_s).

@@ -9,14 +9,21 @@ How a downstream stage learns about a new request:
     order and registers each request with ``load_async``. Announcements are
     read with a look-ahead window, so one lost announcement does not block the
     ones behind it, and a restarted upstream (whose ``seq`` starts again at 0)
-    is picked up. After each announcement the sender also puts its ``seq``
-    under ``_zo_req_{stage_id}_head`` (a re-put replaces it, so one is held at
-    most): a receiver that finds nothing at its next ``seq`` while the head is
+    is picked up. After each burst of announcements the sender also puts the
+    latest ``seq`` under ``_zo_req_{stage_id}_head`` (a re-put replaces it, so
+    one is held at most): a receiver that finds nothing at its next ``seq`` while the head is
     at or past it jumps there, so a receiver that (re)started after its
     upstream announced many requests (a second ``zmq-omni drive`` against
     running stages, a restarted stage) learns of new requests at once. It
     still does not learn about requests announced before it came back:
     restart a pipeline from its last stage.
+
+Announcements go ahead of chunks:
+    they share the sender's window with the chunks, so a stage puts a
+    request's chunks only once its announcement was put, and holds its chunk
+    puts while an announcement is being put (:class:`_PutOrder`). A window
+    smaller than what a stage has in flight then slows it down and never
+    fails a request.
 
 Refusals travel as announcements too:
     a stage that cannot serve an announced request (its id was already used:
@@ -36,18 +43,19 @@ Reserved payload keys (removed before the user function sees the payload):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..adapters import ChunkManagerConfig, OmniChunkManager, RetryPolicy
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, TransferFailure, WakeupSource, bounded_timeout, create_connector
-from ..errors import TransportError
+from ..errors import TransportError, ZmqOmniError
 
 logger = logging.getLogger("zmq_omni.stages")
 
@@ -62,8 +70,112 @@ HEAD_SUFFIX = "_head"
 _CATCH_UP = 1024
 #: Failures of chunk keys held for the chunk manager until it drains them.
 _HELD_FAILURES = 65_536
-#: Announcement keys remembered to attribute a failure reported after the put returned.
+#: Announcement keys remembered to attribute a failure reported after the put returned
+#: (and streams whose announcement failed, to refuse their chunks).
 _ANNOUNCED_KEYS = 65_536
+#: Within a burst of announcements, the head is put at its end and after every this many.
+_HEAD_EVERY = 64
+
+
+# -- the order of a sender's puts: announcements first ------------------------------------------------
+class _PutOrder:
+    """Which of a stage's outbound puts may go now: announcements before chunks.
+
+    An announcement (and a refusal, and the head) shares the sender's window
+    (``max_unacked`` / ``max_unacked_bytes``) with the chunks, and a window
+    slot frees only when the next stage consumes what holds it. Two rules keep
+    an announcement from ever waiting behind chunks that nobody will consume:
+
+    - **Chunks follow their announcement.** A request's chunk puts wait until
+      its announcement's put returned (:meth:`expect` at ``announce``,
+      :meth:`announced` when the put ended). Every chunk in the window then
+      belongs to a request the next stage has been announced, so the next
+      stage reads it and the window drains. A request whose announcement
+      failed never puts a chunk: :meth:`before_chunk` says why instead.
+    - **Announcements go first.** While a control put is in progress
+      (:meth:`control`, around each announcement with its retries and around
+      each head put), chunk puts wait, so the next slot the window frees goes
+      to the announcement, not to the chunk stream of an earlier request.
+
+    With both, a window smaller than what a stage has in flight only slows the
+    stage down: announcements wait at most for a slot or two to free, chunks
+    for the next stage to consume. A separate window for control keys would
+    need the transport's help; a second connector per edge would need a
+    second set of sockets and threads per stage, and exists only for the
+    backends that can be built twice; this order needs neither and holds for
+    every backend.
+
+    Thread safety: everything under ``_cond``'s lock. The announcer thread
+    calls :meth:`control` and :meth:`announced`; the thread that queues an
+    announcement calls :meth:`expect` before it queues the request's first
+    chunk; the chunk manager's save thread calls :meth:`before_chunk`; any
+    thread may call :meth:`close`.
+    """
+
+    def __init__(self, *, remembered: int = _ANNOUNCED_KEYS) -> None:
+        self._cond = threading.Condition()
+        self._controls = 0  # control puts in progress
+        self._pending: set[str] = set()  # chunk prefixes whose announcement is queued or being put
+        self._failed: OrderedDict[str, str] = OrderedDict()  # chunk prefix -> why its announcement failed
+        self._remembered = remembered
+        self._closed = False
+
+    def expect(self, prefix: str) -> None:
+        """Hold the chunk puts of the stream ``prefix`` (``{request_id}_{stage_id}_``) until its announcement ends."""
+        with self._cond:
+            self._failed.pop(prefix, None)
+            self._pending.add(prefix)
+
+    def announced(self, prefix: str, failure: str | None) -> None:
+        """The announcement of ``prefix`` was put (``failure`` None) or given up (``failure`` says why)."""
+        with self._cond:
+            self._pending.discard(prefix)
+            if failure is not None:
+                self._failed[prefix] = failure
+                self._failed.move_to_end(prefix)
+                while len(self._failed) > self._remembered:
+                    self._failed.popitem(last=False)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def control(self) -> Iterator[None]:
+        """Chunk puts wait while the body (a control put) runs."""
+        with self._cond:
+            self._controls += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._controls -= 1
+                if not self._controls:
+                    self._cond.notify_all()
+
+    def before_chunk(self, key: str) -> str | None:
+        """Wait until the chunk ``key`` may be put: None to put it, or why it must not be.
+
+        Waits while a control put is in progress or the stream's announcement
+        has not ended; each is bounded (an announcement by its retry policy),
+        and :meth:`close` ends every wait.
+        """
+        prefix = key[: key.rfind("_") + 1]  # chunk keys end in _<chunk id>
+        with self._cond:
+            while not self._closed and (self._controls or prefix in self._pending):
+                self._cond.wait()
+            if prefix in self._pending:
+                # Closing: the announcement will never be put, so neither may its chunks. (Chunks of
+                # announced requests still go: a shutdown flushes what is in flight.)
+                return "the request was never announced downstream (the stage is closing)"
+            return self._failed.get(prefix)
+
+    def close(self) -> None:
+        """End every wait: no announcement will be put any more (idempotent).
+
+        Chunks of announced requests may still be put after it; those whose
+        announcement never went are refused.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 # -- one connector for two edges ------------------------------------------------------------------
@@ -72,6 +184,8 @@ class _EdgePair(OmniConnectorBase):
 
     The chunk manager works over one connector; a stage has two edges, each
     with its own backend (chosen per edge in YAML), so this routes between them.
+    Its puts are the chunk manager's, which wait their turn (``order``, see
+    :class:`_PutOrder`); announcements go through :meth:`put_control`.
     """
 
     def __init__(self, inbound: OmniConnectorBase, outbound: OmniConnectorBase) -> None:
@@ -84,10 +198,28 @@ class _EdgePair(OmniConnectorBase):
         self._route_lock = threading.Lock()
         self._chunk_failures: deque[TransferFailure] = deque(maxlen=_HELD_FAILURES)
         self.on_announce_failure: Callable[[TransferFailure], None] | None = None
+        self.order = _PutOrder()
 
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
-        """Put through the outbound connector."""
+        """Put a chunk through the outbound connector once :class:`_PutOrder` lets it go.
+
+        A chunk whose request's announcement failed is not put: the put fails,
+        its cause (not retryable) held for :meth:`drain_failures`.
+        """
+        refusal = self.order.before_chunk(put_key)
+        if refusal is not None:
+            failure = TransferFailure(put_key, from_stage, to_stage, "put", refusal, _Unannounced(refusal), time.time())
+            with self._route_lock:
+                self._chunk_failures.append(failure)
+            return False, 0, None
         return self.outbound.put(from_stage, to_stage, put_key, data)
+
+    def put_control(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any
+    ) -> tuple[bool, int, dict[str, Any] | None]:
+        """Put an announcement (or the head) through the outbound connector, ahead of any chunk."""
+        with self.order.control():
+            return self.outbound.put(from_stage, to_stage, put_key, data)
 
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
@@ -178,6 +310,7 @@ class _EdgePair(OmniConnectorBase):
         if self._closed:
             return
         self._closed = True
+        self.order.close()
         for conn in (self.outbound, self.inbound):
             try:
                 conn.close()
@@ -271,20 +404,42 @@ class _Endpoint:
             if not self.stop_event.is_set():
                 logger.exception("%s %s: helper thread crashed", self.label, self.stage_id)
                 self.stop_event.set()
+                self.connector.order.close()  # no announcement will be put: chunks waiting for one stop
 
     # announcements out ----------------------------------------------------------------------------
     def announce(self, request_id: str, *, error: str | None = None) -> None:
         """Queue the announcement of a new request to the downstream stage (returns at once).
 
+        Call it before queuing the request's first chunk: its chunks are put
+        only once the announcement was (see :class:`_PutOrder`).
+
         With ``error``, announce instead that the request failed before any of
         its chunks went downstream (it was refused): the downstream stages
         forward that to the driver, which fails the request with ``error``.
         """
+        if error is None:
+            self.connector.order.expect(self._chunk_prefix(request_id))
         with self._announce_cond:
             self._announce_queue.append((request_id, error))
             self._announce_cond.notify()
 
+    def hold(self, request_id: str) -> None:
+        """Hold the chunks of ``request_id`` until its announcement is put, for a chunk queued before :meth:`announce`.
+
+        :meth:`withdraw` releases a hold whose announcement will not be queued after all.
+        """
+        self.connector.order.expect(self._chunk_prefix(request_id))
+
+    def withdraw(self, request_id: str) -> None:
+        """Release a :meth:`hold` without announcing: the request's chunks, if any, are refused."""
+        self.connector.order.announced(self._chunk_prefix(request_id), "the request was not announced")
+
+    def _chunk_prefix(self, request_id: str) -> str:
+        """The key prefix of the chunks this endpoint's chunk manager puts for ``request_id``."""
+        return f"{request_id}_{self.stage_id}_"
+
     def _announce_loop(self) -> None:
+        head: int | None = None  # the latest seq announced and not yet put as the head
         while True:
             with self._announce_cond:
                 while not self._announce_queue and not self.stop_event.is_set():
@@ -294,15 +449,24 @@ class _Endpoint:
                 request_id, error = self._announce_queue.popleft()
             key = f"{ANNOUNCE_PREFIX}{self.stage_id}_{self._seq}"
             self._seq += 1
-            if not self._put_announcement(key, request_id, error):
-                self.announce_failures.put(
-                    (request_id, f"could not announce the request to stage {self.downstream} (key {key!r})")
-                )
-                continue
-            # One attempt, failures ignored: the head only helps a receiver that
-            # (re)started behind; a re-put replaces the unconsumed one, so at most
-            # one is ever held per edge.
-            self.connector.outbound.put(self.stage_id, self.downstream, self._head_key, {"seq": self._seq - 1})
+            if self._put_announcement(key, request_id, error):
+                head = self._seq - 1
+                if error is None:
+                    self.connector.order.announced(self._chunk_prefix(request_id), None)
+            else:
+                reason = f"could not announce the request to stage {self.downstream} (key {key!r})"
+                if error is None:
+                    self.connector.order.announced(self._chunk_prefix(request_id), reason)
+                self.announce_failures.put((request_id, reason))
+            with self._announce_cond:
+                burst = len(self._announce_queue)
+            if head is not None and (not burst or self._seq % _HEAD_EVERY == 0):
+                # One attempt, failures ignored: the head only helps a receiver that
+                # (re)started behind; a re-put replaces the unconsumed one, so at most
+                # one is ever held per edge. Within a burst of announcements it is put
+                # at its end (and every _HEAD_EVERY): each put takes a window slot.
+                self.connector.put_control(self.stage_id, self.downstream, self._head_key, {"seq": head})
+                head = None
 
     def _on_announce_failure(self, failure: TransferFailure) -> None:
         """A failure of an announcement key, routed here by the edge pair (any thread)."""
@@ -341,7 +505,7 @@ class _Endpoint:
                 raise InterruptedError("stopping")
             with self._announce_lock:
                 self._announce_attempt, self._announce_cause = key, None
-            ok, _, _ = self.connector.outbound.put(self.stage_id, self.downstream, key, body)
+            ok, _, _ = self.connector.put_control(self.stage_id, self.downstream, key, body)
             if ok:
                 with self._announce_lock:
                     self._announce_attempt = None
@@ -357,7 +521,10 @@ class _Endpoint:
             raise _AnnounceFailed(f"put of {key!r} failed" + (f": {cause.reason}" if cause is not None else ""))
 
         try:
-            self.retry.retrying(stop_event=self.stop_event)(attempt)
+            # Chunk puts wait through the retries too: a window slot that frees during a
+            # backoff goes to the announcement, not to a chunk (see _PutOrder).
+            with self.connector.order.control():
+                self.retry.retrying(stop_event=self.stop_event)(attempt)
         except Exception as exc:
             with self._announce_lock:
                 self._announce_attempt = None
@@ -447,9 +614,16 @@ class _Endpoint:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(1.0)
+        # Announcements still queued never go: their chunks are refused now, not after the shutdown's
+        # grace; chunks of announced requests are still flushed by the shutdown.
+        self.connector.order.close()
         self.chunks.shutdown()
         self.connector.close()
 
 
 class _AnnounceFailed(TransportError):
     """An announcement put returned False without a typed cause (retryable, like any transport fault)."""
+
+
+class _Unannounced(ZmqOmniError):
+    """A chunk put refused because its request was never announced downstream (not retryable)."""

@@ -150,8 +150,14 @@ class PipelineDriver:
         if request_id in self._submitted:
             raise ValueError(f"request {request_id!r} is already in flight")
         now = time.time()
-        # The chunk first: a driver that is shut down refuses it before anything is announced.
-        self._link.chunks.save_async(request_id, {**payload, TRACE_KEY: {self.stage_id: [now, now]}}, is_final=True)
+        # The chunk is queued first, so that a driver that is shut down (or an id it already ended) refuses it
+        # before anything is announced; it is put only once the announcement was (held until then).
+        self._link.hold(request_id)
+        try:
+            self._link.chunks.save_async(request_id, {**payload, TRACE_KEY: {self.stage_id: [now, now]}}, is_final=True)
+        except BaseException:
+            self._link.withdraw(request_id)
+            raise
         self._submitted[request_id] = now
         self._link.announce(request_id)
 
