@@ -140,9 +140,9 @@ class PipelineResult:
                 continue
             name = f"vllm pipeline {r.backend}"
             out += [
-                Comparison(_GRID, name, "chunk 0, paced", r.chunk0, base.chunk0, _BASELINE_NAME),
-                Comparison(_GRID, name, "chunk p50, paced", r.chunk_p50, base.chunk_p50, _BASELINE_NAME),
-                Comparison(_GRID, name, "chunk p99, paced", r.chunk_p99, base.chunk_p99, _BASELINE_NAME),
+                Comparison(_GRID, name, "chunk0 paced", r.chunk0, base.chunk0, _BASELINE_NAME),
+                Comparison(_GRID, name, "p50 paced", r.chunk_p50, base.chunk_p50, _BASELINE_NAME),
+                Comparison(_GRID, name, "p99 paced", r.chunk_p99, base.chunk_p99, _BASELINE_NAME),
                 Comparison(
                     _GRID,
                     name,
@@ -152,7 +152,7 @@ class PipelineResult:
                     _BASELINE_NAME,
                     "chunks/s",
                 ),
-                Comparison(_GRID, name, "put 4 KiB p50", r.put_small_p50, base.put_small_p50, _BASELINE_NAME),
+                Comparison(_GRID, name, "put 4K p50", r.put_small_p50, base.put_small_p50, _BASELINE_NAME),
             ]
         return out
 
