@@ -65,6 +65,9 @@ def main() -> int:
     except RuntimeError as exc:
         print(f"vllm_pipeline.py: FAILED: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the stage processes are stopped and their segments removed by now
+        print("vllm_pipeline.py: interrupted", file=sys.stderr)
+        return 130
     print(f"\nevery chunk checked where it arrived ({result.checked_chunks} chunk arrivals); medians of repetitions\n")
     header = (
         f"{'backend':<42} {'chunk0 ms':>9} {'p50 ms':>8} {'p99 ms':>8} {'chunks/s':>9} "

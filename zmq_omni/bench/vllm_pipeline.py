@@ -266,25 +266,24 @@ class _Pipeline:
                 raise _StageFailure(self.name, f"stage {stage} answered job {message[1]}, not {job.job_id}")
         return _JobRecords(puts=done[0][3], talker=done[1][4], code2wav=done[2][4])
 
-    def close(self) -> bool:
-        """Stop the three processes (asked, then terminated, then killed); True when each exited on its own."""
-        clean = True
-        for conn in self.conns.values():
-            with contextlib.suppress(OSError):
-                conn.send(("stop",))
-        for proc in self.procs.values():
-            proc.join(10)
-            if proc.exitcode is None:
-                clean = False
-                proc.terminate()
-                proc.join(5)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(5)
-            clean = clean and proc.exitcode == 0
-        for conn in self.conns.values():
-            conn.close()
-        return clean
+    def stop(self, stage: int) -> None:
+        """Ask ``stage`` to close its connector and exit."""
+        with contextlib.suppress(OSError):
+            self.conns[stage].send(("stop",))
+
+    def join(self, stage: int) -> bool:
+        """Wait for ``stage`` to exit (then terminate it, then kill it); True when it exited on its own, with 0."""
+        proc = self.procs[stage]
+        proc.join(10)
+        on_its_own: bool = proc.exitcode == 0
+        if proc.exitcode is None:
+            proc.terminate()
+            proc.join(5)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(5)
+        self.conns[stage].close()
+        return on_its_own
 
     def output(self, tail_chars: int = 4000) -> str:
         """Each stage's output (its last ``tail_chars`` characters)."""
@@ -428,8 +427,12 @@ def run_vllm_pipeline(
     except _StageFailure as exc:
         failure = exc
     finally:
-        for pipeline in pipelines.values():
-            clean = pipeline.close() and clean
+        # Upstream first, every backend at once: a sender closes while its receiver can still acknowledge.
+        for stage in (0, 1, 2):
+            for pipeline in pipelines.values():
+                pipeline.stop(stage)
+            for pipeline in pipelines.values():
+                clean = pipeline.join(stage) and clean
         _sweep_names(tag)
         if not clean:
             # A stage that had to be killed may have left segments of our connectors: remove those of dead owners.
