@@ -290,3 +290,22 @@ def test_the_vllm_pipeline_script_prints_ratios_against_the_baseline() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "every chunk checked" in result.stdout and "ZmqConnector push ipc, shm auto" in result.stdout
     assert "ratios against main's SharedMemoryConnector (restated)" in result.stdout
+
+
+@needs_payload_deps
+def test_a_stage_that_fails_reports_why_to_the_parent_and_every_stage_still_exits(short_tmp: Path) -> None:
+    from zmq_omni.bench import vllm_pipeline
+    from zmq_omni.bench._vllm_stage import PayloadShapes
+
+    ctx = multiprocessing.get_context("forkserver")
+    spec = {"name": "push-ipc", "connector": "ZmqConnector", "extra": {"mode": "sideways"}}
+    pipeline = vllm_pipeline._Pipeline(ctx, spec, PayloadShapes(), short_tmp)
+    try:
+        with pytest.raises(RuntimeError, match=r"crashed:(.|\n)*mode"):
+            pipeline.wait_up(60)
+    finally:
+        for stage in (0, 1, 2):
+            pipeline.stop(stage)
+            pipeline.join(stage)
+    assert "ConfigError" in pipeline.output()
+    assert _bench_children() == []

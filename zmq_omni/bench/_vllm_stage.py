@@ -57,7 +57,16 @@ from ._vllm_main import (
     OmniPayloadStruct,
 )
 
-__all__ = ["CODEBOOKS", "Job", "PayloadShapes", "Payloads", "code_length", "left_context", "stage_main"]
+__all__ = [
+    "CODEBOOKS",
+    "Job",
+    "PayloadShapes",
+    "Payloads",
+    "build_connector",
+    "code_length",
+    "left_context",
+    "stage_main",
+]
 
 CODEBOOKS = 16
 _INITIAL_FRAMES = 4
@@ -286,6 +295,12 @@ class _Stage:
                 self.conn.send(("done", job.job_id, self.stage_id, list(self.puts), []))
 
     def on_chunk(self, request_id: str, chunk: int, payload: Any, arrived: float) -> None:
+        try:
+            self._take(request_id, chunk, payload, arrived)
+        except Exception:  # a fault of the benchmark itself: the run must fail, not wait for its deadline
+            self.problem(f"{request_id} chunk {chunk}: {traceback.format_exc()}")
+
+    def _take(self, request_id: str, chunk: int, payload: Any, arrived: float) -> None:
         with self._lock:
             job = self.job
             index = self._index.get(request_id)

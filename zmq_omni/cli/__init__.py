@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "codec, ZmqConnector against raw pyzmq, one message in flight, the "
         "shared-memory fast path, the adapters, vllm-omni's three-stage "
         "pipeline against its SharedMemoryConnector), printed as one table of "
-        "ratios measured in the same run; about two minutes. Writes a "
+        "ratios measured in the same run; 60-90 s on two cores. Writes a "
         "PNG when matplotlib is installed.",
     )
     bench.add_argument("--quick", action="store_true", help="fewest sizes and repetitions (a smoke run)")
