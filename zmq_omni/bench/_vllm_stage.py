@@ -17,7 +17,9 @@ sets ``meta.finished`` and ``meta.is_segment_finished`` on every chunk:
   chunk every 25 of its own steps; here each thinker chunk yields one, so that
   every chunk has an end-to-end time.
 
-Every value is checked where it arrives: each tensor is a seeded base tensor
+Every value is checked where it arrives (the talker checks a thinker chunk
+right after queueing the code2wav chunk it yields, so the check is off the
+timed path): each tensor is a seeded base tensor
 (the same in every process) whose first four elements carry ``(job, request,
 chunk)`` as small integers, exact in bf16.
 
@@ -309,14 +311,15 @@ class _Stage:
             return
         last = chunk == job.chunks - 1
         if self.stage_id == 1:
+            # The code2wav chunk depends on the chunk's place, not its values: it goes first, the check after it,
+            # so what is timed is the transfer (a wrong value still fails the run).
+            self.mover.save_async(request_id, self.payloads.code2wav_chunk(job.job_id, index, chunk, last))
             problem = self.payloads.check_thinker_chunk(payload, job.job_id, index, chunk, last)
         else:
             problem = self.payloads.check_code2wav_chunk(payload, job.job_id, index, chunk, last)
         if problem is not None:
             self.problem(f"{request_id} chunk {chunk}: {problem}")
             return
-        if self.stage_id == 1:
-            self.mover.save_async(request_id, self.payloads.code2wav_chunk(job.job_id, index, chunk, last))
         with self._lock:
             self.arrivals.append((request_id, chunk, arrived))
             if self.stage_id == 2 and len(self.arrivals) == len(job.requests) * job.chunks:
