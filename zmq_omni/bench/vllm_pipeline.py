@@ -26,8 +26,9 @@ Figures (times are ``time.monotonic()``, one clock for every process of the host
 * **end-to-end time of chunk n** of a request: from the moment the thinker's
   save thread calls ``put`` for thinker chunk n to the moment code2wav's
   receive loop has code2wav chunk n in hand (its ``get`` returned it). Chunk n
-  of code2wav is the one the talker built from thinker chunk n, so it crossed
-  both hops and the talker's check of it;
+  of code2wav is the one the talker queued when thinker chunk n arrived, so
+  the time covers both hops and both stages' loops (the talker checks thinker
+  chunk n after queueing code2wav chunk n; code2wav checks after taking the time);
 * **paced** workload: one request at a time, a thinker chunk every
   ``pace_s`` (20 ms); *chunk 0* is chunk 0's end-to-end time (the ~1 MiB
   chunk), *chunk p50/p99* are over every chunk of the paced requests;
