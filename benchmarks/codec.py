@@ -27,6 +27,7 @@ from zmq_omni.bench.codec import (
     run_codec,
     run_fresh_shapes,
     run_small_dict,
+    run_struct_payloads,
     run_threshold_sweep,
 )
 from zmq_omni.wire import DEFAULT_INLINE_THRESHOLD
@@ -67,6 +68,22 @@ def codec_table() -> None:
         f"msgpack packb+unpackb {small.msgpack * 1e6:.2f} us, pickle5 {small.pickle5 * 1e6:.2f} us; "
         f"zmq_omni/msgpack = {small.ours / small.msgpack:.2f}x"
     )
+    try:
+        structs = run_struct_payloads(budget_s=0.5, repeats=21)
+    except ImportError as exc:
+        print(f"\nvllm-omni payload Structs: skipped: {exc}")
+        return
+    print(
+        "\nvllm-omni main's payload Structs (OmniPayloadStruct, bf16 torch tensors), encode+decode, microseconds;"
+        "\nmsgspec-bytes = msgspec msgpack of the same Structs with each tensor as its bytes; main = its serializer\n"
+    )
+    print(f"{'payload':>14} {'zmq_omni':>10} {'msgspec-bytes':>14} {'main':>10} {'ours/msgspec':>13} {'main/ours':>10}")
+    for row in structs:
+        print(
+            f"{row.payload:>14} {row.ours * 1e6:10.2f} {row.msgspec_bytes * 1e6:14.2f} "
+            f"{row.main_serializer * 1e6:10.2f} {row.ours / row.msgspec_bytes:12.2f}x "
+            f"{row.main_serializer / row.ours:9.2f}x"
+        )
 
 
 def threshold_sweep() -> None:

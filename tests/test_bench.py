@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
+import multiprocessing
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +16,8 @@ import pytest
 
 from zmq_omni.bench import Comparison, parse_size, size_label
 from zmq_omni.bench.adapters import run_adapters
+from zmq_omni.bench.codec import run_struct_payloads
+from zmq_omni.bench.vllm_pipeline import BACKENDS, INSTALL_HINT, missing_dependencies, run_vllm_pipeline
 from zmq_omni.cli import _bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +43,7 @@ def test_bench_quick_prints_one_table_with_a_row_per_grid(tmp_path: Path) -> Non
         "shm fast path",
         "save_async scheduler hold",
         "chunk save_async->assembled",
+        *(() if missing_dependencies() else ("wire codec, payload Struct", "vllm pipeline push-ipc")),
     ):
         assert row in out, row
     assert "total time" in out
@@ -145,3 +152,160 @@ def test_a_bad_plot_path_fails_before_the_benchmark_runs(tmp_path: Path) -> None
         f"'{tmp_path / 'missing'}'"
     ]
     assert "ratio" not in result.stdout  # no grid ran
+
+
+# -- the vllm-omni pipeline grid and the codec's Struct rows -------------------------------------------------------
+needs_payload_deps = pytest.mark.skipif(
+    bool(missing_dependencies()), reason="the vllm pipeline grid needs torch and msgspec (zmq-omni[torch,payloads])"
+)
+
+
+def _bench_children() -> list[str]:
+    return [p.name for p in multiprocessing.active_children() if p.name.startswith("bench-")]
+
+
+@needs_payload_deps
+def test_the_vllm_pipeline_runs_every_backend_and_every_chunk_arrives_right() -> None:
+    result = run_vllm_pipeline(
+        tuple(BACKENDS), repeats=1, paced_requests=1, paced_chunks=3, pace_s=0.005, requests=2, chunks=3
+    )
+    assert [r.backend for r in result.rows] == list(BACKENDS)
+    # warm-up (1 x 3) + paced (1 x 3) + throughput (2 x 3) chunks, each checked at the talker and at code2wav
+    assert result.checked_chunks == len(BACKENDS) * 2 * (3 + 3 + 6)
+    for row in result.rows:
+        figures = [row.chunk0, row.chunk_p50, row.chunk_p99, row.chunks_per_s, row.put_small_p50, row.cold_chunk0]
+        assert all(math.isfinite(f) and f > 0 for f in figures), row
+    cells = result.comparisons()
+    assert len(cells) == 5 * (len(BACKENDS) - 1)
+    assert {c.unit for c in cells} == {"s", "chunks/s"}
+    assert all(c.baseline_name == "main's SharedMemoryConnector, restated" for c in cells)
+    tag = result.settings["tag"]
+    assert [name for name in os.listdir("/dev/shm") if tag in name] == []
+    assert _bench_children() == []
+
+
+@needs_payload_deps
+def test_a_stage_that_misses_its_deadline_fails_the_run_with_every_stage_output_and_leaves_nothing() -> None:
+    with pytest.raises(RuntimeError) as failed:
+        run_vllm_pipeline(("main-shm",), repeats=1, paced_requests=1, paced_chunks=2, job_timeout_s=0.001)
+    text = str(failed.value)
+    assert "backend main-shm" in text and "in time" in text
+    for stage in (0, 1, 2):
+        assert f"--- main-shm stage {stage} ---" in text
+    assert _bench_children() == []
+
+
+@needs_payload_deps
+def test_the_stage_checks_catch_a_wrong_value_a_wrong_request_and_a_wrong_flag() -> None:
+    from zmq_omni.bench._vllm_stage import Payloads, PayloadShapes
+    from zmq_omni.wire import decode, encode
+
+    payloads = Payloads(PayloadShapes(prompt_len=8, hidden=64))
+    for chunk in (0, 1):
+        sent = payloads.thinker_chunk(3, 1, chunk, last=chunk == 1)
+        got = decode(encode(sent))  # an unregistered Struct arrives as the dict main's receivers read
+        assert payloads.check_thinker_chunk(got, 3, 1, chunk, last=chunk == 1) is None
+        assert "tag" in str(payloads.check_thinker_chunk(got, 3, 2, chunk, last=chunk == 1))
+        assert "meta.finished" in str(payloads.check_thinker_chunk(got, 3, 1, chunk, last=chunk != 1))
+        assert "dict" in str(payloads.check_thinker_chunk(sent, 3, 1, chunk, last=chunk == 1))
+    got = decode(encode(payloads.thinker_chunk(3, 1, 0, last=False)))
+    got["embed"]["prefill"] = got["embed"]["prefill"].clone()
+    got["embed"]["prefill"][5, 7] += 1
+    assert "embed.prefill's values differ" in str(payloads.check_thinker_chunk(got, 3, 1, 0, last=False))
+    codes = decode(encode(payloads.code2wav_chunk(3, 1, 2, last=True)))
+    assert payloads.check_code2wav_chunk(codes, 3, 1, 2, last=True) is None
+    assert codes["codes"]["audio"].numel() == 800 and codes["meta"]["left_context_size"] == 25
+    codes["codes"]["audio"] = codes["codes"]["audio"].clone()
+    codes["codes"]["audio"][-1] += 1
+    assert "codes.audio differ" in str(payloads.check_code2wav_chunk(codes, 3, 1, 2, last=True))
+
+
+@needs_payload_deps
+def test_the_baseline_restates_main_shm_connector_and_leaves_no_segment_or_lock_file() -> None:
+    from zmq_omni.bench._vllm_main import MainShmConnector
+    from zmq_omni.bench._vllm_stage import Payloads, PayloadShapes
+
+    payloads = Payloads(PayloadShapes(prompt_len=8, hidden=64))
+    key = f"zobenchtest{os.getpid()}_0_0"
+    sender, receiver = MainShmConnector({"stage_id": 0}), MainShmConnector({"stage_id": 1})
+    try:
+        assert receiver.get("0", "1", key) is None  # not there yet: None at once
+        ok, size, meta = sender.put(
+            from_stage="0", to_stage="1", put_key=key, data=payloads.thinker_chunk(1, 0, 0, False)
+        )
+        assert ok and size > 2 * 9 * 64 * 2 and meta is not None
+        assert os.path.exists(f"/dev/shm/{key}") and os.path.exists(f"/dev/shm/shm_{key}_lockfile.lock")
+        got = receiver.get("0", "1", key)
+        assert got is not None and got[1] == size
+        assert payloads.check_thinker_chunk(got[0], 1, 0, 0, last=False) is None
+        assert receiver.get("0", "1", key) is None  # consumed: read, copied out, unlinked
+        assert not os.path.exists(f"/dev/shm/{key}") and not os.path.exists(f"/dev/shm/shm_{key}_lockfile.lock")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@needs_payload_deps
+def test_the_codec_struct_rows_run_against_msgspec_and_main_serializer() -> None:
+    rows = run_struct_payloads(budget_s=0.02, repeats=3)
+    assert [r.payload for r in rows] == ["4 KiB chunk", "1 MiB chunk0"]
+    assert rows[0].tensor_bytes == 2048 * 2 + 2 and rows[1].tensor_bytes > 1 << 20
+    for row in rows:
+        assert min(row.ours, row.msgspec_bytes, row.main_serializer) > 0
+        assert [c.baseline_name for c in row.comparisons()] == [
+            "msgspec msgpack, tensors as bytes",
+            "vllm-omni main's serializer",
+        ]
+
+
+def test_without_torch_the_pipeline_and_struct_rows_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # find_spec("torch") -> None
+    assert "torch" in missing_dependencies()
+    with pytest.raises(ImportError, match=re.escape(INSTALL_HINT)):
+        run_vllm_pipeline(("main-shm",))
+    with pytest.raises(ImportError, match=re.escape(INSTALL_HINT)):
+        run_struct_payloads()
+
+
+@needs_payload_deps
+def test_the_vllm_pipeline_script_prints_ratios_against_the_baseline() -> None:
+    result = _run(
+        sys.executable,
+        "benchmarks/vllm_pipeline.py",
+        "--backends",
+        "main-shm,push-ipc",
+        "--repeats",
+        "1",
+        "--paced-requests",
+        "1",
+        "--paced-chunks",
+        "3",
+        "--pace-ms",
+        "5",
+        "--requests",
+        "2",
+        "--chunks",
+        "3",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "every chunk checked" in result.stdout and "ZmqConnector push ipc, shm auto" in result.stdout
+    assert "ratios against main's SharedMemoryConnector (restated)" in result.stdout
+
+
+@needs_payload_deps
+def test_a_stage_that_fails_reports_why_to_the_parent_and_every_stage_still_exits(short_tmp: Path) -> None:
+    from zmq_omni.bench import vllm_pipeline
+    from zmq_omni.bench._vllm_stage import PayloadShapes
+
+    ctx = multiprocessing.get_context("forkserver")
+    spec = {"name": "push-ipc", "connector": "ZmqConnector", "extra": {"mode": "sideways"}}
+    pipeline = vllm_pipeline._Pipeline(ctx, spec, PayloadShapes(), short_tmp)
+    try:
+        with pytest.raises(RuntimeError, match=r"crashed:(.|\n)*mode"):
+            pipeline.wait_up(60)
+    finally:
+        for stage in (0, 1, 2):
+            pipeline.stop(stage)
+            pipeline.join(stage)
+    assert "ConfigError" in pipeline.output()
+    assert _bench_children() == []

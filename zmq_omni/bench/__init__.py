@@ -9,7 +9,9 @@ baseline, ratio) for the one ratio table of ``zmq-omni bench``:
 * :mod:`zmq_omni.bench.transport`: ZmqConnector throughput and message rate against raw pyzmq;
 * :mod:`zmq_omni.bench.latency`: the round trip of one message in flight against raw pyzmq;
 * :mod:`zmq_omni.bench.shm`: the shared-memory fast path against memcpy, a vllm-style path and raw pyzmq;
-* :mod:`zmq_omni.bench.adapters`: scheduler-thread hold times and chunk latency.
+* :mod:`zmq_omni.bench.adapters`: scheduler-thread hold times and chunk latency;
+* :mod:`zmq_omni.bench.vllm_pipeline`: vllm-omni's three-stage pipeline with main's call patterns
+  against main's SharedMemoryConnector (restated); needs torch and msgspec.
 
 Grids print nothing: the command line (``zmq-omni bench``, the scripts) does.
 """

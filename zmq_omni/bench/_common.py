@@ -11,7 +11,7 @@ from typing import Any
 KIB = 1 << 10
 MIB = 1 << 20
 _UNITS = {"K": KIB, "M": MIB, "G": 1 << 30}
-RATES = ("B/s", "msg/s")
+RATES = ("B/s", "msg/s", "chunks/s")
 
 
 @dataclass(frozen=True)
@@ -19,13 +19,14 @@ class Comparison:
     """One cell of the ratio table: a zmq_omni figure beside a baseline measured in the same run.
 
     Attributes:
-        grid: which grid measured it (``codec``, ``transport``, ``shm``, ``adapters``).
+        grid: which grid measured it (``codec``, ``transport``, ``latency``, ``shm``, ``adapters``, ``vllm``).
         benchmark: what "ours" is, for example ``"ZmqConnector tcp shm=off"``.
         size: the payload label (``"1 MiB"``) or the statistic (``"p99"``).
         ours: our figure, in ``unit``.
         baseline: the baseline's figure, in ``unit``.
         baseline_name: what the baseline is, for example ``"raw pyzmq PUSH/PULL"``.
-        unit: ``"s"`` for a time (lower is better), ``"B/s"`` or ``"msg/s"`` for a rate (higher is better).
+        unit: ``"s"`` for a time (lower is better), ``"B/s"``, ``"msg/s"`` or ``"chunks/s"`` for a rate
+            (higher is better).
     """
 
     grid: str

@@ -1,5 +1,11 @@
 """Wire codec grid: ``zmq_omni.wire`` encode+decode against pickle-5, msgpack and one memcpy.
 
+The Struct rows (:func:`run_struct_payloads`) encode+decode the payloads
+vllm-omni main's chunk adapter puts: its ``OmniPayloadStruct`` (msgspec
+Structs nested four deep, bf16 torch tensors), as the Qwen3-Omni thinker
+sends them (a 4 KiB decode chunk, the ~1 MiB chunk 0); they need torch and
+msgspec.
+
 Every figure is the median per-call time over timed batches of encode+decode
 (after a warm-up call), the contenders of a row measured interleaved
 (:func:`~zmq_omni.bench._common.median_seconds`), so the ratios hold on a busy
@@ -8,6 +14,7 @@ machine even when the absolute times do not.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
@@ -30,10 +37,12 @@ __all__ = [
     "CodecRow",
     "FreshShapesRow",
     "SmallDictRow",
+    "StructRow",
     "ThresholdRow",
     "run_codec",
     "run_fresh_shapes",
     "run_small_dict",
+    "run_struct_payloads",
     "run_threshold_sweep",
 ]
 
@@ -86,6 +95,31 @@ class SmallDictRow:
         """The row as a ratio-table cell: ours against plain msgpack."""
         label = f"{self.packed_bytes} B dict"
         return [Comparison("codec", _NAME, label, self.ours, self.msgpack, "msgpack packb+unpackb")]
+
+
+@dataclass(frozen=True)
+class StructRow:
+    """Seconds per encode+decode of one of main's payload Structs holding ``tensor_bytes`` bytes of tensors.
+
+    ``msgspec_bytes`` is msgspec's own msgpack encode+decode of the same Structs
+    with every tensor replaced by its bytes (tensor-free: what the tree costs
+    msgspec natively, the bytes copied in and out); ``main_serializer`` is
+    vllm-omni main's connector serializer (msgspec with a tensor hook, restated).
+    """
+
+    payload: str
+    tensor_bytes: int
+    ours: float
+    msgspec_bytes: float
+    main_serializer: float
+
+    def comparisons(self) -> list[Comparison]:
+        """The row as ratio-table cells: ours against msgspec with bytes, and against main's serializer."""
+        name = "wire codec, payload Struct"
+        return [
+            Comparison("codec", name, self.payload, self.ours, self.msgspec_bytes, "msgspec msgpack, tensors as bytes"),
+            Comparison("codec", name, self.payload, self.ours, self.main_serializer, "vllm-omni main's serializer"),
+        ]
 
 
 @dataclass(frozen=True)
@@ -190,6 +224,59 @@ def run_small_dict(*, budget_s: float = 0.5, repeats: int = 21) -> SmallDictRow:
     }
     times = median_seconds(fns, budget_s, repeats)
     return SmallDictRow(len(msgpack.packb(SMALL_META)), times["ours"], times["plain"], times["pickle"])
+
+
+def run_struct_payloads(*, budget_s: float = 0.5, repeats: int = 21) -> list[StructRow]:
+    """Encode+decode of a 4 KiB thinker chunk and of thinker chunk 0 (~1 MiB) as main's ``OmniPayloadStruct``.
+
+    Raises:
+        ImportError: torch or msgspec is missing (the message says what to install).
+    """
+    from .vllm_pipeline import INSTALL_HINT, missing_dependencies
+
+    missing = missing_dependencies()
+    if missing:
+        raise ImportError(f"the Struct rows need {' and '.join(missing)}: {INSTALL_HINT}")
+    import msgspec
+    import torch
+
+    from ._vllm_main import main_deserialize, main_serialize
+    from ._vllm_stage import Payloads, PayloadShapes
+
+    def _msgspec_round_trip(obj: Any) -> Any:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(obj))
+
+    def _main_round_trip(obj: Any) -> Any:
+        return main_deserialize(main_serialize(obj))
+
+    def as_bytes(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.reshape(-1).view(torch.uint8).numpy().tobytes()
+        if isinstance(value, msgspec.Struct):
+            fields = {f: as_bytes(getattr(value, f)) for f in value.__struct_fields__}
+            return msgspec.structs.replace(value, **fields)
+        return value
+
+    def tensor_bytes(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, msgspec.Struct):
+            return sum(tensor_bytes(getattr(value, f)) for f in value.__struct_fields__)
+        return 0
+
+    payloads = Payloads(PayloadShapes())
+    rows = []
+    for label, chunk in (("4 KiB chunk", 1), ("1 MiB chunk0", 0)):
+        struct = payloads.thinker_chunk(1, 0, chunk, last=False)
+        plain = as_bytes(struct)
+        fns: dict[str, Callable[[], Any]] = {
+            "ours": _ours(struct),
+            "msgspec": functools.partial(_msgspec_round_trip, plain),
+            "main": functools.partial(_main_round_trip, struct),
+        }
+        times = median_seconds(fns, budget_s, repeats)
+        rows.append(StructRow(label, tensor_bytes(struct), times["ours"], times["msgspec"], times["main"]))
+    return rows
 
 
 def run_fresh_shapes(*, budget_s: float = 0.5, repeats: int = 21) -> FreshShapesRow:

@@ -186,10 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmark grids; prints one table of ratios",
-        description="A compact run of the five benchmark grids of benchmarks/*.py (wire "
+        description="A compact run of the six benchmark grids of benchmarks/*.py (wire "
         "codec, ZmqConnector against raw pyzmq, one message in flight, the "
-        "shared-memory fast path, the adapters), printed as one table of "
-        "ratios measured in the same run; well under two minutes. Writes a "
+        "shared-memory fast path, the adapters, vllm-omni's three-stage "
+        "pipeline against its SharedMemoryConnector), printed as one table of "
+        "ratios measured in the same run; 60-90 s on two cores. Writes a "
         "PNG when matplotlib is installed.",
     )
     bench.add_argument("--quick", action="store_true", help="fewest sizes and repetitions (a smoke run)")

@@ -1,4 +1,4 @@
-"""``zmq-omni bench``: a compact run of the five benchmark grids, one table of ratios.
+"""``zmq-omni bench``: a compact run of the six benchmark grids, one table of ratios.
 
 The grids are :mod:`zmq_omni.bench` (the same code as ``benchmarks/*.py``),
 with fewer sizes and repetitions so the whole run stays well under two
@@ -6,7 +6,9 @@ minutes on two shared cores. Every row is measured beside its baseline in the
 same run, so the ratio holds on a busy machine even when absolute figures do
 not. ``ratio`` is how many times better zmq_omni is: baseline time / our time,
 or our rate / baseline rate (> 1: zmq_omni wins). The plot (``--plot``) needs
-the ``plot`` extra (matplotlib).
+the ``plot`` extra (matplotlib). The codec's Struct rows and the vllm-omni
+pipeline grid need torch and msgspec; without them they are skipped, with a
+line that says what to install.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class _Plan:
     shm_sizes: tuple[int, ...]
     shm_budget: int
     adapters_n: int
+    vllm_backends: tuple[str, ...]
+    vllm_paced_requests: int
+    vllm_paced_chunks: int
+    vllm_requests: int
+    vllm_chunks: int
 
 
 _FULL = _Plan(
@@ -63,6 +70,11 @@ _FULL = _Plan(
     shm_sizes=(1 * MIB, 64 * MIB),
     shm_budget=512 * MIB,
     adapters_n=1000,
+    vllm_backends=("main-shm", "push-ipc", "push-tcp", "pull-tcp"),
+    vllm_paced_requests=2,
+    vllm_paced_chunks=10,
+    vllm_requests=8,
+    vllm_chunks=50,
 )
 _QUICK = _Plan(
     codec_sizes=(1 * KIB, 1 * MIB),
@@ -79,6 +91,11 @@ _QUICK = _Plan(
     shm_sizes=(1 * MIB,),
     shm_budget=32 * MIB,
     adapters_n=100,
+    vllm_backends=("main-shm", "push-ipc"),
+    vllm_paced_requests=1,
+    vllm_paced_chunks=5,
+    vllm_requests=2,
+    vllm_chunks=10,
 )
 
 
@@ -87,6 +104,8 @@ def _value(seconds_or_rate: float, unit: str) -> str:
         return f"{seconds_or_rate / 1e9:.2f} GB/s"
     if unit == "msg/s":
         return f"{seconds_or_rate / 1e3:.0f}k msg/s"
+    if unit == "chunks/s":
+        return f"{seconds_or_rate:.0f}/s"
     if seconds_or_rate < 1e-3:
         return f"{seconds_or_rate * 1e6:.1f} us"
     return f"{seconds_or_rate * 1e3:.2f} ms"
@@ -103,12 +122,13 @@ def _line(c: Comparison) -> str:
     )
 
 
-def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
+def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None], note: Callable[[str], None]) -> None:
     from ..bench.adapters import run_adapters
-    from ..bench.codec import run_codec, run_small_dict
+    from ..bench.codec import run_codec, run_small_dict, run_struct_payloads
     from ..bench.latency import run_latency
     from ..bench.shm import run_shm
     from ..bench.transport import run_transport
+    from ..bench.vllm_pipeline import INSTALL_HINT, missing_dependencies, run_vllm_pipeline
 
     run_codec(
         plan.codec_sizes,
@@ -119,6 +139,12 @@ def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
         on_row=lambda row: emit(row.comparisons()),
     )
     emit(run_small_dict(budget_s=plan.codec_budget_s, repeats=plan.codec_repeats).comparisons())
+    missing = missing_dependencies()
+    if missing:
+        note(f"codec payload Structs and the vllm pipeline: skipped (no {', '.join(missing)}): {INSTALL_HINT}")
+    else:
+        for struct_row in run_struct_payloads(budget_s=plan.codec_budget_s, repeats=plan.codec_repeats):
+            emit(struct_row.comparisons())
     run_transport(
         plan.transport_sizes,
         transports=plan.transports,
@@ -136,6 +162,16 @@ def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None]) -> None:
     )
     run_shm(plan.shm_sizes, budget_bytes=plan.shm_budget, paths=_SHM_PATHS, on_row=lambda row: emit(row.comparisons()))
     emit(run_adapters(plan.adapters_n, cpu_window_s=0).comparisons())
+    if not missing:
+        pipeline = run_vllm_pipeline(
+            plan.vllm_backends,
+            repeats=1,
+            paced_requests=plan.vllm_paced_requests,
+            paced_chunks=plan.vllm_paced_chunks,
+            requests=plan.vllm_requests,
+            chunks=plan.vllm_chunks,
+        )
+        emit(pipeline.comparisons())
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -159,7 +195,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(_COLUMNS)
     print("-" * (len(_COLUMNS) + 16), flush=True)
     try:
-        _grids(plan, emit)
+        _grids(plan, emit, lambda line: print(line, flush=True))
     except RuntimeError as exc:  # a grid's own check failed (a put refused, the wrong path taken)
         print(f"zmq-omni bench: error: {exc}", file=sys.stderr)
         return 1
@@ -206,9 +242,14 @@ _PANELS: tuple[tuple[str, Callable[[Comparison], bool]], ...] = (
         lambda c: c.grid == "shm" and "memcpy" in c.baseline_name,
     ),
     (
+        "vllm-omni's pipeline with main's call patterns, against main's SharedMemoryConnector (restated)",
+        lambda c: c.grid == "vllm",
+    ),
+    (
         "Codec against pickle-5 / msgpack; adapters against a plain synchronous connector",
         lambda c: (
-            (c.grid == "codec" and c.baseline_name.startswith(("pickle5", "msgpack packb"))) or c.grid == "adapters"
+            (c.grid == "codec" and c.baseline_name.startswith(("pickle5", "msgpack packb", "vllm-omni main")))
+            or c.grid == "adapters"
         ),
     ),
 )
@@ -230,6 +271,8 @@ def _plot_label(c: Comparison) -> str:
         return f"{what}, {c.size}" + ("" if c.unit == "B/s" else f" vs {c.baseline_name}")
     if c.grid == "latency":
         return f"{what}, {c.size}"
+    if c.grid == "vllm":
+        return f"{what.removeprefix('vllm pipeline ')}, {c.size}"
     return f"{what}, {c.size}: vs {c.baseline_name}"
 
 
