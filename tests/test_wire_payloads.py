@@ -255,6 +255,22 @@ def test_pil_image_subclasses_from_files_round_trip(tmp_path: Any) -> None:
     assert type(got) is Image.Image and got.tobytes() == bytes((9, 8, 7)) * 48
 
 
+def test_bfloat16_tensors_decode_without_importing_ml_dtypes() -> None:
+    """Its import (up to a second) would fall on the first message of a stage that receives bf16 tensors."""
+    code = (
+        "import sys, torch\n"
+        "from zmq_omni.wire import decode, encode\n"
+        "for threshold in (0, 1 << 20):\n"
+        "    x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)\n"
+        "    got = decode([bytes(f) for f in encode({'x': x}, inline_threshold=threshold)])['x']\n"
+        "    assert got.dtype == torch.bfloat16 and torch.equal(got, x), got\n"
+        "print('ml_dtypes' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_receiver_without_pillow_gets_a_clear_decode_error() -> None:
     frames = [bytes(f) for f in encode({"img": Image.new("L", (2, 2))})]
     code = (

@@ -600,17 +600,25 @@ _prefix_memo: dict[bytes, tuple[int, int, np.dtype[Any]]] = {}
 _oob_descriptors: dict[bytes, tuple[int, tuple[int, ...], np.dtype[Any], int, int]] = {}
 
 
-def _parse_prefix(prefix: bytes) -> tuple[int, int, np.dtype[Any]]:
+# The same for tensor descriptors, whose dtype only sizes the bytes: a bfloat16 tensor never needs
+# ml_dtypes, whose import (0.3-0.9 s) would otherwise fall on the first message that carries one.
+_tensor_prefix_memo: dict[bytes, tuple[int, int, np.dtype[Any]]] = {}
+
+
+def _parse_prefix(prefix: bytes, tensor: bool = False) -> tuple[int, int, np.dtype[Any]]:
     layout, ndim, name_len = _ARRAY_HEAD.unpack_from(prefix)
     if layout & ~_KNOWN_LAYOUT:
         raise DecodeError(f"unknown array layout bits {layout:#04x}")
     if ndim > 64:
         raise DecodeError(f"array has {ndim} dimensions, more than numpy's 64")
     name = prefix[_ARRAY_HEAD.size :]
-    dtype = _dtypes.numpy_dtype_for(name) if len(name) == name_len <= _MAX_DTYPE_NAME else None
+    dtype = None
+    if len(name) == name_len <= _MAX_DTYPE_NAME:
+        dtype = _dtypes.raw_numpy_dtype_for(name) if tensor else _dtypes.numpy_dtype_for(name)
     if dtype is None:
         raise DecodeError(f"dtype {name!r} is not in the wire format's allow-list")
-    entry = _prefix_memo[prefix] = (layout, ndim, dtype)
+    entry = (layout, ndim, dtype)
+    (_tensor_prefix_memo if tensor else _prefix_memo)[prefix] = entry
     return entry
 
 
@@ -814,8 +822,9 @@ class _Decoding:
         # array is built; building one allocates nothing but the view.
         pos = _ARRAY_HEAD.size + data[2]
         prefix = data[:pos]
-        entry = _prefix_memo.get(prefix)
-        layout, ndim, dtype = _parse_prefix(prefix) if entry is None else entry
+        tensor = code == EXT_TENSOR
+        entry = (_tensor_prefix_memo if tensor else _prefix_memo).get(prefix)
+        layout, ndim, dtype = _parse_prefix(prefix, tensor) if entry is None else entry
         if ndim > self.limits.max_ndim:
             raise DecodeError(f"array has {ndim} dimensions, limit is {self.limits.max_ndim}")
         buf: memoryview | bytearray
@@ -849,17 +858,17 @@ class _Decoding:
                 raise DecodeError(f"inline array needs {nbytes} bytes, got {len(data) - pos}")
             # A private, writable copy; inline arrays are small by definition.
             buf = bytearray(memoryview(data)[pos:])
-        if code == EXT_TENSOR:
-            return self._tensor(data[_ARRAY_HEAD.size : _ARRAY_HEAD.size + data[2]], dtype, shape, layout, buf)
+        if tensor:
+            return self._tensor(data[_ARRAY_HEAD.size : _ARRAY_HEAD.size + data[2]], shape, layout, buf)
         return np.ndarray(shape, dtype, buf, order="F" if layout & LAYOUT_FORTRAN else "C")
 
-    def _tensor(self, name: bytes, dtype: np.dtype[Any], shape: tuple[int, ...], layout: int, buf: Any) -> object:
+    def _tensor(self, name: bytes, shape: tuple[int, ...], layout: int, buf: Any) -> object:
         if layout & LAYOUT_FORTRAN:
             raise DecodeError("tensor descriptors are always C order")
         torch = _dtypes.torch_module()
         if torch is None:
-            # No torch on this side: the same bytes as a numpy array.
-            return np.ndarray(shape, dtype, buf)
+            # No torch on this side: the same bytes as a numpy array (the name is allowed: the prefix was parsed).
+            return np.ndarray(shape, _dtypes.numpy_dtype_for(name), buf)
         tdtype = _dtypes.torch_dtype_for(torch, name)
         if tdtype is None:
             raise DecodeError(f"dtype {name!r} is not a torch tensor dtype")

@@ -104,6 +104,17 @@ def numpy_dtype_for(name: bytes) -> np.dtype[Any] | None:
     return dtype
 
 
+def raw_numpy_dtype_for(name: bytes) -> np.dtype[Any] | None:
+    """As :func:`numpy_dtype_for`, but ``b"<bf16"`` is ``uint16`` (its bit patterns): sizes only, no import."""
+    dtype = _NUMPY_OF_NAME.get(name)
+    if dtype is None and name == b"<bf16":
+        return _BF16_BITS
+    return dtype
+
+
+_BF16_BITS: np.dtype[Any] = np.dtype("<u2")
+
+
 def torch_module() -> Any:
     """The torch module, imported on first use; ``None`` when torch is not installed."""
     global _torch
