@@ -45,12 +45,13 @@ MAX_UNSENT_TRIES = 4
 #: past it, its puts are refused (``rejected_frames``) until one does; it resends them then.
 MAX_UNCONFIRMED = 65536
 #: Most older consumptions (said in an earlier pong already) one pong repeats; the rest wait their
-#: turn (see :class:`SourceState`). Four REPLYs' worth of seqs.
-MAX_PONG_REPEATS = 4096
+#: turn (see :class:`SourceState`). Eight REPLYs' worth of seqs: at a heartbeat of 0.5 s, pongs go round
+#: 16,000 seqs a second, more than a sender streaming 10,000 puts/s adds.
+MAX_PONG_REPEATS = 8192
 #: Most consumptions told since the previous pong (by acknowledgements and drop reports) that one pong
 #: repeats, the newest first in line; the older of them join the rotation (a sender pings every
 #: ``heartbeat_s``, so this is more than its window frees between two pings in any honest stream).
-MAX_PONG_RECENT = 4 * MAX_PONG_REPEATS
+MAX_PONG_RECENT = 2 * MAX_PONG_REPEATS
 #: Most entries of the repeat queue one pong looks at: those it repeats, and those it finds gone (below
 #: ``low``, or said twice) and drops; more of those wait for the next pong.
 MAX_PONG_WALK = 8 * MAX_PONG_REPEATS
@@ -88,7 +89,7 @@ class SourceState:
     awaiting repetition, instead of at the next pong. Only a receiver restart in that
     interval, while the sender still retains the put because it never heard the
     consumption, would have the put delivered again. ``n`` is at most the sender's window
-    (10,000 puts by default: three pongs) unless an item pins ``low``. Naming what the sender still retains in
+    (10,000 puts by default: two pongs) unless an item pins ``low``. Naming what the sender still retains in
     its PING would bound ``n`` by its window in every case; receivers refuse a PING with
     more fields than they know, so that needs the sender to learn first that its
     receiver accepts one (see docs/delivery.md). Nothing of this changes the wire format
