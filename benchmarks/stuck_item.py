@@ -16,7 +16,8 @@ The micro case (``--repeats``, default 1,000,000) plays a hostile or broken send
 against ``ReceiveProtocol`` directly, no sockets: that many puts under one key, each
 replacing the one before (consumed), while the sender's low mark stays at 0; every
 1,024 puts the acknowledgements are flushed. Then two PINGs, each timed in CPU time
-(``time.thread_time``): the REPLYs answering it, their bytes and the seqs they name.
+(``time.thread_time``): the REPLYs answering it, their bytes and the seqs they name; and
+how much the process's peak RSS grew while the puts were fed (the receiver's state for that sender).
 Run it with another checkout's package first on ``PYTHONPATH`` to compare
 (``--repeats 1000000 --duration 0``).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import resource
 import statistics
 import tempfile
 import time
@@ -114,6 +116,7 @@ def _micro(repeats: int) -> None:
     )
     wire = b"x" * 16
     prev: int | None = None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     for base in range(0, repeats, 1024):
         entries: list[Any] = []
@@ -131,9 +134,9 @@ def _micro(repeats: int) -> None:
         proto.taken(consumed, [], 0)
         for reply in proto.flush():
             proto.sent(reply, True)
-    print(
-        f"micro: {repeats:,} re-puts under one key, low mark pinned at 0 (fed in {time.perf_counter() - started:.1f} s)"
-    )
+    fed = time.perf_counter() - started
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+    print(f"micro: {repeats:,} re-puts under one key, low mark at 0 (fed in {fed:.1f} s, peak RSS +{grown:.0f} MiB)")
     print(f"{'PING':>6} {'CPU ms':>9} {'REPLYs':>7} {'bytes':>10} {'seqs named':>11}")
     for ping in (1, 2):
         frame = pack(Kind.PING, (sid, ping, 0))
