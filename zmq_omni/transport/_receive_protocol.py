@@ -46,7 +46,8 @@ _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
 # Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong
-# names the consumptions said since the previous one, and at most MAX_PONG_REPEATS older ones).
+# names the consumptions not yet told, the newest MAX_PONG_RECENT told since the previous pong and at most
+# MAX_PONG_REPEATS older ones: several REPLYs).
 _MAX_REPLY_SEQS = 1024
 
 
@@ -80,8 +81,9 @@ class ReceiveProtocol:
     """The receiving end of push mode without I/O (see the module docstring).
 
     What one acknowledgement costs: a plain acknowledgement says what arrived and what was
-    consumed since the previous REPLY to that sender; a pong says the same, every
-    consumption told since the previous pong once more, and at most
+    consumed since the previous REPLY to that sender; a pong says the same, the newest
+    :data:`~zmq_omni.transport._dedupe.MAX_PONG_RECENT` consumptions told since the
+    previous pong once more, and at most
     :data:`~zmq_omni.transport._dedupe.MAX_PONG_REPEATS` older ones in rotation (why that
     keeps delivery exactly-once while an unclaimed item pins the sender's low mark:
     :class:`~zmq_omni.transport._dedupe.SourceState`). Lists are cut into REPLYs of
