@@ -6,6 +6,12 @@ at random. After every step the protocol's promises are checked: a put is
 delivered at most once; once a flush is routed, every put delivered or resent
 is reported arrived; every consumption is repeated in each routed pong until
 the sender's low mark passes it; hostile frames never raise.
+
+Below it, what one pong costs whatever the history (counted, never timed: the seqs
+and REPLYs it names, how REPLY lists are cut), that every consumption still comes
+round with the pong limits made small, and a send window joined to the protocol by
+hand keeping an item nobody takes exactly-once across lost REPLYs, a reconnect and a
+receiver restart.
 """
 
 from __future__ import annotations
