@@ -240,10 +240,12 @@ def test_unroutable_replies_are_given_up_after_bounded_tries() -> None:
     source.replied(False)
     assert source.unsent(code, [], dropped) == 0  # a drop report is never given up: no later REPLY says it
     assert source.drops() == [(-2, [7])]
-    source.reported.update(range(1000))
+    for seq in range(1000, 2000):
+        source.consume(seq)
+    assert source.unsent(-1, *(source.ack() or ([], []))) == 1 + 1000  # given up: left to the pongs
     assert source.pong()[1] == []  # no route: the pong does not repeat every consumption
     source.replied(True)
-    assert len(source.pong()[1]) == 1000
+    assert sorted(source.pong()[1]) == [7, *range(1000, 2000)]  # routed again: it does
 
 
 def test_a_sender_no_reply_reached_may_hold_a_bounded_number_of_puts() -> None:

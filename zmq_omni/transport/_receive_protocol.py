@@ -45,8 +45,9 @@ _PING_TYPES = (str, int, int)
 _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
-# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024, and
-# a pong repeats every consumption its sender may not know yet (many, while an orphan pins its low mark).
+# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong
+# names the consumptions not yet told, the newest MAX_PONG_RECENT told since the previous pong and at most
+# MAX_PONG_REPEATS older ones: several REPLYs).
 _MAX_REPLY_SEQS = 1024
 
 
@@ -79,6 +80,16 @@ class Reply(NamedTuple):
 class ReceiveProtocol:
     """The receiving end of push mode without I/O (see the module docstring).
 
+    What one acknowledgement costs: a plain acknowledgement says what arrived and what was
+    consumed since the previous REPLY to that sender; a pong says the same, the newest
+    :data:`~zmq_omni.transport._dedupe.MAX_PONG_RECENT` consumptions told since the
+    previous pong once more, and at most
+    :data:`~zmq_omni.transport._dedupe.MAX_PONG_REPEATS` older ones in rotation (why that
+    keeps delivery exactly-once while an unclaimed item pins the sender's low mark:
+    :class:`~zmq_omni.transport._dedupe.SourceState`). Lists are cut into REPLYs of
+    ``_MAX_REPLY_SEQS`` seqs at fixed offsets, so building them costs time linear in the
+    seqs they name (plus one sort), and neither grows with the sender's history.
+
     Args:
         endpoint: named in log lines.
         incarnation: this receiver's id, in every REPLY (a new one makes senders resend).
@@ -90,7 +101,7 @@ class ReceiveProtocol:
         health: the HEALTH answer.
         shm: the shared-memory reader, None without the fast path.
         handover: what left the mailbox since it was last asked (``(consumed, dropped, nbytes)``),
-            asked before each pong, which must say every consumption.
+            asked before each pong, which says every consumption not yet told.
     """
 
     def __init__(
@@ -357,17 +368,22 @@ class ReceiveProtocol:
         """The REPLYs saying ``arrived`` and ``consumed`` to ``source``, answering ``ping``.
 
         Lists longer than ``_MAX_REPLY_SEQS`` go in several REPLYs, plain acks first and the
-        answer to ``ping`` last, so that no REPLY exceeds what any sender accepts.
+        answer to ``ping`` last, so that no REPLY exceeds what any sender accepts. The lists
+        are sorted once and cut at fixed offsets: the cost is linear in the seqs they hold
+        (plus the sort), however many parts they make.
         """
         cap = _MAX_REPLY_SEQS
-        parts: list[tuple[int, list[int], list[int]]] = []
+        parts: list[tuple[int, list[int], list[int]]]
         if len(arrived) > cap or len(consumed) > cap:
             arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
+            count = max(-(-len(arrived) // cap), -(-len(consumed) // cap), 1)
             ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
-            while len(arrived) > cap or len(consumed) > cap:
-                parts.append((ack, arrived[:cap], consumed[:cap]))
-                arrived, consumed = arrived[cap:], consumed[cap:]
-        parts.append((ping, arrived, consumed))
+            parts = [
+                (ack if i < count - 1 else ping, arrived[i * cap : (i + 1) * cap], consumed[i * cap : (i + 1) * cap])
+                for i in range(count)
+            ]
+        else:
+            parts = [(ping, arrived, consumed)]
         return [
             Reply(
                 source.ctl,
