@@ -16,6 +16,38 @@ nonce and names it in every PING; the receiver attaches it *in its own shm
 directory* and compares the nonce. Another host, another container without
 ``--ipc=host``, or another ``shm_dir`` cannot read it, so the verdict is
 ``false`` and that receiver keeps getting ordinary frames.
+
+The verdict from the first put on. A pipeline's first large put (vllm-omni's
+chunk 0, the prompt's hidden states) comes right after start, so the verdict
+must be there before it, and so must a slot to write into:
+
+* **Met at construction.** A push sender that can name its receivers
+  (``to_stage``, or every other stage of ``endpoints`` for a ``sender`` or
+  ``dual`` connector) connects to them and pings them as it is built: the
+  verdict (about 2 ms on one host) is in long before a stage that loads a model
+  makes its first put. A receiver that is not up yet answers the PING ZeroMQ
+  queued for it once it binds.
+* **A first large put waits a little.** A put of at least the threshold whose
+  receiver has no verdict yet (a sender built by its first put, or a put right
+  after construction) waits for it up to ``shm_verdict_wait_s`` (20 ms) counted
+  from when the sender met that receiver, so the wait is paid once per receiver
+  and never by small puts or by puts that may not block (``try_put``, an event
+  loop's). A receiver on another host answers ``false`` within one round trip;
+  one that never answers costs the bound once, and the put goes as frames.
+* **A slot ready before the put.** Creating and faulting in a segment costs
+  about 1 ms per MiB, more than sending 1 MiB as frames over ``ipc://``
+  (0.4-0.5 ms); a first put into a new segment would be slower through shared
+  memory than without it. So when a receiver first proves it reads our memory,
+  the I/O thread creates the pool's first slot (:meth:`ShmSend.prepare_slot`,
+  four times the threshold and at most 8 MiB: 2 MiB by default, which any
+  payload from the threshold up to that size uses). Only one: the pool grows
+  by the puts' own sizes from then on.
+
+The other way, sending the first large put through shared memory before the
+verdict and falling back to frames when the receiver cannot attach, would need
+a refusal in the receive protocol, a resend of the slot's bytes as frames and a
+slot whose owner never learns it was refused; the verdict costs one round trip
+that the connect-time PING has already paid by the time puts come.
 """
 
 from __future__ import annotations
@@ -35,6 +67,8 @@ __all__ = ["ShmReceive", "ShmSend"]
 log = logging.getLogger("zmq_omni.transport")
 
 NONCE_BYTES = 16
+#: The largest slot :meth:`ShmSend.prepare_slot` makes before any put asked for one.
+PREPARED_SLOT_MAX = 8 << 20
 _MAX_NAME = 255
 
 
@@ -66,6 +100,21 @@ class ShmSend:
         seg.mm[:NONCE_BYTES] = nonce
         self._probe_seg = seg
         self.probe = [seg.name, nonce]
+
+    def prepare_slot(self) -> None:
+        """Create the pool's first slot (four times the threshold, at most 8 MiB) unless it has one (the I/O thread).
+
+        Called when a receiver first proves it reads our memory, so that the first large put finds a
+        slot ready instead of creating and faulting in a segment on its own path.
+        """
+        capacity = min(4 * self.threshold, PREPARED_SLOT_MAX)
+        if capacity < self.threshold:
+            return  # puts this large are rare and their size unknown: the first one makes its slot
+        try:
+            self.pool.prepare(capacity)
+        except (ShmError, OSError) as exc:  # closed, or no segment: the first write tries again, or falls back
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("no shared-memory slot prepared: %s", exc)
 
     def write(self, frames: Sequence[Any]) -> bytes | None:
         """Copy ``frames`` into a slot and return the packed handle, or None (no room: send frames)."""
