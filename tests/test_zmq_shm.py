@@ -377,8 +377,8 @@ def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(sho
 
 def test_a_stream_of_puts_gets_the_shm_verdict_without_waiting_for_a_heartbeat(short_tmp: Path, shm_dir: str) -> None:
     # Beats every 30 s: the verdict must come from the ping the connector sends when it first meets the
-    # receiver, although the put thread, streaming from its first put on, holds the data socket when that
-    # ping is due (the ping is then owed, and the put thread sends it as it lets go).
+    # receiver (as it is built: role sender), although the put thread, streaming from its first put on, may
+    # hold the data socket when that ping is due (the I/O thread then tries it again after 2, 4, 8 ... ms).
     scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60, max_unacked=32)
     rcfg = {**rcfg, "heartbeat_s": 30, "peer_timeout_s": 60}
     out, ready = SPAWN.Queue(), SPAWN.Event()

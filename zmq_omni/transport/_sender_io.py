@@ -43,6 +43,7 @@ _ACK_REQUEST_S = 0.002
 _ACK_REQUEST_MAX_S = 0.1
 # While puts are in flight, how often to look again for a moment to make the shm pool's first slot.
 _PREPARE_RETRY_S = 0.01
+_PREPARE_RETRY_MAX_S = 1.0
 # At stop, how long to wait for a put thread to let go of a data socket (it notices close() within a send slice).
 _CLOSE_WAIT_S = 0.5
 
@@ -202,12 +203,12 @@ class SenderIo:
         finally:
             peer.release()
 
-    def _prepare_slot(self) -> None:
+    def _prepare_slot(self, delay: float = _PREPARE_RETRY_S) -> None:
         """Make the shm pool's first slot, for the first large put, once nothing of ours is in flight.
 
         Creating it costs about 1 ms of CPU per MiB: made while a put is on its way (a put right
-        after start), it would slow that put down; so it waits for an empty window, trying again
-        every 10 ms, and gives up once the pool has a slot (a put made one).
+        after start), it would slow that put down. So it waits for an empty window, looking again
+        after 10, 20, 40 ... ms (at most every second), and gives up once the pool has a slot.
         """
         core, shm = self._core, self._core.shm
         if shm is None or core.closed or shm.stats()["slots"]:
@@ -215,7 +216,8 @@ class SenderIo:
         with core.lock:
             busy = core.window.count > 0
         if busy:
-            core.loop.call_later(_PREPARE_RETRY_S, self._prepare_slot)
+            again = min(2 * delay, _PREPARE_RETRY_MAX_S)
+            core.loop.call_later(delay, lambda: self._prepare_slot(again))
         else:
             shm.prepare_slot()
 
