@@ -522,3 +522,27 @@ def test_a_receiver_that_cannot_read_our_memory_gets_the_first_puts_as_frames_on
         assert ours(shm_dir) == [] and ours(other_dir) == []
     finally:
         shutil.rmtree(other_dir, ignore_errors=True)
+
+
+def test_a_receiver_that_binds_after_the_sender_was_built_answers_the_ping_queued_for_it(
+    short_tmp: Path, shm_dir: str
+) -> None:
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60)
+    rcfg = {**rcfg, "heartbeat_s": 30, "peer_timeout_s": 60}
+    data = np.arange(MiB // 4, dtype=np.int32)
+    with ZmqConnector(scfg) as sender:
+        assert sender.health()["peers"]["1"]["shm"] is None  # met, nobody bound there yet
+        out, ready, done = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+        proc = start(receive_once_proc, rcfg, ["first"], ready, done, out)
+        assert ready.wait(60)
+        assert wait_for_verdict(sender, "1")["peers"]["1"]["shm"] is True  # long before the first beat (30 s)
+        assert sender.put("0", "1", "first", {"data": data})[0]
+        after = sender.health()
+        assert sender.flush(30)
+        done.set()
+        result = out.get(timeout=60)
+    proc.join(10)
+    assert after["shm_puts"] == 1, after
+    assert result["first"][:3] == digest(data) and Path(result["first"][3]).name.startswith("zomni_")
+    assert result["_again"] == [None]
+    assert ours(shm_dir) == []

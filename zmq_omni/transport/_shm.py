@@ -27,7 +27,8 @@ verdict must be in before it, and so must a slot to write into:
   them and pings them as it is built (``PushSender.meet``): the verdict comes
   a few ms later, long before a stage that loads a model serves a request. A
   receiver that is not up yet gets the PING ZeroMQ queued for it once it binds
-  (or the next beat's, if its answer found our control socket not connected).
+  and our sockets reconnect (within a second), or the next beat's if its
+  answer found our control socket not connected yet.
 * **Met at the first put, answered at once.** A sender that cannot name its
   receivers meets each at its first put to it. That put holds the data socket
   as the first PING falls due; the PING is tried again after 2, 4, 8 ... ms
