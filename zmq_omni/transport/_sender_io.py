@@ -1,8 +1,10 @@
 """Push mode, sending half: what the connector's I/O thread does for a :class:`~zmq_omni.transport.PushSender`.
 
 It owns every control socket and reads the receivers' REPLYs (acknowledgements
-and pongs), resends what a pong or a restart says was lost, pings at each beat
-and when put threads wait for acks, fails puts past their delivery deadline,
+and pongs), resends what a pong or a restart says was lost, pings at each beat,
+when put threads wait for acks and as it meets a receiver (for the shm verdict;
+see :mod:`~zmq_omni.transport._shm`), makes the shm pool's first slot once a
+receiver reads our memory, fails puts past their delivery deadline,
 flushes outboxes a put thread left queued, and closes the sockets at stop. It
 sends on a data socket only when it can take that socket's ``data_lock``
 without waiting: a put thread may be blocked at the high-water mark, and the
