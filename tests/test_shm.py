@@ -183,6 +183,31 @@ def test_full_pool_refuses_instead_of_reusing_leased_memory(shm_dir: str, reader
         small.close()
 
 
+def test_a_prepared_slot_takes_the_first_write_and_is_made_only_once(pool: SlotPool, reader: SlotReader) -> None:
+    assert pool.prepare(4 * MiB) is True
+    assert pool.prepare(4 * MiB) is False  # the pool holds a slot: nothing more
+    (name,) = pool.segment_names()
+    assert pool.stats()["slots_free"] == 1 and pool.stats()["bytes_written"] == 0
+    payload = np.arange(3 * MiB // 8, dtype=np.int64)  # 3 MiB: fits the prepared slot
+    handle = pool.write([payload])
+    assert handle.segment == name and pool.stats()["segments_created"] == 1
+    views = reader.open(handle)
+    assert views is not None and np.array_equal(np.frombuffer(views[0], dtype=np.int64), payload)
+    del views
+    pool.close()
+    with pytest.raises(ShmError):
+        pool.prepare(MiB)
+
+
+def test_prepare_leaves_a_pool_that_cannot_grow_as_it_is(shm_dir: str) -> None:
+    small = SlotPool(directory=shm_dir, max_bytes=2 * MiB, min_free_bytes=0, min_slot_bytes=MiB)
+    try:
+        assert small.prepare(4 * MiB) is False  # above max_bytes: no slot, no error
+        assert small.stats()["slots"] == 0
+    finally:
+        small.close()
+
+
 def test_unconsumed_slot_expires_and_late_handle_is_stale(shm_dir: str, reader: SlotReader) -> None:
     quick = SlotPool(directory=shm_dir, min_free_bytes=0, ttl=0.05)
     try:

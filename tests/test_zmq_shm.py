@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,23 @@ def stream_proc(config: dict[str, Any], n: int, ready: Any) -> None:
         time.sleep(600)
 
 
+def receive_once_proc(config: dict[str, Any], keys: list[str], ready: Any, done: Any, out: Any) -> None:
+    """Get every key (digest, where it lives); once ``done`` is set, get each again (None: delivered once)."""
+    with ZmqConnector(config) as conn:
+        ready.set()
+        result: dict[str, Any] = {}
+        for key in keys:
+            got = conn.get_with_deadline("0", config["stage_id"], key, deadline=time.monotonic() + 30)
+            assert got is not None, f"{key} never came"
+            data = got[0]["data"]
+            result[key] = [*digest(data), mapped_file(data.__array_interface__["data"][0])]
+            del got, data
+        assert done.wait(60)
+        result["_again"] = [conn.get("0", config["stage_id"], key) for key in keys]
+        result["_health"] = {k: v for k, v in conn.health().items() if k.startswith(("shm", "duplicates"))}
+    out.put(result)
+
+
 # -- fixtures and helpers -------------------------------------------------------------------
 def ours(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith("zomni_"))
@@ -131,6 +149,17 @@ def start(target: Any, *args: Any) -> Any:
     proc = SPAWN.Process(target=target, args=args, daemon=True)
     proc.start()
     return proc
+
+
+def wait_for_verdict(sender: ZmqConnector, stage: str, timeout: float = 20) -> dict[str, Any]:
+    """Poll ``health()`` until ``stage``'s receiver answered our probe; that health."""
+    deadline = time.monotonic() + timeout
+    health = sender.health()
+    while health.get("peers", {}).get(stage, {}).get("shm") is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+        health = sender.health()
+    assert health.get("peers", {}).get(stage, {}).get("shm") is not None, health
+    return health
 
 
 def wait_empty(sender: ZmqConnector, timeout: float = 30) -> None:
@@ -348,8 +377,8 @@ def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(sho
 
 def test_a_stream_of_puts_gets_the_shm_verdict_without_waiting_for_a_heartbeat(short_tmp: Path, shm_dir: str) -> None:
     # Beats every 30 s: the verdict must come from the ping the connector sends when it first meets the
-    # receiver, although the put thread, streaming from its first put on, holds the data socket when that
-    # ping is due (the ping is then owed, and the put thread sends it as it lets go).
+    # receiver (as it is built: role sender), although the put thread, streaming from its first put on, may
+    # hold the data socket when that ping is due (the I/O thread then tries it again after 2, 4, 8 ... ms).
     scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60, max_unacked=32)
     rcfg = {**rcfg, "heartbeat_s": 30, "peer_timeout_s": 60}
     out, ready = SPAWN.Queue(), SPAWN.Event()
@@ -394,4 +423,126 @@ def test_a_get_whose_shared_memory_payload_is_gone_returns_none_and_records_why(
         assert [(f.op, f.key) for f in failures] == [("get", "k0")]
         assert "shared-memory payload of 'k0'" in failures[0].reason
         assert receiver.get("0", "1", "k0") is None and receiver.drain_failures() == []  # the item is gone
+    assert ours(shm_dir) == []
+
+
+def test_the_first_put_after_start_goes_through_shared_memory_into_a_slot_made_before_it(
+    short_tmp: Path, shm_dir: str
+) -> None:
+    """vllm-omni's stage 0 (role sender, no to_stage): its first large put, the chunk 0 of the first request."""
+    # Beats every 30 s: the verdict can only come from the ping sent as the sender is built.
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60)
+    rcfg = {**rcfg, "heartbeat_s": 30, "peer_timeout_s": 60}
+    out, ready, done = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+    proc = start(receive_once_proc, rcfg, ["chunk0"], ready, done, out)
+    assert ready.wait(60)
+    data = np.random.default_rng(5).standard_normal(128 * KiB + 7)  # 1 MiB and a bit, as chunk 0 is
+    with ZmqConnector(scfg) as sender:
+        before = wait_for_verdict(sender, "1")  # learned without a put; stage 2 (never bound) is met too
+        assert before["peers"]["1"]["shm"] is True and before["shm_puts"] == 0, before
+        deadline = time.monotonic() + 20  # the I/O thread makes the pool's first slot after the verdict
+        while sender.health()["shm_slots"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        prepared = sender.health()
+        assert prepared["shm_slots_free"] == 1 and prepared["shm_bytes_written"] == 0, prepared
+        assert sender.put("0", "1", "chunk0", {"data": data})[0]
+        after = sender.health()
+        assert sender.flush(30)
+        done.set()
+        result = out.get(timeout=60)
+    proc.join(10)
+    assert after["shm_puts"] == 1 and after["shm_fallbacks"] == 0, after
+    assert after["shm_segments_created"] == 1, after  # the put took the slot made before it
+    sha = result["chunk0"]
+    assert sha[:3] == digest(data)
+    assert sha[3] is not None and Path(sha[3]).parent == Path(shm_dir) and Path(sha[3]).name.startswith("zomni_")
+    assert result["_again"] == [None]
+    assert ours(shm_dir) == []
+
+
+def test_a_sender_met_at_its_first_put_has_the_verdict_for_the_next_without_a_beat(
+    short_tmp: Path, shm_dir: str
+) -> None:
+    """No role, no to_stage: the first put meets the receiver while it holds the data socket; the next one reads shm."""
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60)
+    scfg = {k: v for k, v in scfg.items() if k != "role"}
+    rcfg = {**rcfg, "heartbeat_s": 30, "peer_timeout_s": 60}
+    out, ready, done = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+    proc = start(receive_once_proc, rcfg, ["a", "b"], ready, done, out)
+    assert ready.wait(60)
+    data = np.arange(MiB // 8, dtype=np.int64)
+    with ZmqConnector(scfg) as sender:
+        assert "1" not in sender.health().get("peers", {})  # nothing to meet before the first put
+        assert sender.put("0", "1", "a", {"data": data})[0]
+        health = wait_for_verdict(sender, "1")  # well before the first beat (30 s)
+        assert health["peers"]["1"]["shm"] is True
+        assert sender.put("0", "1", "b", {"data": data})[0]
+        after = sender.health()
+        assert sender.flush(30)
+        done.set()
+        result = out.get(timeout=60)
+    proc.join(10)
+    assert after["shm_puts"] >= 1, after  # "b" (and "a" too when the verdict beat it)
+    assert result["a"][:3] == result["b"][:3] == digest(data)
+    assert Path(result["b"][3]).name.startswith("zomni_")
+    assert result["_again"] == [None, None]
+    assert ours(shm_dir) == []
+
+
+def test_a_receiver_that_cannot_read_our_memory_gets_the_first_puts_as_frames_once_and_nothing_leaks(
+    short_tmp: Path, shm_dir: str
+) -> None:
+    """Another shm directory stands for another host or container: its receiver answers false."""
+    other_dir = tempfile.mkdtemp(prefix="zt-other-", dir="/dev/shm")
+    try:
+        scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60)
+        rcfg = {**rcfg, "shm_dir": other_dir, "heartbeat_s": 30, "peer_timeout_s": 60}
+        out, ready, done = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+        proc = start(receive_once_proc, rcfg, ["at-once", "later"], ready, done, out)
+        assert ready.wait(60)
+        data = np.random.default_rng(6).standard_normal(128 * KiB)  # 1 MiB
+        with ZmqConnector(scfg) as sender:
+            # Right after construction (the verdict may or may not be in), then once it is.
+            assert sender.put("0", "1", "at-once", {"data": data})[0]
+            health = wait_for_verdict(sender, "1")
+            assert health["peers"]["1"]["shm"] is False
+            assert sender.put("0", "1", "later", {"data": data})[0]
+            assert sender.flush(30)
+            after = sender.health()
+            assert len(ours(shm_dir)) == 1  # the probe alone: no slot for a receiver that cannot read it
+            done.set()
+            result = out.get(timeout=60)
+        proc.join(10)
+        assert after["shm_puts"] == 0 and after["shm_fallbacks"] == 0 and after["shm_slots"] == 0, after
+        assert after["status"] == "ok", after  # auto: frames to such a receiver are not a problem
+        for key in ("at-once", "later"):
+            assert result[key][:3] == digest(data)
+            assert result[key][3] is None or not Path(result[key][3]).name.startswith("zomni_")
+        assert result["_again"] == [None, None]  # each delivered exactly once
+        assert ours(shm_dir) == [] and ours(other_dir) == []
+    finally:
+        shutil.rmtree(other_dir, ignore_errors=True)
+
+
+def test_a_receiver_that_binds_after_the_sender_was_built_answers_the_ping_queued_for_it(
+    short_tmp: Path, shm_dir: str
+) -> None:
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", heartbeat_s=30, peer_timeout_s=60)
+    rcfg = {**rcfg, "heartbeat_s": 30, "peer_timeout_s": 60}
+    data = np.arange(MiB // 4, dtype=np.int32)
+    with ZmqConnector(scfg) as sender:
+        assert sender.health()["peers"]["1"]["shm"] is None  # met, nobody bound there yet
+        out, ready, done = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+        proc = start(receive_once_proc, rcfg, ["first"], ready, done, out)
+        assert ready.wait(60)
+        assert wait_for_verdict(sender, "1")["peers"]["1"]["shm"] is True  # long before the first beat (30 s)
+        assert sender.put("0", "1", "first", {"data": data})[0]
+        after = sender.health()
+        assert sender.flush(30)
+        done.set()
+        result = out.get(timeout=60)
+    proc.join(10)
+    assert after["shm_puts"] == 1, after
+    assert result["first"][:3] == digest(data) and Path(result["first"][3]).name.startswith("zomni_")
+    assert result["_again"] == [None]
     assert ours(shm_dir) == []

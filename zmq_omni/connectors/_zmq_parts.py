@@ -115,6 +115,33 @@ class ZmqParts(OmniConnectorBase):
             batch_item_bytes=cfg.inline_threshold,
         )
 
+    def _meet_receivers(self) -> None:
+        """Have a sender built at construction connect to its receivers now, to learn their shm verdicts.
+
+        The receivers it can name: ``to_stage`` when configured; else, for a ``sender`` or ``dual``
+        connector (vllm-omni injects no ``to_stage``), every other stage of ``endpoints``. A put
+        right after start then finds the verdict (and a slot) ready; see ``transport/_shm.py``. A
+        stage it cannot reach yet (no endpoint, no CURVE key for it) is left to its first put, which
+        reports that as it always does.
+        """
+        cfg, sender = self.settings, self._sender
+        if sender is None or self._shm_send is None or self._shm_send.probe is None:
+            return
+        if cfg.to_stage is not None:
+            stages = [cfg.to_stage]
+        elif cfg.role in ("sender", "dual"):
+            stages = self._endpoints.stages()
+        else:
+            return
+        own = {self._bind_stage(None), cfg.from_stage}
+        for stage in stages:
+            if stage in own:
+                continue
+            try:
+                sender.meet(stage)
+            except ConfigError as exc:
+                log.debug("not meeting stage %s before a put to it: %s", stage, exc)
+
     def _build_client(self) -> PullClient:
         """The pull-mode fetcher and the shared-memory reader of its replies."""
         cfg, loop = self.settings, self._loop

@@ -180,6 +180,7 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
                 self._bind(bind_stage)
             if cfg.mode == "push" and sends:
                 self._sender = self._build_sender()
+                self._meet_receivers()
             if cfg.mode == "pull" and receives:
                 self._client = self._build_client()
             loop.start()

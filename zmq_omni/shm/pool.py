@@ -268,6 +268,23 @@ class SlotPool(_Closing):
             self.bytes_written += need
         return SlotHandle(slot.seg.name, gen, spans)
 
+    def prepare(self, capacity: int) -> bool:
+        """Create the pool's first slot, of at least ``capacity`` bytes, ahead of any write; True if made.
+
+        A new segment costs about 1 ms per MiB (created and faulted in): made here, off a put's
+        path, the first write finds it ready. A pool that already holds a slot, or cannot grow
+        (limits, free space), is left as it is: the first write then does what it always does.
+
+        Raises:
+            ShmError: the pool is closed or a segment could not be made.
+        """
+        with self._lock:
+            if self._closed:
+                raise ShmError("slot pool is closed")
+            if self._slots:
+                return False
+            return self._grow(capacity) is not None
+
     def _acquire(self, need: int) -> _Slot:
         with self._lock:
             if self._closed:

@@ -81,6 +81,10 @@ class EndpointMap:
             endpoint = self._env.get(env_name(stage))
         return endpoint
 
+    def stages(self) -> list[str]:
+        """The stage ids the config names (a stage only the environment names has no id to list)."""
+        return list(self._configured)
+
     def items(self) -> list[tuple[str, str]]:
         """Every ``(stage or variable, endpoint)`` known (configured keys and environment overrides)."""
         return [(f"endpoints.{stage}", ep) for stage, ep in self._configured.items()] + list(self._env.items())

@@ -320,6 +320,18 @@ class PushSender:
         finally:
             peer.release()
 
+    def meet(self, to_stage: str) -> None:
+        """Connect to ``to_stage``'s receiver now, before any put to it, and ask for its shm verdict.
+
+        A put to it later finds the verdict there (see :mod:`~zmq_omni.transport._shm`).
+
+        Raises:
+            ConfigError: ``to_stage`` has no endpoint, or CURVE is on and names no server key for it.
+        """
+        with self._core.lock:
+            if to_stage not in self._core.peers and not self._core.closed:
+                self._peer(to_stage)
+
     def reads_shm(self, to_stage: str, wait_s: float = 0.0) -> bool:
         """True once ``to_stage``'s receiver proved it reads our shared memory (waits up to ``wait_s``)."""
         core = self._core

@@ -1,8 +1,10 @@
 """Push mode, sending half: what the connector's I/O thread does for a :class:`~zmq_omni.transport.PushSender`.
 
 It owns every control socket and reads the receivers' REPLYs (acknowledgements
-and pongs), resends what a pong or a restart says was lost, pings at each beat
-and when put threads wait for acks, fails puts past their delivery deadline,
+and pongs), resends what a pong or a restart says was lost, pings at each beat,
+when put threads wait for acks and as it meets a receiver (for the shm verdict;
+see :mod:`~zmq_omni.transport._shm`), makes the shm pool's first slot once a
+receiver reads our memory, fails puts past their delivery deadline,
 flushes outboxes a put thread left queued, and closes the sockets at stop. It
 sends on a data socket only when it can take that socket's ``data_lock``
 without waiting: a put thread may be blocked at the high-water mark, and the
@@ -41,6 +43,9 @@ _VERDICT_TYPES = (type(None), bool)
 # may have left just before the consumption that would have freed the window.
 _ACK_REQUEST_S = 0.002
 _ACK_REQUEST_MAX_S = 0.1
+# While puts are in flight, how often to look again for a moment to make the shm pool's first slot.
+_PREPARE_RETRY_S = 0.01
+_PREPARE_RETRY_MAX_S = 1.0
 # At stop, how long to wait for a put thread to let go of a data socket (it notices close() within a send slice).
 _CLOSE_WAIT_S = 0.5
 
@@ -70,7 +75,7 @@ class SenderIo:
         peer.flush_soon = lambda: self.flush(peer)
         loop.call_soon(lambda: self._open_ctl(peer))
         if self._core.probe is not None:
-            loop.call_soon(lambda: self.ping(peer))  # learn the shm verdict before the first beat
+            loop.call_soon(lambda: self._ask_verdict(peer))  # learn the shm verdict before the first beat
 
     # -- acknowledgements -------------------------------------------------------------------
     def ask_for_acks(self, delay: float = _ACK_REQUEST_S) -> None:
@@ -152,6 +157,7 @@ class SenderIo:
             result = core.window.apply_reply(win, incarnation, ping, arrived, consumed, shm, batch_bytes, now)
             if result.restarted:
                 log.info("receiver %s restarted (%s); resending %d puts", peer.endpoint, incarnation, len(win.retained))
+            reads = win.shm is True and verdict is not True
             if win.shm is not None and win.shm != verdict:
                 log.info("receiver %s %s our shared memory", peer.endpoint, "reads" if win.shm else "cannot read")
             if result.changed or result.freed or core.delivery_waiters:
@@ -159,6 +165,8 @@ class SenderIo:
             if arrived and core.cv.listener is not None:
                 # Arrivals drained ZeroMQ's queue: a non-blocking put refused at the high-water mark may go now.
                 core.cv.listener()
+        if reads:
+            self._prepare_slot()
         if result.disposed:  # the receiver dropped them unconsumed, and says why: each put failed
             core.report_disposed(peer, ping, result.disposed)
         if result.resend:
@@ -196,6 +204,24 @@ class SenderIo:
                 core.counters.add("resends", sent)
         finally:
             peer.release()
+
+    def _prepare_slot(self, delay: float = _PREPARE_RETRY_S) -> None:
+        """Make the shm pool's first slot, for the first large put, once nothing of ours is in flight.
+
+        Creating it costs about 1 ms of CPU per MiB: made while a put is on its way (a put right
+        after start), it would slow that put down. So it waits for an empty window, looking again
+        after 10, 20, 40 ... ms (at most every second), and gives up once the pool has a slot.
+        """
+        core, shm = self._core, self._core.shm
+        if shm is None or core.closed or shm.stats()["slots"]:
+            return
+        with core.lock:
+            busy = core.window.count > 0
+        if busy:
+            again = min(2 * delay, _PREPARE_RETRY_MAX_S)
+            core.loop.call_later(delay, lambda: self._prepare_slot(again))
+        else:
+            shm.prepare_slot()
 
     # -- the outbox -------------------------------------------------------------------------
     def flush(self, peer: Peer) -> None:
@@ -247,18 +273,34 @@ class SenderIo:
                 self._open_ctl(peer)
             self.ping(peer)
 
-    def ping(self, peer: Peer) -> None:
-        """Send ``peer`` a PING now, unless a put thread holds its socket (the next beat or ack request pings)."""
+    def ping(self, peer: Peer) -> bool:
+        """Send ``peer`` a PING now, unless a put thread holds its socket (the next beat or ack request pings).
+
+        Returns:
+            False when the socket was held (nothing sent).
+        """
         core = self._core
         with core.lock:
             if not peer.data_lock.acquire(False):
-                return
+                return False
             low = peer.win.low
         try:
             if not core.closed:
                 peer.send_ping(peer.socket(), low)
         finally:
             peer.release()
+        return True
+
+    def _ask_verdict(self, peer: Peer, delay: float = _ACK_REQUEST_S) -> None:
+        """The first PING to a receiver, for its shm verdict: retried soon, not at the next beat, while a put sends.
+
+        The first put to a receiver met at that put holds the data socket as this PING falls due:
+        left to the beat, the verdict would come ``heartbeat_s`` later and the puts until then go as
+        frames. Retried after 2, 4, 8 ... ms (at most every 100 ms) until it leaves.
+        """
+        if not self.ping(peer) and not self._core.closed:
+            again = min(2 * delay, _ACK_REQUEST_MAX_S)
+            self._core.loop.call_later(delay, lambda: self._ask_verdict(peer, again))
 
     def _expire(self) -> None:
         core = self._core

@@ -16,6 +16,46 @@ nonce and names it in every PING; the receiver attaches it *in its own shm
 directory* and compares the nonce. Another host, another container without
 ``--ipc=host``, or another ``shm_dir`` cannot read it, so the verdict is
 ``false`` and that receiver keeps getting ordinary frames.
+
+The verdict from the first put on. A pipeline's first large put (vllm-omni's
+chunk 0, the prompt's hidden states, ~1 MiB) is the first request's, so the
+verdict must be in before it, and so must a slot to write into:
+
+* **Met at construction.** A push sender that can name its receivers
+  (``to_stage``; without it, every other stage of ``endpoints`` for a
+  ``sender`` or ``dual`` connector, as vllm-omni's stage 0 is) connects to
+  them and pings them as it is built (``PushSender.meet``): the verdict comes
+  a few ms later, long before a stage that loads a model serves a request. A
+  receiver that is not up yet gets the PING ZeroMQ queued for it once it binds
+  and our sockets reconnect (within a second), or the next beat's if its
+  answer found our control socket not connected yet.
+* **Met at the first put, answered at once.** A sender that cannot name its
+  receivers meets each at its first put to it. That put holds the data socket
+  as the first PING falls due; the PING is tried again after 2, 4, 8 ... ms
+  (``SenderIo._ask_verdict``), not left to the next beat (``heartbeat_s``), so
+  the next large put, a few ms later, has the verdict.
+* **No put waits for a verdict** (``auto``; ``on`` waits up to
+  ``put_timeout_s``). Measured (``benchmarks/first_put.py``, 1 MiB, two
+  processes, 2 cores): the verdict takes 2-4 ms from meeting the receiver,
+  and 1 MiB goes as frames over ``ipc://`` in about 1-1.5 ms put->get; a first
+  put made right after construction that waited up to 20 ms for the verdict
+  arrived after 5.3 ms, against 1.9 ms as frames. A put that finds no verdict
+  goes as frames, exactly as to a receiver on another host.
+* **A slot made before the put.** Creating and faulting in a segment costs
+  about 1 ms per MiB (more under load): a first put into a new segment is
+  slower through shared memory than as frames (2.3 against 0.8 ms put->get for
+  1 MiB). So once a receiver proves it reads our memory, the I/O thread makes
+  the pool's first slot (:meth:`ShmSend.prepare_slot`: four times the
+  threshold, at most 8 MiB; 2 MiB by default, which any payload from the
+  threshold up to that size uses), when no put of ours is in flight (the CPU
+  it takes would slow that put down). One slot only: the pool grows by the
+  puts' own sizes from then on, and a put of a size no free slot fits still
+  makes its segment on its own path.
+
+The other way, sending the first large put through shared memory before the
+verdict and falling back to frames when the receiver cannot attach, would need
+a refusal in the receive protocol, a resend of the slot's bytes as frames, and
+would put a cold segment on the first put's path, which is the slow part.
 """
 
 from __future__ import annotations
@@ -35,6 +75,8 @@ __all__ = ["ShmReceive", "ShmSend"]
 log = logging.getLogger("zmq_omni.transport")
 
 NONCE_BYTES = 16
+#: The largest slot :meth:`ShmSend.prepare_slot` makes before any put asked for one.
+PREPARED_SLOT_MAX = 8 << 20
 _MAX_NAME = 255
 
 
@@ -66,6 +108,21 @@ class ShmSend:
         seg.mm[:NONCE_BYTES] = nonce
         self._probe_seg = seg
         self.probe = [seg.name, nonce]
+
+    def prepare_slot(self) -> None:
+        """Create the pool's first slot (four times the threshold, at most 8 MiB) unless it has one (the I/O thread).
+
+        Called when a receiver first proves it reads our memory, so that the first large put finds a
+        slot ready instead of creating and faulting in a segment on its own path.
+        """
+        capacity = min(4 * self.threshold, PREPARED_SLOT_MAX)
+        if capacity < self.threshold:
+            return  # puts this large are rare and their size unknown: the first one makes its slot
+        try:
+            self.pool.prepare(capacity)
+        except (ShmError, OSError) as exc:  # closed, or no segment: the first write tries again, or falls back
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("no shared-memory slot prepared: %s", exc)
 
     def write(self, frames: Sequence[Any]) -> bytes | None:
         """Copy ``frames`` into a slot and return the packed handle, or None (no room: send frames)."""
