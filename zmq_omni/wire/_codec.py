@@ -244,6 +244,11 @@ class _Encoder:
                         head += _SHAPES[ndim].pack(*shape)  # type: ignore[misc]
                     return _new_ext(_ExtType, (EXT_ARRAY, head + view.tobytes()))
             return self._array(obj)
+        plan = _registry.struct_plans.get(cls)
+        if plan is not None and cls not in _registry.by_type:
+            # A Struct class seen before and not registered (vllm-omni's payloads): its RECORD at once.
+            self.flags |= FLAG_EXT | FLAG_OBJECT
+            return [_named_ext(EXT_RECORD, plan.name), _registry.struct_value(plan, obj)]
         if cls is tuple:
             self.flags |= FLAG_EXT | FLAG_TUPLE
             return [_TUPLE_EXT, *obj]

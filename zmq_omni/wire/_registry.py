@@ -35,6 +35,8 @@ __all__ = [
     "default_name",
     "record_of",
     "register_type",
+    "struct_plans",
+    "struct_value",
     "unregister_type",
 ]
 
@@ -174,29 +176,33 @@ def _record_value(obj: Any) -> Any:
 _EMPTY_FACTORIES = (list, dict, set, frozenset, bytearray)
 
 
-class _StructPlan(NamedTuple):
+class StructPlan(NamedTuple):
     """What encoding a Struct class needs, read from the class once.
 
     ``msgspec.structs.fields`` costs tens of microseconds a call: it re-evaluates the class's annotations.
     """
 
+    #: The name the class travels under when it is not registered (:func:`default_name`).
+    name: str
     array_like: bool
     #: ``{tag_field: tag}`` to start the field map with, or ``None``; for array_like, ``[tag]`` or ``None``.
     tag: Any
     #: Every field, in order: ``(attribute, encode name, default or _NO_DEFAULT, empty-collection factory or None)``.
     fields: tuple[tuple[str, str, Any, type | None], ...]
     omit_defaults: bool
+    unset: Any
 
 
 #: A field without a default: no value is ever identical to it.
 _NO_DEFAULT = object()
-#: Plans by Struct class. Read without a lock (a dict read is atomic; two threads that miss at once
-#: build equal plans). Bounded: cleared when full, for programs that make classes on the fly.
-_struct_plans: dict[type, _StructPlan] = {}
+#: Plans by Struct class, for the codec's look-up by type. Read without a lock (a dict read is atomic;
+#: two threads that miss at once build equal plans). Bounded: cleared when full, for programs that
+#: make classes on the fly.
+struct_plans: dict[type, StructPlan] = {}
 _PLANS_SIZE = 1024
 
 
-def _struct_plan(msgspec: Any, cls: type) -> _StructPlan:
+def _struct_plan(msgspec: Any, cls: type) -> StructPlan:
     config = cls.__struct_config__  # type: ignore[attr-defined]
     nodefault = msgspec.NODEFAULT
     fields = tuple(
@@ -211,20 +217,22 @@ def _struct_plan(msgspec: Any, cls: type) -> _StructPlan:
     tag: Any = None
     if config.tag is not None:
         tag = [config.tag] if config.array_like else {config.tag_field: config.tag}
-    plan = _StructPlan(config.array_like, tag, fields, config.omit_defaults)
-    if len(_struct_plans) >= _PLANS_SIZE:
-        _struct_plans.clear()
-    _struct_plans[cls] = plan
+    plan = StructPlan(default_name(cls), config.array_like, tag, fields, config.omit_defaults, msgspec.UNSET)
+    if len(struct_plans) >= _PLANS_SIZE:
+        struct_plans.clear()
+    struct_plans[cls] = plan
     return plan
 
 
 def _struct_value(msgspec: Any, obj: Any) -> Any:
     """What ``msgspec.msgpack.encode`` writes for a Struct, one level deep (values are left as objects)."""
-    cls = type(obj)
-    plan = _struct_plans.get(cls)
-    if plan is None:
-        plan = _struct_plan(msgspec, cls)
-    unset = msgspec.UNSET
+    plan = struct_plans.get(type(obj))
+    return struct_value(plan or _struct_plan(msgspec, type(obj)), obj)
+
+
+def struct_value(plan: StructPlan, obj: Any) -> Any:
+    """:func:`record_of`'s value for ``obj``, an instance of exactly the class ``plan`` was made for."""
+    unset = plan.unset
     if plan.array_like:
         # msgspec ignores omit_defaults for array_like Structs.
         values = [getattr(obj, field[0]) for field in plan.fields]
