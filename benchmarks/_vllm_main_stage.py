@@ -412,6 +412,11 @@ class Stage:
 
     def close(self, records_path: Path) -> None:
         self.adapter.shutdown()
+        # main's shutdown() does not join its threads; the process must not exit under them
+        for thread in (self.adapter.recv_thread, self.adapter.save_thread):
+            thread.join(timeout=5.0)
+            if thread.is_alive():
+                self.problems.append(f"main's adapter thread {thread.name} still runs 5 s after shutdown()")
         self.records["health"] = self.connector.health()
         records_path.write_text(json.dumps(self.records))
         print(f"@@records {records_path}", flush=True)

@@ -218,6 +218,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str) -> RunResult:
     """Start three stages, run the paced then the burst workload, stop them, check nothing is left."""
+    t_start = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="vmp-"))
     shm_dir = SHM_ROOT / f"zmq-omni-vmp-{nonce}"
     shm_dir.mkdir()
@@ -231,6 +232,7 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
     }
     stages: list[StageProc] = []
     problems: list[str] = []
+    phases: dict[str, float] = {}
     ok = False
     try:
         configs = stage_configs(checkout, backend, workdir)
@@ -248,6 +250,7 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
         start_by = time.monotonic() + args.start_timeout
         for sp in stages:
             sp.wait_event("ready", start_by)
+        phases = {"start": time.monotonic() - t_start}
 
         def add(rids: list[tuple[str, int]], chunks: int, pace_s: float) -> None:
             for stage in (2, 1, 0):  # receivers first, as the orchestrator submits to every stage
@@ -266,7 +269,13 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
             by_stage[2].wait_event(f"done {rid}", burst_by)
         ok = True
     finally:
+        t_stop = time.monotonic()
         problems += _stop(stages, args.stop_timeout)
+        print(
+            f"    ({backend}: stages up in {phases.get('start', float('nan')):.1f} s,"
+            f" stopped in {time.monotonic() - t_stop:.1f} s)",
+            flush=True,
+        )
         problems += _leftovers(nonce, shm_dir, workdir)
         records = {}
         for sp in stages:
@@ -376,7 +385,7 @@ def main() -> int:
     parser.add_argument("--records", type=Path, help="keep each stage's raw timings (JSON) in this directory")
     args = parser.parse_args()
     if args.quick:
-        args.reps, args.requests, args.chunks, args.paced_requests, args.chunks_paced = 1, 4, 12, 1, 12
+        args.reps, args.requests, args.chunks, args.paced_requests, args.chunks_paced = 1, 4, 10, 1, 10
     checkout = _vllm_main_env.check_checkout(args.vllm_omni)
     _vllm_main_env.install(checkout)
     backends = args.backends.split(",")
