@@ -23,8 +23,8 @@ the same YAML with ``name: ZmqConnector`` and ``endpoints`` added (the recipe
 of ``docs/vllm-omni.md``), registered in main's factory by
 ``zmq_omni.connectors.vllm_plugin.register()``.
 
-**What is re-stated, not main's** (``_vllm_main_env.py``,
-``_vllm_main_stage.py``): vLLM's modules (stubs: empty classes, TypedDicts
+**What is re-stated, not main's** (``_vllm_main/env.py``,
+``_vllm_main/stage.py``): vLLM's modules (stubs: empty classes, TypedDicts
 and msgspec Structs for the names main imports; ``RequestStatus`` and its
 ``is_finished`` re-stated); placeholders for three main modules imported but
 unused on this path (``config.yaml_util``, ``platforms``, ``metrics``: their
@@ -37,7 +37,7 @@ queue; the scheduler loop around the adapter (the order of main's
 waits 1 ms); ``get_stage_connector_spec`` (four lines of
 ``engine/stage_init_utils.py``, whose module imports the whole engine); the
 models (stand-ins producing the tensors main's processors consume; see
-``_vllm_main_stage.py``).
+``_vllm_main/stage.py``).
 
 **Backends**, in one run, interleaved within each repetition: main's
 ``SharedMemoryConnector``; ZmqConnector push over ``ipc://`` (shared-memory
@@ -94,12 +94,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from _vllm_main import env as main_env
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _vllm_main_env
-
-STAGE_SCRIPT = Path(__file__).resolve().parent / "_vllm_main_stage.py"
+STAGE_SCRIPT = Path(__file__).resolve().parent / "_vllm_main" / "stage.py"
 DEPLOY_YAML = "vllm_omni/deploy/qwen3_omni_moe.yaml"
 SHM_ROOT = Path("/dev/shm")
 BASELINE = "main-shm"
@@ -209,6 +206,7 @@ class RunResult:
     put_us: list[float]
     first_chunk0_ms: float
     hops_ms: dict[str, list[float]]
+    shm_puts: int | None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -262,6 +260,7 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
         for rid, ordinal in [first, *paced]:
             add([(rid, ordinal)], args.chunks_paced, args.pace_ms / 1e3)
             by_stage[2].wait_event(f"done {rid}", time.monotonic() + args.chunks_paced * args.pace_ms / 1e3 + 30)
+        phases["first+paced"] = time.monotonic() - t_start - phases["start"]
         burst = [(f"{nonce}-b{i}", 100 + i) for i in range(args.requests)]
         add(burst, args.chunks, 0.0)
         burst_by = time.monotonic() + args.burst_timeout
@@ -270,10 +269,11 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
         ok = True
     finally:
         t_stop = time.monotonic()
+        phases["burst"] = t_stop - t_start - sum(phases.values())
         problems += _stop(stages, args.stop_timeout)
         print(
-            f"    ({backend}: stages up in {phases.get('start', float('nan')):.1f} s,"
-            f" stopped in {time.monotonic() - t_stop:.1f} s)",
+            f"    ({backend}: {', '.join(f'{k} {v:.1f} s' for k, v in phases.items())},"
+            f" stop {time.monotonic() - t_stop:.1f} s)",
             flush=True,
         )
         problems += _leftovers(nonce, shm_dir, workdir)
@@ -363,7 +363,9 @@ def _measure(
                      talker_puts[f"{rid}_1_{k}"][0], arrivals[f"{rid}_1_{k}"])  # fmt: skip
             for name, a, b in zip(hops, marks, marks[1:], strict=False):
                 hops[name].append((b - a) * 1e3)
-    return RunResult(chunk0, per_chunk, rate, put_us, latency(first, 0) * 1e3, hops)
+    # ZmqConnector's same-host fast path: how many of the thinker's puts took it (main's connector: every put)
+    shm_puts = records[0]["health"].get("shm_puts")
+    return RunResult(chunk0, per_chunk, rate, put_us, latency(first, 0) * 1e3, hops, shm_puts)
 
 
 def main() -> int:
@@ -385,9 +387,9 @@ def main() -> int:
     parser.add_argument("--records", type=Path, help="keep each stage's raw timings (JSON) in this directory")
     args = parser.parse_args()
     if args.quick:
-        args.reps, args.requests, args.chunks, args.paced_requests, args.chunks_paced = 1, 4, 10, 1, 10
-    checkout = _vllm_main_env.check_checkout(args.vllm_omni)
-    _vllm_main_env.install(checkout)
+        args.reps, args.requests, args.chunks, args.paced_requests, args.chunks_paced = 1, 8, 20, 1, 20
+    checkout = main_env.check_checkout(args.vllm_omni)
+    main_env.install(checkout)
     backends = args.backends.split(",")
     unknown = set(backends) - set(BACKENDS)
     if unknown:
@@ -408,7 +410,8 @@ def main() -> int:
                 f"  rep {rep} {backend:13s} chunk0 p50 {statistics.median(result.chunk0_ms):6.2f} ms"
                 f"  per-chunk p50 {_pct(result.per_chunk_ms, 0.5):6.2f} p99 {_pct(result.per_chunk_ms, 0.99):6.2f} ms"
                 f"  {result.chunks_per_s:7.1f} chunks/s  put p50 {_pct(result.put_us, 0.5):7.1f} us"
-                f"  (hops p50 ms: {', '.join(f'{k} {_pct(v, 0.5):.2f}' for k, v in result.hops_ms.items())})",
+                f"  (hops p50 ms: {', '.join(f'{k} {_pct(v, 0.5):.2f}' for k, v in result.hops_ms.items())};"
+                f" thinker shm puts {result.shm_puts if result.shm_puts is not None else '-'})",
                 flush=True,
             )
     _report(results, args)

@@ -150,7 +150,7 @@ class _Placeholder:
         self._qualname = qualname
 
     def _refuse(self) -> RuntimeError:
-        return RuntimeError(f"{self._qualname} is a placeholder in this harness (benchmarks/_vllm_main_env.py)")
+        return RuntimeError(f"{self._qualname} is a placeholder in this harness (benchmarks/_vllm_main/env.py)")
 
     def __getattr__(self, name: str) -> Any:
         raise self._refuse()

@@ -1,8 +1,8 @@
 """One stage process of ``benchmarks/vllm_main_pipeline.py``: vllm-omni main's chunk adapter under a scheduler loop.
 
-``python benchmarks/_vllm_main_stage.py CHECKOUT STAGE CONFIG_JSON RECORDS_PATH``
+``python benchmarks/_vllm_main/stage.py CHECKOUT STAGE CONFIG_JSON RECORDS_PATH``
 
-The process loads main's modules from ``CHECKOUT`` (``_vllm_main_env``),
+The process loads main's modules from ``CHECKOUT`` (``env.py``),
 registers zmq_omni's connectors in main's ``OmniConnectorFactory``, and
 builds main's ``OmniChunkTransferAdapter`` from the stage's
 ``stage_connector_config`` (``CONFIG_JSON``) with the stage's
@@ -60,9 +60,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import _vllm_main_env
+from _vllm_main import env as main_env
 
 HIDDEN = 2048
 CODEBOOKS = 16
@@ -110,12 +110,23 @@ def thinker_output(ordinal: int, step: int, prompt_len: int) -> dict[str, Any]:
     return out
 
 
-def frame(ordinal: int, index: int) -> Any:
-    """Codec frame ``index`` of a request from the talker: ``[1, 16]`` int64, never 0 (main skips all-zero frames)."""
+_FRAMES: dict[int, Any] = {}
+
+
+def frames(ordinal: int, count: int) -> Any:
+    """The first ``count`` codec frames of a request, ``[count, 16]`` int64, never 0 (main skips all-zero frames).
+
+    Made once per request and sliced, so the stand-in model and the checks cost
+    the stages little next to what is measured.
+    """
     import torch
 
-    start = (ordinal * 7919 + index * CODEBOOKS) % 2000
-    return (torch.arange(CODEBOOKS, dtype=torch.int64) + start).remainder(2047).add(1).reshape(1, CODEBOOKS)
+    made = _FRAMES.get(ordinal)
+    if made is None or made.shape[0] < count:
+        index = torch.arange(max(count, 1024), dtype=torch.int64).unsqueeze(1)
+        start = (ordinal * 7919 + index * CODEBOOKS) % 2000
+        made = _FRAMES[ordinal] = (start + torch.arange(CODEBOOKS, dtype=torch.int64)) % 2047 + 1
+    return made[:count]
 
 
 def frames_of_chunk(chunk: int) -> int:
@@ -125,12 +136,10 @@ def frames_of_chunk(chunk: int) -> int:
 
 def expected_codec(ordinal: int, chunk: int) -> tuple[list[int], int]:
     """The codes and ``left_context_size`` main's ``talker2code2wav_async_chunk`` sends as code2wav chunk ``chunk``."""
-    import torch
-
     total = 4 + 25 * chunk
     first, left = (0, 0) if chunk == 0 else (0, 4) if chunk == 1 else (total - 50, 25)
-    codes = torch.cat([frame(ordinal, i) for i in range(first, total)], dim=0).transpose(0, 1).reshape(-1)
-    return codes.tolist(), left
+    codes: list[int] = frames(ordinal, total)[first:].transpose(0, 1).reshape(-1).tolist()
+    return codes, left
 
 
 # ---------------------------------------------------------------- vLLM's request and queue, as main's adapter uses them
@@ -351,12 +360,14 @@ class Stage:
         finished = request.request_id in self.adapter.finished_requests
         count = frames_of_chunk(chunk)
         base = 0 if chunk == 0 else 4 + 25 * (chunk - 1)
+        made = frames(request.ordinal, base + count)
         for i in range(count):
             last = finished and i == count - 1
             if last:
                 request.status = self.status.FINISHED_STOPPED
             request.num_computed_tokens += 1
-            self.adapter.save_async({"codes.audio": frame(request.ordinal, base + i)}, request, last)
+            # one talker step, one [1, 16] frame: what main's model runner hands save_async
+            self.adapter.save_async({"codes.audio": made[base + i : base + i + 1]}, request, last)
         if finished:
             if chunk != request.chunks - 1:
                 self.problems.append(f"{request.request_id}: finished at thinker chunk {chunk}")
@@ -425,7 +436,7 @@ class Stage:
 def main(argv: list[str]) -> int:
     """Run one stage; exit 0 only when every check passed."""
     checkout, stage_id, config_json, records_path = argv
-    _vllm_main_env.install(Path(checkout))
+    main_env.install(Path(checkout))
     import torch
 
     torch.set_num_threads(1)  # three stage processes share the host's cores; no intra-op thread pools
