@@ -37,7 +37,14 @@ queue; the scheduler loop around the adapter (the order of main's
 waits 1 ms); ``get_stage_connector_spec`` (four lines of
 ``engine/stage_init_utils.py``, whose module imports the whole engine); the
 models (stand-ins producing the tensors main's processors consume; see
-``_vllm_main/stage.py``).
+``_vllm_main/stage.py``). Not built: the model runner's connector
+(``OmniConnectorModelRunnerMixin``), which main builds from the same spec in
+each stage process but which carries no chunk in async-chunk mode (its
+``register_chunk_recv`` is fed only by the full-payload input coordinator).
+Each stage process sets ``torch.set_num_threads(1)``; ZmqConnector's segments
+go to a per-run directory (``ZMQ_OMNI_SHM_DIR``), main's to ``/dev/shm`` as
+it names them; the writer's resource-tracker warnings about segments the
+reader already unlinked (main's connector, Python 3.11) are silenced.
 
 **Backends**, in one run, interleaved within each repetition: main's
 ``SharedMemoryConnector``; ZmqConnector push over ``ipc://`` (shared-memory
@@ -51,7 +58,7 @@ fast path ``auto``, its default); push over ``tcp://`` loopback with
   on its own ("1st chunk0"), and kept out of the other figures;
 - *paced*: requests one after another, each of ``--chunks-paced`` thinker
   chunks at a thinker step every ``--pace-ms`` (20 ms); per request, chunk
-  0's end-to-end latency; per chunk ``k >= 1``, its latency.
+  0's end-to-end latency; per chunk ``k >= 1``, its latency;
 - *burst*: ``--requests`` (8) requests of ``--chunks`` (50) thinker chunks,
   the thinker stepping them all as fast as its loop goes; code2wav chunks/s
   (chunks received / (last arrival - first thinker ``save_async``)).
@@ -67,9 +74,14 @@ Every chunk's tensors are checked at the far end; a stage that finds a
 difference, or a run that leaves a process, a shared-memory segment or a lock
 file behind (removed, then reported), fails the benchmark, with every stage's
 output. Each run's ipc socket files (libzmq leaves them after close) go with
-its temporary directory. Figures are medians over repetitions; ratios are against main's
-``SharedMemoryConnector`` in the same run (chunks/s: ours / theirs; latency:
-theirs / ours; above 1, ZmqConnector is better).
+its temporary directory. Figures are medians over repetitions; ratios are
+against main's ``SharedMemoryConnector`` in the same run (chunks/s: ours /
+theirs; latency: theirs / ours; above 1, ZmqConnector is better). Each line
+per run also shows where a paced chunk's time goes (p50 of each leg) and how
+many of the thinker's puts took ZmqConnector's shared-memory path.
+
+``--quick``: one repetition, 1 paced request and 8 burst requests of 20
+chunks (about 40 s on two cores at load average 1.4).
 """
 
 from __future__ import annotations

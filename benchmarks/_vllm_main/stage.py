@@ -43,8 +43,12 @@ Anything else on stdout/stderr is log, shown by the harness on failure.
 
 Timing: the connector's ``put`` and ``get`` are wrapped (``_Timed``) to record,
 with ``time.monotonic()`` (system-wide on Linux, so comparable between the
-processes), when each put started and ended and when each get returned a
-chunk; the thinker records when it called ``save_async`` for each step.
+processes), when each put started and ended, when each get that returned a
+chunk started and ended, and how long each miss took; the thinker records
+when it called ``save_async`` for each step. The talker's last frame of a
+request finishes it (``is_finished``, and ``is_segment_finished`` as main's
+AR scheduler passes it); code2wav calls the adapter's ``cleanup`` at a
+request's end, as main's generation scheduler does.
 """
 
 from __future__ import annotations
