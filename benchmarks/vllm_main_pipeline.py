@@ -140,7 +140,7 @@ def reserve_port() -> int:
 
 def stage_configs(checkout: Path, backend: str, workdir: Path) -> dict[int, dict[str, Any]]:
     """The ``stage_connector_config`` main hands each stage process, from its deploy YAML (switched for ours)."""
-    from vllm_omni.distributed.omni_connectors.utils.initialization import (
+    from vllm_omni.distributed.omni_connectors.utils.initialization import (  # type: ignore[import-not-found]
         get_stage_connector_config,
         load_omni_transfer_config,
     )
@@ -357,7 +357,7 @@ def _measure(
     arrivals = {key: end for key, (_start, end) in records[2]["gets"].items()}
 
     def latency(rid: str, chunk: int) -> float:
-        return arrivals[f"{rid}_1_{chunk}"] - saves[f"{rid}_{chunk + 1}"]
+        return float(arrivals[f"{rid}_1_{chunk}"] - saves[f"{rid}_{chunk + 1}"])
 
     chunk0 = [latency(rid, 0) * 1e3 for rid, _ in paced]
     per_chunk = [latency(rid, k) * 1e3 for rid, _ in paced for k in range(1, args.chunks_paced)]
@@ -432,7 +432,7 @@ def main() -> int:
 
 def _report(results: dict[str, list[RunResult]], args: argparse.Namespace) -> None:
     def med(backend: str, pick: Any) -> float:
-        return statistics.median(pick(r) for r in results[backend])
+        return float(statistics.median(pick(r) for r in results[backend]))
 
     rows = {}
     for backend, runs in results.items():

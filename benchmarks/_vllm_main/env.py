@@ -107,7 +107,8 @@ class RequestStatus(enum.IntEnum):
 
 
 def _typed_dict(name: str) -> type:
-    return TypedDict(name, {}, total=False)  # type: ignore[operator]
+    made: type = TypedDict(name, {}, total=False)  # type: ignore[misc]  # a name known only at run time
+    return made
 
 
 def _struct(name: str) -> type:
@@ -185,8 +186,8 @@ def install(checkout: Path) -> None:
         package = types.ModuleType(name)
         package.__path__ = [str(root.joinpath(*name.split(".")))]
         sys.modules[name] = package
-    for name, attrs in PLACEHOLDERS.items():
-        module = types.ModuleType(name)
-        for attr in attrs:
-            setattr(module, attr, _Placeholder(f"{name}.{attr}"))
-        sys.modules[name] = module
+    for name, names in PLACEHOLDERS.items():
+        placeholder = types.ModuleType(name)
+        for attr in names:
+            setattr(placeholder, attr, _Placeholder(f"{name}.{attr}"))
+        sys.modules[name] = placeholder

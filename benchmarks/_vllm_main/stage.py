@@ -222,7 +222,7 @@ class Stage:
     """One stage process: main's adapter, a scheduler loop, the model stand-in, the checks."""
 
     def __init__(self, stage_id: int, config: dict[str, Any]) -> None:
-        from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
+        from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (  # type: ignore[import-not-found]
             OmniChunkTransferAdapter,
         )
 
