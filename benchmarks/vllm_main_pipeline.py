@@ -407,8 +407,11 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown backends {sorted(unknown)}")
     nonce = secrets.token_hex(4)
+    import zmq_omni
+
     print(
-        f"vllm-omni main pipeline ({checkout}): {args.reps} reps; paced {args.paced_requests} x {args.chunks_paced}"
+        f"vllm-omni main pipeline ({checkout}; zmq_omni from {Path(zmq_omni.__file__).parent}):"
+        f" {args.reps} reps; paced {args.paced_requests} x {args.chunks_paced}"
         f" chunks at {args.pace_ms:g} ms; burst {args.requests} x {args.chunks}; P = {args.prompt_len}",
         flush=True,
     )

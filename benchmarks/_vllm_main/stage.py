@@ -449,7 +449,11 @@ def main(argv: list[str]) -> int:
     plugin.register()
     config = json.loads(config_json)
     stage = Stage(int(stage_id), config)
-    print(f"stage {stage_id}: {type(stage.connector).__name__} from {config['stage_connector_config']}", flush=True)
+    print(
+        f"stage {stage_id}: {type(stage.connector).__name__} from {config['stage_connector_config']}"
+        f" (zmq_omni from {Path(plugin.__file__).parents[1]})",
+        flush=True,
+    )
     try:
         stage.run()
     except Exception:
