@@ -303,6 +303,8 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
             for sp in sorted(stages, key=lambda s: s.stage):
                 print(f"---- stage {sp.stage} output (rc {sp.proc.returncode}) ----", file=sys.stderr)
                 print("\n".join(sp.lines[-80:]), file=sys.stderr)
+            for problem in problems:
+                print(f"{backend}: {problem}", file=sys.stderr)
     if problems:
         raise BenchmarkFailed(f"{backend}: " + "; ".join(problems[:10]))
     return _measure(records, first[0], paced, burst, args)
