@@ -61,7 +61,11 @@ fast path ``auto``, its default); push over ``tcp://`` loopback with
   0's end-to-end latency; per chunk ``k >= 1``, its latency;
 - *burst*: ``--requests`` (8) requests of ``--chunks`` (50) thinker chunks,
   the thinker stepping them all as fast as its loop goes; code2wav chunks/s
-  (chunks received / (last arrival - first thinker ``save_async``)).
+  (chunks received / (last arrival - first thinker ``save_async``)), and
+  the first hop's rate alone (chunks in the talker's hands over the same
+  start). The talker calls main's ``talker2code2wav_async_chunk`` once per
+  codec frame (25 per chunk), which costs a few ms of the talker's CPU per
+  chunk whatever the connector: it caps the code2wav rate of every backend.
 
 A chunk's end-to-end latency runs from the thinker's ``save_async`` of the
 step that completes thinker chunk ``k`` to the ``get`` on code2wav that
@@ -219,6 +223,7 @@ class RunResult:
     first_chunk0_ms: float
     hops_ms: dict[str, list[float]]
     shm_puts: int | None
+    hop1_chunks_per_s: float
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -379,7 +384,11 @@ def _measure(
                 hops[name].append((b - a) * 1e3)
     # ZmqConnector's same-host fast path: how many of the thinker's puts took it (main's connector: every put)
     shm_puts = records[0]["health"].get("shm_puts")
-    return RunResult(chunk0, per_chunk, rate, put_us, latency(first, 0) * 1e3, hops, shm_puts)
+    # the first hop's rate: thinker chunks in the talker's hands, before the talker's own work (main's processor,
+    # called once per codec frame) sets the pace of the second hop
+    hop1_end = max(talker_gets[f"{rid}_0_{k}"] for rid, _ in burst for k in range(args.chunks))
+    hop1_rate = len(burst) * args.chunks / (hop1_end - burst_start)
+    return RunResult(chunk0, per_chunk, rate, put_us, latency(first, 0) * 1e3, hops, shm_puts, hop1_rate)
 
 
 def main() -> int:
@@ -426,7 +435,8 @@ def main() -> int:
             print(
                 f"  rep {rep} {backend:13s} chunk0 p50 {statistics.median(result.chunk0_ms):6.2f} ms"
                 f"  per-chunk p50 {_pct(result.per_chunk_ms, 0.5):6.2f} p99 {_pct(result.per_chunk_ms, 0.99):6.2f} ms"
-                f"  {result.chunks_per_s:7.1f} chunks/s  put p50 {_pct(result.put_us, 0.5):7.1f} us"
+                f"  {result.chunks_per_s:7.1f} chunks/s (hop 1 {result.hop1_chunks_per_s:.0f})"
+                f"  put p50 {_pct(result.put_us, 0.5):7.1f} us"
                 f"  (hops p50 ms: {', '.join(f'{k} {_pct(v, 0.5):.2f}' for k, v in result.hops_ms.items())};"
                 f" thinker shm puts {result.shm_puts if result.shm_puts is not None else '-'})",
                 flush=True,
@@ -447,6 +457,7 @@ def _report(results: dict[str, list[RunResult]], args: argparse.Namespace) -> No
             "per_chunk_p50_ms": med(backend, lambda r: _pct(r.per_chunk_ms, 0.5)),
             "per_chunk_p99_ms": med(backend, lambda r: _pct(r.per_chunk_ms, 0.99)),
             "chunks_per_s": med(backend, lambda r: r.chunks_per_s),
+            "hop1_chunks_per_s": med(backend, lambda r: r.hop1_chunks_per_s),
             "put_p50_us": med(backend, lambda r: _pct(r.put_us, 0.5)),
             "put_p99_us": med(backend, lambda r: _pct(r.put_us, 0.99)),
             "runs": len(runs),
