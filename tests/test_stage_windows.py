@@ -5,9 +5,11 @@ edge as the request's chunks, so announcements and chunks share the sender's
 window (``max_unacked`` puts, ``max_unacked_bytes``). The stages put a
 request's chunks only once its announcement was put, and announcements ahead
 of any chunk (``_PutOrder``): every chunk in the window belongs to a request
-the next stage knows, so the window drains, and an announcement takes the
-next slot that frees. Tested here end to end (stage threads over ZeroMQ ipc,
-windows of a few chunks) and on the order itself.
+the next stage knows, so the window drains, and an announcement gets one of
+the next slots that free. Tested here end to end (stage threads over ZeroMQ
+ipc, windows of a few chunks, a second driver against running stages), on
+the order itself, and on the announcer and admitter over real connectors
+(gaps, restarts, failures).
 """
 
 from __future__ import annotations
