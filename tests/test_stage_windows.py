@@ -5,13 +5,17 @@ edge as the request's chunks, so announcements and chunks share the sender's
 window (``max_unacked`` puts, ``max_unacked_bytes``). The stages put a
 request's chunks only once its announcement was put, and announcements ahead
 of any chunk (``_PutOrder``): every chunk in the window belongs to a request
-the next stage knows, so the window drains, and an announcement takes the
-next slot that frees. Tested here end to end (stage threads over ZeroMQ ipc,
-windows of a few chunks) and on the order itself.
+the next stage knows, so the window drains, and an announcement gets one of
+the next slots that free. Tested here end to end (stage threads over ZeroMQ
+ipc, windows of a few chunks, a second driver against running stages), on
+the order itself, and on the announcer and admitter over real connectors
+(gaps, restarts, failures).
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -23,9 +27,11 @@ import pytest
 
 from zmq_omni import PipelineDriver, StageWorker, load_pipeline_config
 from zmq_omni.adapters import ChunkManagerConfig, OmniChunkManager, RetryPolicy
+from zmq_omni.connectors import create_connector
 from zmq_omni.connectors.inproc import InProcConnector
+from zmq_omni.errors import TransportTimeoutError
 from zmq_omni.stages import DriverEvent
-from zmq_omni.stages._link import _EdgePair, _PutOrder
+from zmq_omni.stages._link import _ANNOUNCE_WINDOW, ANNOUNCE_PREFIX, _EdgePair, _Endpoint, _PutOrder
 
 MIB = 1 << 20
 
@@ -66,33 +72,39 @@ def _pipeline(tmp: Path, window: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _run(tmp: Path, window: dict[str, int], *, requests: int, chunks: int, size: int) -> dict[str, list[DriverEvent]]:
+def _run(
+    tmp: Path, window: dict[str, int], *, requests: int, chunks: int, size: int, drives: int = 1
+) -> list[dict[str, list[DriverEvent]]]:
+    """Start the stages, then run ``drives`` drivers against them one after the other; each one's events."""
     pipeline = load_pipeline_config(_pipeline(tmp, window))
     workers = [StageWorker.from_pipeline(pipeline, name) for name in ("producer", "relay")]
     for worker in workers:
         worker.start()
-    events: dict[str, list[DriverEvent]] = {}
+    runs: list[dict[str, list[DriverEvent]]] = []
     try:
-        with PipelineDriver.from_pipeline(pipeline) as driver:
-            for i in range(requests):
-                driver.submit(f"q{i:02d}", {"n": chunks, "size": size})
-            deadline = time.monotonic() + 120
-            while driver.pending:
-                assert time.monotonic() < deadline, f"requests still pending: {driver.pending}"
-                for event in driver.poll(0.05):
-                    events.setdefault(event.request_id, []).append(event)
+        for _ in range(drives):
+            events: dict[str, list[DriverEvent]] = {}
+            with PipelineDriver.from_pipeline(pipeline) as driver:
+                for i in range(requests):
+                    driver.submit(f"q{len(runs)}-{i:02d}", {"n": chunks, "size": size})
+                deadline = time.monotonic() + 120
+                while driver.pending:
+                    assert time.monotonic() < deadline, f"requests still pending: {driver.pending}"
+                    for event in driver.poll(0.05):
+                        events.setdefault(event.request_id, []).append(event)
+            runs.append(events)
     finally:
         for worker in workers:
             worker.close()
     for worker in workers:
         print(worker.name, worker.stats)
-    return events
+    return runs
 
 
-def _check_all_completed(events: dict[str, list[DriverEvent]], requests: int, chunks: int) -> None:
+def _check_all_completed(events: dict[str, list[DriverEvent]], requests: int, chunks: int, run: int = 0) -> None:
     failed = {rid: evs[-1].reason for rid, evs in events.items() if evs[-1].kind != "completed"}
     assert not failed, failed
-    assert sorted(events) == [f"q{i:02d}" for i in range(requests)]
+    assert sorted(events) == [f"q{run}-{i:02d}" for i in range(requests)]
     for rid, evs in events.items():
         seqs = [int(k) for event in evs for k in event.data.get("seq", [])]
         assert seqs == list(range(chunks)), (rid, seqs)
@@ -103,15 +115,24 @@ def _check_all_completed(events: dict[str, list[DriverEvent]], requests: int, ch
 def test_a_byte_window_of_a_few_one_mib_chunks_completes_every_request(short_tmp: Path) -> None:
     # Room for three 1 MiB chunks (and the small announcements) per sender, 12 requests of 6 chunks in flight.
     requests, chunks = 12, 6
-    events = _run(short_tmp, {"max_unacked_bytes": 3 * MIB + 64 * 1024}, requests=requests, chunks=chunks, size=MIB)
+    (events,) = _run(short_tmp, {"max_unacked_bytes": 3 * MIB + 64 * 1024}, requests=requests, chunks=chunks, size=MIB)
     _check_all_completed(events, requests, chunks)
 
 
 def test_a_put_window_far_below_the_chunks_in_flight_completes_every_request(short_tmp: Path) -> None:
     # 24 requests x 10 chunks through windows of 8 puts: announcements, heads and chunks share them.
     requests, chunks = 24, 10
-    events = _run(short_tmp, {"max_unacked": 8}, requests=requests, chunks=chunks, size=1024)
+    (events,) = _run(short_tmp, {"max_unacked": 8}, requests=requests, chunks=chunks, size=1024)
     _check_all_completed(events, requests, chunks)
+
+
+def test_a_second_driver_against_running_stages_with_a_small_window_completes_every_request(short_tmp: Path) -> None:
+    # `zmq-omni drive` again and again: each new driver starts its announcements at seq 0 (the
+    # producer reads them as a restarted upstream) and reads the relay's from seq 0 while the relay
+    # is 40 past it (it can only catch up through the relay's head, with the window of 8 still open).
+    first, second = _run(short_tmp, {"max_unacked": 8}, requests=40, chunks=4, size=1024, drives=2)
+    _check_all_completed(first, 40, 4, run=0)
+    _check_all_completed(second, 40, 4, run=1)
 
 
 # -- the order itself ------------------------------------------------------------------------------------
@@ -210,3 +231,181 @@ def test_the_chunks_of_a_request_whose_announcement_failed_fail_at_once_without_
             time.sleep(0.01)
         assert "could not announce" in failed["a"] and "after 1 attempt" in failed["a"], failed  # not retried
         assert outbound.health()["pending"] == 0  # never put
+
+
+def test_a_withdrawn_hold_leaves_an_earlier_attempts_hold_and_failure_is_cleared_by_an_announcement() -> None:
+    order = _PutOrder()
+    order.expect("a_0_")  # attempt 1: its announcement is queued
+    order.expect("a_0_")  # attempt 2 of the same id: its chunk could not be queued
+    order.release("a_0_")
+    waiter, out = _in_thread(order.before_chunk, "a_0_0")
+    waiter.join(0.2)
+    assert waiter.is_alive(), "attempt 1's chunk went before its announcement"
+    order.announced("a_0_", None)
+    waiter.join(5)
+    assert out == [None]  # not refused by attempt 2's withdrawal
+    order.failed_later("a_0_", "delivery failed")  # the announcement's delivery failed after its put returned
+    assert order.before_chunk("a_0_1") == "delivery failed"
+    order.expect("a_0_")
+    order.announced("a_0_", None)
+    assert order.before_chunk("a_0_2") is None
+
+
+# -- announcements over real connectors ---------------------------------------------------------------
+class _FlakyAnnouncements(InProcConnector):
+    """An in-process connector whose puts of the announcement seqs in ``failing`` fail (a timeout, retryable)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.failing: set[int] = set()
+        self.attempts: dict[str, int] = {}
+        self.attempted = threading.Event()
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        seq = put_key.rsplit("_", 1)[-1]
+        if put_key.startswith(ANNOUNCE_PREFIX) and seq.isdigit():
+            self.attempts[put_key] = self.attempts.get(put_key, 0) + 1
+            self.attempted.set()
+            if int(seq) in self.failing:
+                reason = "injected: no room in the send window"
+                self._record_failure("put", from_stage, to_stage, put_key, reason, TransportTimeoutError(reason))
+                return False, 0, None
+        return super().put(from_stage, to_stage, put_key, data)
+
+
+def _endpoint(
+    namespace: str, stage_id: str, upstream: str, downstream: str, retry: RetryPolicy, outbound: Any = None
+) -> _Endpoint:
+    return _Endpoint(
+        stage_id=stage_id,
+        upstream_stage_id=upstream,
+        downstream_stage_id=downstream,
+        inbound=InProcConnector({"namespace": namespace, "stage_id": stage_id}),
+        outbound=outbound or InProcConnector({"namespace": namespace, "stage_id": stage_id}),
+        stall_timeout_s=30.0,
+        retry=retry,
+        label="test",
+    )
+
+
+def _admitted(endpoint: _Endpoint, count: int, timeout: float = 20.0) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            got.append(endpoint.admitted.get(timeout=0.1)[0])
+    return got
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"windows-{time.monotonic_ns()}"
+
+
+def test_a_restarted_upstream_is_read_past_the_look_ahead_without_a_head(namespace: str) -> None:
+    # The test plays the upstream: announcements 0..39, then (restarted) 0..29 again, and no head.
+    upstream = InProcConnector({"namespace": namespace, "stage_id": "0"})
+    receiver = _endpoint(namespace, "1", "0", "2", RetryPolicy())
+    try:
+        for seq in range(40):
+            upstream.put("0", "1", f"{ANNOUNCE_PREFIX}0_{seq}", {"request_id": f"a{seq}"})
+        assert _admitted(receiver, 40) == [f"a{seq}" for seq in range(40)]
+        for seq in range(30):
+            upstream.put("0", "1", f"{ANNOUNCE_PREFIX}0_{seq}", {"request_id": f"b{seq}"})
+        assert sorted(_admitted(receiver, 30)) == sorted(f"b{seq}" for seq in range(30))
+    finally:
+        receiver.close()
+        upstream.close()
+
+
+def test_a_gap_of_failed_announcements_wider_than_the_look_ahead_is_crossed(namespace: str) -> None:
+    outbound = _FlakyAnnouncements({"namespace": namespace, "stage_id": "0"})
+    outbound.failing = set(range(3, 3 + 2 * _ANNOUNCE_WINDOW))
+    retry = RetryPolicy(attempts=1, deadline_s=5.0)
+    sender = _endpoint(namespace, "0", "d", "1", retry, outbound)
+    receiver = _endpoint(namespace, "1", "0", "2", retry)
+    try:
+        total = 3 + 2 * _ANNOUNCE_WINDOW + 10
+        for i in range(total):
+            sender.announce(f"r{i}")
+        expected = [f"r{i}" for i in range(total) if i not in outbound.failing]
+        assert sorted(_admitted(receiver, len(expected))) == sorted(expected)
+        failed = [sender.announce_failures.get(timeout=5)[0] for _ in outbound.failing]
+        assert sorted(failed) == sorted(f"r{i}" for i in outbound.failing)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_chunks_of_announced_requests_go_while_an_announcement_waits_to_retry(namespace: str) -> None:
+    outbound = _FlakyAnnouncements({"namespace": namespace, "stage_id": "0"})
+    outbound.failing = {1}
+    # A long backoff: the announcement of "b" sits between its attempts for the whole test.
+    retry = RetryPolicy(attempts=2, deadline_s=120.0, backoff_initial_s=60.0, backoff_max_s=60.0)
+    sender = _endpoint(namespace, "0", "d", "1", retry, outbound)
+    reader = InProcConnector({"namespace": namespace, "stage_id": "1"})
+    try:
+        sender.announce("a")
+        assert reader.get_with_deadline("0", "1", f"{ANNOUNCE_PREFIX}0_0", deadline=time.monotonic() + 10)
+        outbound.attempted.clear()
+        sender.announce("b")
+        assert outbound.attempted.wait(10) and outbound.attempts.get(f"{ANNOUNCE_PREFIX}0_1") == 1
+        sender.chunks.save_async("a", {"x": np.zeros(4)}, is_final=True)
+        got = reader.get_with_deadline("0", "1", "a_0_0", deadline=time.monotonic() + 20)
+        assert got is not None, "a chunk of an announced request waited for another announcement's backoff"
+        assert sender.announce_failures.empty()  # "b" is still between its attempts
+    finally:
+        sender.close()
+        reader.close()
+
+
+def test_after_an_announcement_gave_up_the_next_ones_get_one_attempt_until_one_goes(namespace: str) -> None:
+    outbound = _FlakyAnnouncements({"namespace": namespace, "stage_id": "0"})
+    outbound.failing = {0, 1, 3}
+    retry = RetryPolicy(attempts=3, deadline_s=30.0, backoff_initial_s=0.01, backoff_max_s=0.01)
+    sender = _endpoint(namespace, "0", "d", "1", retry, outbound)
+    try:
+        for i in range(4):
+            sender.announce(f"r{i}")
+        failed = [sender.announce_failures.get(timeout=10)[0] for _ in range(3)]
+        assert failed == ["r0", "r1", "r3"]
+        attempts = [outbound.attempts.get(f"{ANNOUNCE_PREFIX}0_{seq}") for seq in range(4)]
+        assert attempts == [3, 1, 1, 3]  # the downstream is taken as down after r0, as up again after r2
+    finally:
+        sender.close()
+
+
+def test_chunks_are_refused_once_their_announcements_delivery_failed(short_tmp: Path, namespace: str) -> None:
+    # The downstream never comes up: the announcement's put returns, its delivery fails later.
+    outbound = create_connector(
+        {
+            "name": "ZmqConnector",
+            "extra": {
+                "stage_id": "0",
+                "role": "sender",
+                "endpoints": {"1": f"ipc://{short_tmp}/nobody"},
+                "shm": "off",
+                "delivery_timeout_s": 0.5,
+            },
+        }
+    )
+    retry = RetryPolicy(attempts=1, deadline_s=5.0)
+    sender = _endpoint(namespace, "0", "d", "1", retry, outbound)
+    try:
+        sender.announce("a")
+        deadline = time.monotonic() + 20
+        while sender.announce_failures.empty():
+            assert time.monotonic() < deadline, "the announcement's delivery failure was never reported"
+            sender.connector.route_failures()
+            time.sleep(0.05)
+        request_id, reason = sender.announce_failures.get()
+        assert request_id == "a" and "announcing the request to stage 1 failed" in reason, reason
+        sender.chunks.save_async("a", {"x": np.zeros(4)}, is_final=True)
+        failed: dict[str, str] = {}
+        while "a" not in failed:
+            assert time.monotonic() < deadline, "the chunk's failure was never reported"
+            failed.update(sender.chunks.collect_failed_send_request_ids())
+            time.sleep(0.05)
+        assert "announcing the request to stage 1 failed" in failed["a"], failed  # refused, never put
+    finally:
+        sender.close()

@@ -9,14 +9,18 @@ How a downstream stage learns about a new request:
     order and registers each request with ``load_async``. Announcements are
     read with a look-ahead window, so one lost announcement does not block the
     ones behind it, and a restarted upstream (whose ``seq`` starts again at 0)
-    is picked up. After each burst of announcements the sender also puts the
-    latest ``seq`` under ``_zo_req_{stage_id}_head`` (a re-put replaces it, so
-    one is held at most): a receiver that finds nothing at its next ``seq`` while the head is
-    at or past it jumps there, so a receiver that (re)started after its
-    upstream announced many requests (a second ``zmq-omni drive`` against
-    running stages, a restarted stage) learns of new requests at once. It
-    still does not learn about requests announced before it came back:
-    restart a pipeline from its last stage.
+    is picked up. After every announcement (before the request's chunks) the
+    sender also puts its ``seq`` under ``_zo_req_{stage_id}_head`` (one
+    attempt; a re-put replaces an unconsumed one, so it holds one window slot
+    at most; one that failed is put again after the next announcement or after
+    a second idle): a receiver that finds nothing at its next ``seq`` while the
+    head is at or past it reads what is left up to the head and goes on after
+    it, so a receiver that (re)started after its upstream announced many
+    requests (a second ``zmq-omni drive`` against running stages, a restarted
+    stage), or a gap of lost announcements wider than the look-ahead, costs a
+    wait for the next head, not the requests after it. A receiver still does
+    not learn about requests announced before it came back: restart a
+    pipeline from its last stage.
 
 Announcements go ahead of chunks:
     they share the sender's window with the chunks, so a stage puts a
@@ -73,8 +77,8 @@ _HELD_FAILURES = 65_536
 #: Announcement keys remembered to attribute a failure reported after the put returned
 #: (and streams whose announcement failed, to refuse their chunks).
 _ANNOUNCED_KEYS = 65_536
-#: Within a burst of announcements, the head is put at its end and after every this many.
-_HEAD_EVERY = 64
+#: Seconds an idle announcer waits before it tries again a head put that failed.
+_HEAD_RETRY_S = 1.0
 
 
 # -- the order of a sender's puts: announcements first ------------------------------------------------
@@ -91,11 +95,15 @@ class _PutOrder:
       :meth:`announced` when the put ended). Every chunk in the window then
       belongs to a request the next stage has been announced, so the next
       stage reads it and the window drains. A request whose announcement
-      failed never puts a chunk: :meth:`before_chunk` says why instead.
+      failed never puts a chunk (nor any more once the announcement's
+      delivery is reported failed after its put returned, :meth:`failed_later`):
+      :meth:`before_chunk` says why instead.
     - **Announcements go first.** While a control put is in progress
-      (:meth:`control`, around each announcement with its retries and around
-      each head put), chunk puts wait, so the next slot the window frees goes
-      to the announcement, not to the chunk stream of an earlier request.
+      (:meth:`control`, around each attempt of an announcement and each head
+      put, waiting for a window slot included; not the backoff between
+      attempts), no chunk put starts. A chunk put that already started and is
+      waiting for a slot inside the connector still competes with it for the
+      next one, so an announcement waits for a slot or two to free.
 
     With both, a window smaller than what a stage has in flight only slows the
     stage down: announcements wait at most for a slot or two to free, chunks
@@ -115,27 +123,55 @@ class _PutOrder:
     def __init__(self, *, remembered: int = _ANNOUNCED_KEYS) -> None:
         self._cond = threading.Condition()
         self._controls = 0  # control puts in progress
-        self._pending: set[str] = set()  # chunk prefixes whose announcement is queued or being put
+        # Chunk prefix -> how many holds on it (announcements queued or being put, driver holds).
+        self._pending: dict[str, int] = {}
         self._failed: OrderedDict[str, str] = OrderedDict()  # chunk prefix -> why its announcement failed
         self._remembered = remembered
         self._closed = False
 
     def expect(self, prefix: str) -> None:
-        """Hold the chunk puts of the stream ``prefix`` (``{request_id}_{stage_id}_``) until its announcement ends."""
+        """Hold the chunk puts of the stream ``prefix`` (``{request_id}_{stage_id}_``) until its announcement ends.
+
+        Holds are counted: each :meth:`expect` is ended by one :meth:`announced` or :meth:`release`.
+        """
         with self._cond:
             self._failed.pop(prefix, None)
-            self._pending.add(prefix)
+            self._pending[prefix] = self._pending.get(prefix, 0) + 1
 
     def announced(self, prefix: str, failure: str | None) -> None:
         """The announcement of ``prefix`` was put (``failure`` None) or given up (``failure`` says why)."""
         with self._cond:
-            self._pending.discard(prefix)
-            if failure is not None:
-                self._failed[prefix] = failure
-                self._failed.move_to_end(prefix)
-                while len(self._failed) > self._remembered:
-                    self._failed.popitem(last=False)
+            self._unhold(prefix)
+            if failure is None:
+                self._failed.pop(prefix, None)
+            else:
+                self._remember(prefix, failure)
             self._cond.notify_all()
+
+    def release(self, prefix: str) -> None:
+        """End a hold whose announcement will not be queued (nothing of it was queued either)."""
+        with self._cond:
+            self._unhold(prefix)
+            self._cond.notify_all()
+
+    def failed_later(self, prefix: str, failure: str) -> None:
+        """The announcement of ``prefix`` was put, but its delivery failed: refuse the stream's chunks from now on."""
+        with self._cond:
+            self._remember(prefix, failure)
+            self._cond.notify_all()
+
+    def _unhold(self, prefix: str) -> None:
+        left = self._pending.get(prefix, 0) - 1
+        if left > 0:
+            self._pending[prefix] = left
+        else:
+            self._pending.pop(prefix, None)
+
+    def _remember(self, prefix: str, failure: str) -> None:
+        self._failed[prefix] = failure
+        self._failed.move_to_end(prefix)
+        while len(self._failed) > self._remembered:
+            self._failed.popitem(last=False)
 
     @contextlib.contextmanager
     def control(self) -> Iterator[None]:
@@ -210,7 +246,7 @@ class _EdgePair(OmniConnectorBase):
         if refusal is not None:
             failure = TransferFailure(put_key, from_stage, to_stage, "put", refusal, _Unannounced(refusal), time.time())
             with self._route_lock:
-                self._chunk_failures.append(failure)
+                self._hold_failure(failure)
             return False, 0, None
         return self.outbound.put(from_stage, to_stage, put_key, data)
 
@@ -275,17 +311,21 @@ class _EdgePair(OmniConnectorBase):
                 if failure.key.startswith(ANNOUNCE_PREFIX) and self.on_announce_failure is not None:
                     announcements.append(failure)
                 else:
-                    if len(self._chunk_failures) == self._chunk_failures.maxlen:
-                        logger.warning(
-                            "dropping an uncollected transfer failure: %s [key=%r]",
-                            self._chunk_failures[0].reason,
-                            self._chunk_failures[0].key,
-                        )
-                    self._chunk_failures.append(failure)
+                    self._hold_failure(failure)
             sink = self.on_announce_failure
         if sink is not None:
             for failure in announcements:
                 sink(failure)
+
+    def _hold_failure(self, failure: TransferFailure) -> None:
+        """Hold a chunk key's failure for :meth:`drain_failures` (call with ``_route_lock`` held)."""
+        if len(self._chunk_failures) == self._chunk_failures.maxlen:
+            logger.warning(
+                "dropping an uncollected transfer failure: %s [key=%r]",
+                self._chunk_failures[0].reason,
+                self._chunk_failures[0].key,
+            )
+        self._chunk_failures.append(failure)
 
     def drain_failures(self) -> list[TransferFailure]:
         """Failures of both edges, announcement keys excepted (those go to the announcer)."""
@@ -381,11 +421,13 @@ class _Endpoint:
         # found for it (guarded by _announce_lock; written by the announcer, read by
         # whichever thread routes the connectors' failures).
         self._announce_lock = threading.Lock()
-        self._announced_keys: OrderedDict[str, str] = OrderedDict()
+        self._announced_keys: OrderedDict[str, tuple[str, bool]] = OrderedDict()  # key -> (request id, streams)
         self._announce_attempt: str | None = None
         self._announce_cause: TransferFailure | None = None
         self.connector.on_announce_failure = self._on_announce_failure
         self._head_key = f"{ANNOUNCE_PREFIX}{self.stage_id}{HEAD_SUFFIX}"
+        # The last announcement exhausted the retry policy on a retryable fault (announcer thread only).
+        self._peer_down = False
         self._threads = [
             threading.Thread(
                 target=self._guard, args=(self._announce_loop,), daemon=True, name=f"{label}-announce-{self.stage_id}"
@@ -407,17 +449,18 @@ class _Endpoint:
                 self.connector.order.close()  # no announcement will be put: chunks waiting for one stop
 
     # announcements out ----------------------------------------------------------------------------
-    def announce(self, request_id: str, *, error: str | None = None) -> None:
+    def announce(self, request_id: str, *, error: str | None = None, held: bool = False) -> None:
         """Queue the announcement of a new request to the downstream stage (returns at once).
 
         Call it before queuing the request's first chunk: its chunks are put
-        only once the announcement was (see :class:`_PutOrder`).
+        only once the announcement was (see :class:`_PutOrder`). ``held``: the
+        caller already called :meth:`hold` for it (the announcement ends that hold).
 
         With ``error``, announce instead that the request failed before any of
         its chunks went downstream (it was refused): the downstream stages
         forward that to the driver, which fails the request with ``error``.
         """
-        if error is None:
+        if error is None and not held:
             self.connector.order.expect(self._chunk_prefix(request_id))
         with self._announce_cond:
             self._announce_queue.append((request_id, error))
@@ -426,31 +469,47 @@ class _Endpoint:
     def hold(self, request_id: str) -> None:
         """Hold the chunks of ``request_id`` until its announcement is put, for a chunk queued before :meth:`announce`.
 
-        :meth:`withdraw` releases a hold whose announcement will not be queued after all.
+        Then call ``announce(request_id, held=True)``, or :meth:`withdraw` when
+        the chunk could not be queued after all.
         """
         self.connector.order.expect(self._chunk_prefix(request_id))
 
     def withdraw(self, request_id: str) -> None:
-        """Release a :meth:`hold` without announcing: the request's chunks, if any, are refused."""
-        self.connector.order.announced(self._chunk_prefix(request_id), "the request was not announced")
+        """End a :meth:`hold` whose chunk was not queued and whose announcement will not be.
+
+        Holds are counted, so an earlier attempt of the same id whose
+        announcement is still queued keeps holding (and then releases) its own chunk.
+        """
+        self.connector.order.release(self._chunk_prefix(request_id))
 
     def _chunk_prefix(self, request_id: str) -> str:
         """The key prefix of the chunks this endpoint's chunk manager puts for ``request_id``."""
         return f"{request_id}_{self.stage_id}_"
 
     def _announce_loop(self) -> None:
-        head: int | None = None  # the latest seq announced and not yet put as the head
+        head: int | None = None  # the latest seq announced whose head put has not gone yet
         while True:
             with self._announce_cond:
                 while not self._announce_queue and not self.stop_event.is_set():
-                    self._announce_cond.wait()
+                    if head is None or self._peer_down:
+                        self._announce_cond.wait()
+                    elif not self._announce_cond.wait(_HEAD_RETRY_S):
+                        break  # idle with a head that could not be put: try it again
                 if self.stop_event.is_set():
                     return
-                request_id, error = self._announce_queue.popleft()
+                item = self._announce_queue.popleft() if self._announce_queue else None
+            if item is None:
+                head = self._put_head(head)
+                continue
+            request_id, error = item
             key = f"{ANNOUNCE_PREFIX}{self.stage_id}_{self._seq}"
             self._seq += 1
             if self._put_announcement(key, request_id, error):
-                head = self._seq - 1
+                # The head goes after every announcement, before the request's chunks: a
+                # receiver behind (restarted, or a new driver) reads neither announcements
+                # past its look-ahead nor chunks it was not announced, so only the head,
+                # put while the window still has room, lets it catch up (see _put_head).
+                head = self._put_head(self._seq - 1)
                 if error is None:
                     self.connector.order.announced(self._chunk_prefix(request_id), None)
             else:
@@ -458,26 +517,31 @@ class _Endpoint:
                 if error is None:
                     self.connector.order.announced(self._chunk_prefix(request_id), reason)
                 self.announce_failures.put((request_id, reason))
-            with self._announce_cond:
-                burst = len(self._announce_queue)
-            if head is not None and (not burst or self._seq % _HEAD_EVERY == 0):
-                # One attempt, failures ignored: the head only helps a receiver that
-                # (re)started behind; a re-put replaces the unconsumed one, so at most
-                # one is ever held per edge. Within a burst of announcements it is put
-                # at its end (and every _HEAD_EVERY): each put takes a window slot.
-                self.connector.put_control(self.stage_id, self.downstream, self._head_key, {"seq": head})
-                head = None
+
+    def _put_head(self, head: int | None) -> int | None:
+        """Put ``head`` as the latest announced seq; what is still to put (None when it went, or nothing was due).
+
+        One attempt, and none while the downstream is known down: the head only
+        helps a receiver that (re)started behind. A re-put replaces the
+        unconsumed one, so it holds at most one window slot. One that failed is
+        tried again after the next announcement (with a newer seq) or when the
+        announcer has been idle for ``_HEAD_RETRY_S``.
+        """
+        if head is None or self._peer_down or self.stop_event.is_set():
+            return head
+        ok, _, _ = self.connector.put_control(self.stage_id, self.downstream, self._head_key, {"seq": head})
+        return None if ok else head
 
     def _on_announce_failure(self, failure: TransferFailure) -> None:
         """A failure of an announcement key, routed here by the edge pair (any thread)."""
         if failure.key == self._head_key:
-            return  # best effort by design (see _announce_loop)
+            return  # best effort by design (see _put_head)
         with self._announce_lock:
             if failure.key == self._announce_attempt:
                 self._announce_cause = failure  # the cause of the put in progress (maybe retried)
                 return
-            request_id = self._announced_keys.pop(failure.key, None)
-        if request_id is None:
+            announced = self._announced_keys.pop(failure.key, None)
+        if announced is None:
             logger.warning(
                 "%s %s: failure of an unknown announcement: %s [key=%r]",
                 self.label,
@@ -487,13 +551,13 @@ class _Endpoint:
             )
             return
         # Delivery of an announcement that put accepted failed later: the request
-        # can never be started downstream.
-        self.announce_failures.put(
-            (
-                request_id,
-                f"announcing the request to stage {self.downstream} failed: {failure.reason} [key={failure.key!r}]",
-            )
-        )
+        # can never be started downstream, so its chunks (and a cancel marker) must
+        # not take window slots there either.
+        request_id, streams = announced
+        reason = f"announcing the request to stage {self.downstream} failed: {failure.reason} [key={failure.key!r}]"
+        if streams:
+            self.connector.order.failed_later(self._chunk_prefix(request_id), reason)
+        self.announce_failures.put((request_id, reason))
 
     def _put_announcement(self, key: str, request_id: str, error: str | None = None) -> bool:
         body: dict[str, str] = (
@@ -505,11 +569,14 @@ class _Endpoint:
                 raise InterruptedError("stopping")
             with self._announce_lock:
                 self._announce_attempt, self._announce_cause = key, None
+            # Chunk puts wait only while this put runs (for a window slot included),
+            # not through the backoff between attempts: chunks of announced requests
+            # drain, so the window frees a slot for the next attempt.
             ok, _, _ = self.connector.put_control(self.stage_id, self.downstream, key, body)
             if ok:
                 with self._announce_lock:
                     self._announce_attempt = None
-                    self._announced_keys[key] = request_id
+                    self._announced_keys[key] = (request_id, error is None)
                     while len(self._announced_keys) > _ANNOUNCED_KEYS:
                         self._announced_keys.popitem(last=False)
                 return
@@ -520,17 +587,21 @@ class _Endpoint:
                 raise cause.error
             raise _AnnounceFailed(f"put of {key!r} failed" + (f": {cause.reason}" if cause is not None else ""))
 
+        # Once an announcement exhausted the policy on a retryable fault, the downstream is
+        # taken as down and each announcement gets one attempt (as the chunk manager does
+        # for chunks), until one goes through.
+        policy = self.retry.single_attempt() if self._peer_down else self.retry
         try:
-            # Chunk puts wait through the retries too: a window slot that frees during a
-            # backoff goes to the announcement, not to a chunk (see _PutOrder).
-            with self.connector.order.control():
-                self.retry.retrying(stop_event=self.stop_event)(attempt)
+            policy.retrying(stop_event=self.stop_event)(attempt)
         except Exception as exc:
             with self._announce_lock:
                 self._announce_attempt = None
             if not self.stop_event.is_set():
+                if policy.retryable(exc):
+                    self._peer_down = True
                 logger.warning("%s %s: announcing %s failed: %s", self.label, self.stage_id, request_id, exc)
             return False
+        self._peer_down = False
         return True
 
     # announcements in -----------------------------------------------------------------------------
@@ -581,6 +652,12 @@ class _Endpoint:
                     next_seq, taken_ahead = seq + 1, set()
                 else:
                     taken_ahead.add(seq)
+            if next_seq in taken_ahead:
+                # What was read ahead (after a restart: from its seq 1 on) is behind us now.
+                while next_seq in taken_ahead:
+                    taken_ahead.discard(next_seq)
+                    next_seq += 1
+                continue
             # Still nothing at next_seq while the upstream's head says it announced
             # it (or later): those announcements went to an earlier incarnation of
             # this stage (a driver run before this one, a stage since restarted)

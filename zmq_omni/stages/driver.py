@@ -159,7 +159,7 @@ class PipelineDriver:
             self._link.withdraw(request_id)
             raise
         self._submitted[request_id] = now
-        self._link.announce(request_id)
+        self._link.announce(request_id, held=True)
 
     def poll(self, timeout: float = 0.1) -> list[DriverEvent]:
         """Wait up to ``timeout`` for progress and return what happened since the last call."""
