@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from ..transport import PushReceiver, Tombstones
 from ._shared_endpoint import SharedEndpoint, served
 
-__all__ = ["cancel_early", "put_early", "take_early"]
+__all__ = ["cancel_early", "drop_early", "put_early", "take_early"]
 
 Slot = tuple[str, str, str]
 
@@ -62,6 +62,14 @@ def put_early(endpoint: str, slot: Slot, until: float) -> SharedEndpoint | None:
         while puts and (len(puts) > MAX_EARLY_PUTS or next(iter(puts.values())) <= now):  # the oldest first
             puts.popitem(last=False)
     return None
+
+
+def drop_early(endpoint: str, slot: Slot) -> None:
+    """The put of ``slot`` failed before it left: nothing is on its way."""
+    with _lock:
+        puts = _puts.get(endpoint)
+        if puts is not None:
+            puts.pop(slot, None)
 
 
 def cancel_early(

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ClosedResourceError, MessageTooLargeError, TransportError, TransportTimeoutError, ZmqOmniError
 from ..transport import PushReceiver, WouldBlock
 from ..wire import encode, frames_nbytes
-from ._early_puts import put_early
+from ._early_puts import drop_early, put_early
 from ._shared_endpoint import served
 from ._zmq_parts import ZmqParts
 
@@ -129,24 +129,28 @@ class ZmqSending(ZmqParts):
             frames = [frames[0], *(bytes(frame) for frame in frames[1:])]
         try:
             if sender is not None:
-                try:
-                    sender.send(from_stage, to_stage, key, frames, nbytes, loc, block=block)
-                except BaseException:
-                    if loc is not None and shm is not None:
-                        shm.discard(loc)
-                    raise
                 # A put to an endpoint this process binds is expected there: a get of it waits for it.
-                # Only once admitted: a get that waited while the put waits for window room could be
-                # the very consumer whose takes would free that room.
                 target = self._endpoints.get(to_stage)
                 local = served(target)
                 until = time.monotonic() + cfg.metadata_get_timeout_s
+                early = self._receiver is None and target is not None and self._bind_stage(to_stage) == to_stage
                 if local is not None:
                     if not (isinstance(local.part, PushReceiver) and local.part.buries(key)):  # dropped on arrival
                         local.expect((from_stage, to_stage, key), until)
-                elif self._receiver is None and target is not None and self._bind_stage(to_stage) == to_stage:
-                    # Binds there at a first get: expected there once bound, by whichever binds.
-                    put_early(target, (from_stage, to_stage, key), until)
+                elif early:  # binds there at a first get: expected there once bound, by whichever binds
+                    assert target is not None
+                    local = put_early(target, (from_stage, to_stage, key), until)
+                try:
+                    sender.send(from_stage, to_stage, key, frames, nbytes, loc, block=block)
+                except BaseException:
+                    if local is not None:
+                        local.settle((from_stage, to_stage, key))
+                    elif early:
+                        assert target is not None
+                        drop_early(target, (from_stage, to_stage, key))
+                    if loc is not None and shm is not None:
+                        shm.discard(loc)
+                    raise
                 metadata: dict[str, Any] = {"key": key, "size": nbytes, "transport": PUSH_METADATA_TAG}
             else:
                 server = self._server
