@@ -5,13 +5,19 @@ order), a mailbox model takes what arrived, and REPLYs are routed or refused
 at random. After every step the protocol's promises are checked: a put is
 delivered at most once; once a flush is routed, every put delivered or resent
 is reported arrived; every consumption is repeated in each routed pong until
-the sender's low mark passes it; hostile frames never raise.
+the sender's low mark passes it; no REPLY calls a seq consumed before its drop
+report was routed; hostile frames never raise.
 
 Below it, what one pong costs whatever the history (counted, never timed: the seqs
-and REPLYs it names, how REPLY lists are cut), that every consumption still comes
-round with the pong limits made small, and a send window joined to the protocol by
-hand keeping an item nobody takes exactly-once across lost REPLYs, a reconnect and a
-receiver restart.
+and REPLYs it names, how REPLY lists are cut), that no consumption reaches the
+rotation before two routed REPLYs said it and every one still comes round with the
+pong limits made small, and a send window joined to the protocol by hand: an item
+nobody takes stays exactly-once across lost REPLYs, a reconnect and a receiver
+restart; REPLYs refused many times in a row, or refused and then one lost, leave no
+consumption to the rotation; an acknowledgement and its pong lost together (the one
+window left) duplicate a put only on a restart before its turn, which comes within
+``ceil(n / MAX_PONG_REPEATS)`` pongs; last words send what the sender has not heard
+first.
 """
 
 from __future__ import annotations
