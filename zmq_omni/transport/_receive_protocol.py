@@ -369,7 +369,7 @@ class ReceiveProtocol:
             source.shm = False if self._shm is None else self._shm.probe(probe)
             source.probe = probe
         replies = self.replies
-        for code, seqs in source.drops():  # before the pong, which then repeats them as consumed
+        for code, seqs in source.drops():  # before the pong; pongs call them consumed once this is routed
             replies += self._reply(source, code, [], seqs)
         arrived, consumed = source.pong()
         replies += self._reply(source, ping, arrived, consumed)
