@@ -16,8 +16,9 @@ nobody takes stays exactly-once across lost REPLYs, a reconnect and a receiver
 restart; REPLYs refused many times in a row, or refused and then one lost, leave no
 consumption to the rotation; an acknowledgement and its pong lost together (the one
 window left) duplicate a put only on a restart before its turn, which comes within
-``ceil(n / MAX_PONG_REPEATS)`` pongs; last words send what the sender has not heard
-first.
+``ceil(n / MAX_PONG_REPEATS)`` pongs; with REPLYs refused and lost at random and the
+receiver killed now and then, a put comes again only as those windows allow; last words
+send what the sender has not heard first.
 """
 
 from __future__ import annotations
@@ -429,6 +430,8 @@ class _Link:
         self.lose = lose
         self.refuse = refuse
         self.heard: list[tuple[int, list[int], list[int]]] = []
+        self.routed: list[tuple[bool, set[int], bool]] = []  # this incarnation's routed REPLYs: (pong, named, lost)
+        self.taken_at: dict[int, int] = {}  # seq -> len(routed) when a get took it
         self.ping_no = 0
         self.now = 0.0
         self.incarnation = 0
@@ -438,6 +441,7 @@ class _Link:
     def restart(self) -> None:
         """A new receiver process: an empty mailbox, a new incarnation."""
         self.incarnation += 1
+        self.routed = []
         self.protocol = _protocol(Counters())
         self.protocol.incarnation = f"r{self.incarnation}"
         self.mailbox: dict[str, Any] = {}
@@ -457,6 +461,7 @@ class _Link:
 
     def get(self, key: str) -> None:
         item = self.mailbox.pop(key)
+        self.taken_at[item.seq] = len(self.routed)
         self.delivered[key] = self.delivered.get(key, 0) + 1
         self.protocol.taken([(SID, item.seq)], [], 1)
 
@@ -465,7 +470,10 @@ class _Link:
         for reply in replies:
             routed = not self.refuse()
             self.protocol.sent(reply, routed)
-            if not routed or self.lose():
+            lost = routed and self.lose()
+            if routed:
+                self.routed.append((reply.ping >= 0, set(reply.consumed), lost))
+            if not routed or lost:
                 continue
             _, header, _ = unpack(reply.frame)
             arrived, consumed = check_ranges(header[2], 1 << 30), check_ranges(header[3], 1 << 30)
@@ -721,3 +729,51 @@ def test_a_resend_of_a_put_whose_consumption_was_lost_is_told_consumed_again() -
         link.flush()
         assert link.retained() == ["stuck"]
     assert link.delivered["c"] == 1
+
+
+def _may_come_again(routed: list[tuple[bool, set[int], bool]], since: int, seq: int) -> bool:
+    """Whether a receiver killed now may have left ``seq``'s consumption unheard, as the windows allow.
+
+    ``routed`` is that receiver's routed REPLYs, the get having taken ``seq`` when ``since`` had been sent.
+    Allowed: no REPLY naming it reached the sender, and either two or more named it (all lost), or it
+    had no time to be named again: no routed pong after the one REPLY that named it (lost), or at most one
+    (a probe, which names nothing) after the get when none named it.
+    """
+    after = routed[since:]
+    naming = [i for i, (_, named, _) in enumerate(after) if seq in named]
+    if any(after[i][2] is False for i in naming):
+        return False
+    if len(naming) >= 2:
+        return True
+    if naming:
+        return not any(pong for pong, _, _ in after[naming[0] + 1 :])
+    return sum(pong for pong, _, _ in after) <= 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_refusals_losses_and_restarts_duplicate_only_within_the_windows(seed: int) -> None:
+    """REPLYs refused and lost at random, the receiver killed now and then: a put comes again only as the
+    windows allow (see ``_may_come_again``), never when one REPLY naming its consumption was lost and a
+    routed pong came after it, nor when a REPLY naming it reached the sender."""
+    rng = random.Random(seed)
+    link = _Link(lambda: rng.random() < 0.25, refuse=lambda: rng.random() < 0.25)
+    taken: dict[int, tuple[list[tuple[bool, set[int], bool]], int]] = {}  # seq -> (that receiver's log, when)
+    with _small_limits(), patch.object(_dedupe, "MAX_PONG_RECENT", 1000):  # told once: all said by each pong
+        link.put("stuck")
+        link.flush()
+        for burst in range(80):
+            batch = [f"k{burst}-{i}" for i in range(rng.randint(1, 6))]
+            for key in batch:
+                link.put(key)
+            link.flush()
+            for key in [k for k in link.mailbox if k != "stuck"]:
+                seq = link.mailbox[key].seq
+                if seq in taken:  # delivered before, by a receiver since killed
+                    assert _may_come_again(*taken[seq], seq), (key, taken[seq][0][taken[seq][1] :])
+                link.get(key)
+                taken[seq] = (link.routed, link.taken_at[seq])
+            link.flush()
+            link.ping()
+            if rng.random() < 0.2:
+                link.restart()  # the killed receiver's log stays as it was
+                link.ping()
