@@ -13,12 +13,13 @@ The invariants the tests check after any sequence of calls:
 * a put is accepted at most once per ``seq`` (resends and repeats are duplicates);
 * every seq accepted or found duplicate is reported arrived in the next REPLY;
 * a REPLY ZeroMQ refused moves nothing on: what it said is said again (see ``SourceState.unsent``);
-* every seq consumed is said by the next routed acknowledgement or pong; once a routed REPLY
-  said it, by every routed pong until one says it again (at most :data:`MAX_PONG_RECENT`
+* every seq consumed is said by the next acknowledgement or pong, and again after each that
+  is refused (by pongs only, past :data:`MAX_UNSENT_TRIES` refusals in a row), until one is
+  routed; once a routed REPLY said it, by every pong until one saying it is routed (at most :data:`MAX_PONG_RECENT`
   such a pong, those told longest ago first); then within every ``ceil(n / MAX_PONG_REPEATS)``
   pongs (``n`` the entries of the repeat queue) until the sender's ``low`` passes it (a routed
   REPLY can still be lost with its connection; pongs repeat them), and never below ``low``;
-* a seq dropped unconsumed is named by no REPLY before its drop report is routed;
+* a seq dropped unconsumed is called consumed by no REPLY before its drop report is routed;
 * one pong names the consumptions not told yet, at most :data:`MAX_PONG_RECENT` told once
   and at most :data:`MAX_PONG_REPEATS` told twice, and looks at most at
   :data:`MAX_PONG_WALK` of those told twice to find them, whatever the history;
