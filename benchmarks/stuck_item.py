@@ -17,8 +17,10 @@ that falls that far behind has no latency worth printing).
 The micro case (``--repeats``, default 1,000,000) plays a hostile or broken sender
 against ``ReceiveProtocol`` directly, no sockets: that many puts under one key, each
 replacing the one before (consumed), while the sender's low mark stays at 0; every
-1,024 puts the acknowledgements are flushed. Then two PINGs, each timed in CPU time
-(``time.thread_time``): the REPLYs answering it, their bytes and the seqs they name; and
+1,024 puts the acknowledgements are flushed (every consumption told once). Then PINGs,
+each timed in CPU time (``time.thread_time``), until every consumption told once was said
+once more: the first two and the first after that (the steady state) are printed, with
+the REPLYs answering each, their bytes and the seqs they name; and
 how much the process's RSS grew while the puts were fed (the receiver's state for that sender).
 Run it with another checkout's package first on ``PYTHONPATH`` to compare
 (``--repeats 1000000 --duration 0``).
@@ -155,7 +157,13 @@ def _micro(repeats: int) -> None:
     grown = _rss_mib() - rss
     print(f"micro: {repeats:,} re-puts under one key, low mark at 0 (fed in {fed:.1f} s, RSS +{grown:.0f} MiB)")
     print(f"{'PING':>6} {'CPU ms':>9} {'REPLYs':>7} {'bytes':>10} {'seqs named':>11}")
-    for ping in (1, 2):
+    # Every consumption was told once by an acknowledgement: the first pongs say each once more (16,384 a
+    # pong, with a share of the rotation); then every pong repeats only its share of the rotation.
+    source = proto.sources[sid]
+    ping = 0
+    while True:
+        ping += 1
+        drained = not source.recent
         frame = pack(Kind.PING, (sid, ping, 0))
         cpu = time.thread_time()
         proto.receive(identity, [frame], True, 2.0)
@@ -167,7 +175,10 @@ def _micro(repeats: int) -> None:
             named += len(from_ranges(header[2], 1 << 40)) + len(from_ranges(header[3], 1 << 40))
             proto.sent(reply, True)
         size = sum(len(r.frame) for r in replies)
-        print(f"{ping:>6} {cpu * 1e3:>9.2f} {len(replies):>7} {size:>10,} {named:>11,}")
+        if ping <= 2 or drained:
+            print(f"{ping:>6} {cpu * 1e3:>9.2f} {len(replies):>7} {size:>10,} {named:>11,}")
+        if drained:
+            break
 
 
 def main() -> None:

@@ -265,6 +265,7 @@ class WindowProtocol(RuleBasedStateMachine):
                 rx.source.duplicate(number)
         else:
             arrived, consumed = rx.source.pong()
+            rx.source.told(consumed)  # ZeroMQ routes every REPLY here; ``reply`` may lose it on the way
             self.replies.append((rx.incarnation, number, arrived, consumed))
 
     @precondition(lambda self: self.receiver.held)
@@ -287,9 +288,11 @@ class WindowProtocol(RuleBasedStateMachine):
     def ack(self) -> None:
         source = self.receiver.source
         for code, seqs in source.drops():  # as the receiver sends them: a REPLY of their own, before the ack
+            source.told(seqs)
             self.replies.append((self.receiver.incarnation, code, [], seqs))
         acks = source.ack()
         if acks is not None:
+            source.told(acks[1])
             self.replies.append((self.receiver.incarnation, -1, *acks))
 
     @precondition(lambda self: self.replies)
@@ -376,13 +379,19 @@ def test_source_state_reports_consumption_in_every_pong_until_the_sender_forgets
     source.duplicate(1)
     source.consume(0)
     source.consume(1)
-    assert source.ack() == ([0, 1, 2, 3, 1], [0, 1])
+    acked = source.ack()
+    assert acked == ([0, 1, 2, 3, 1], [0, 1])
+    source.told(acked[1])  # routed
     assert source.ack() is None
-    assert sorted(source.pong()[1]) == [0, 1]  # repeated: the ack may have been lost
+    said = source.pong()[1]
+    assert sorted(said) == [0, 1]  # repeated: the ack may have been lost
+    source.told(said)
     source.note(1, 1.0)  # the sender dropped seq 0
     arrived, consumed = source.pong()
-    assert arrived == [] and sorted(consumed) == [1] and source.seen == {1, 2, 3}
+    assert arrived == [] and consumed == [1] and source.seen == {1, 2, 3}
     assert not source.is_new(0) and not source.is_new(2) and source.is_new(4)
+    source.duplicate(1)  # a resend of a put whose consumption was told: told again
+    assert source.ack() == ([1], [1])
 
 
 def test_source_state_reports_drops_apart_once_then_repeats_them_as_consumed() -> None:
@@ -393,11 +402,19 @@ def test_source_state_reports_drops_apart_once_then_repeats_them_as_consumed() -
     source.drop(1, -2)
     source.drop(2, -3)
     assert source.drops() == [(-2, [1]), (-3, [2])] and source.drops() == []
-    assert source.ack() == ([0, 1, 2], [0])
-    assert sorted(source.pong()[1]) == [0, 1, 2]  # an ack of a drop may be lost too: pongs repeat it
+    source.told([1])  # the reports were routed
+    source.told([2])
+    acked = source.ack()
+    assert acked == ([0, 1, 2], [0])
+    source.told(acked[1])
+    said = source.pong()[1]
+    assert sorted(said) == [0, 1, 2]  # an ack of a drop may be lost too: pongs repeat it
+    source.told(said)
     source.drop(3, -2)
-    last = source.last_word()
-    assert last is not None and sorted(last[1]) == [0, 1, 2, 3]
+    source.consume(4)
+    last = source.last_word()  # the drop report is the caller's to send (drops), first
+    assert last is not None and last[1] == [4] and sorted(last[2]) == [0, 1, 2]
+    assert source.drops() == [(-2, [3])]
 
 
 def test_source_state_says_again_what_an_unsent_reply_said() -> None:
@@ -413,11 +430,13 @@ def test_source_state_says_again_what_an_unsent_reply_said() -> None:
     source.unsent(0, [0, 1, 2, 3, 4], [0])  # nor could a pong: its arrivals go in the next, consumptions stay
     arrived, consumed = source.pong()
     assert arrived == [0, 1, 2, 3, 4] and consumed == [0]
+    source.told(consumed)  # routed: told once, the next pong says it again
     source.drop(1, -3)
     ((code, seqs),) = source.drops()
     source.unsent(code, [], seqs)  # a drop report that could not go out stays a drop report
     assert source.pong() == ([], [0])  # not called consumed before the report is sent
     assert source.drops() == [(-3, [1])]
+    source.told([1])
     assert sorted(source.pong()[1]) == [0, 1]
 
 
@@ -471,6 +490,7 @@ def test_source_state_accepts_once_and_reports_what_it_must(ops: list[tuple[str,
             if got is not None:
                 assert set(got[0]) == unreported_arrivals
                 unreported_arrivals = set()
+                source.told(got[1])
         elif op == "lost":  # the REPLY could not go out: what it said must still reach the sender later
             said = source.ack() if a == -1 else source.pong()
             if said is not None:
@@ -480,6 +500,7 @@ def test_source_state_accepts_once_and_reports_what_it_must(ops: list[tuple[str,
             assert set(arrived) == unreported_arrivals
             unreported_arrivals = set()
             assert set(reported) == {s for s in consumed if s >= low}, "consumption not repeated, or past low"
+            source.told(reported)
             assert min(source.seen, default=low) >= low
         assert len(accepted) == len(set(accepted)), "a put was accepted twice"
 

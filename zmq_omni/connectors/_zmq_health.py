@@ -77,7 +77,7 @@ class ZmqHealth(ZmqParts):
             ):
                 base[name] = receiving[name]
             base.setdefault("acks_dropped", 0)  # REPLYs ZeroMQ could not route (their content waits for the next)
-            base.setdefault("acks_given_up", 0)  # ...seqs such REPLYs named once 4 in a row to one sender failed
+            base.setdefault("acks_given_up", 0)  # ...arrivals such REPLYs named once 4 in a row to one sender failed
             base["incarnation"] = self._receiver.incarnation
         reasons = self._reasons(sending, receiving)
         if reasons:

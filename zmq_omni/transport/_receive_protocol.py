@@ -46,8 +46,8 @@ _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
 # Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong
-# names the consumptions not yet told, the newest MAX_PONG_RECENT told since the previous pong and at most
-# MAX_PONG_REPEATS older ones: several REPLYs).
+# names the consumptions not yet told, at most MAX_PONG_RECENT told once and at most MAX_PONG_REPEATS told
+# twice: several REPLYs).
 _MAX_REPLY_SEQS = 1024
 
 
@@ -81,10 +81,9 @@ class ReceiveProtocol:
     """The receiving end of push mode without I/O (see the module docstring).
 
     What one acknowledgement costs: a plain acknowledgement says what arrived and what was
-    consumed since the previous REPLY to that sender; a pong says the same, the newest
-    :data:`~zmq_omni.transport._dedupe.MAX_PONG_RECENT` consumptions told since the
-    previous pong once more, and at most
-    :data:`~zmq_omni.transport._dedupe.MAX_PONG_REPEATS` older ones in rotation (why that
+    consumed since the previous REPLY to that sender; a pong says the same, at most
+    :data:`~zmq_omni.transport._dedupe.MAX_PONG_RECENT` consumptions told once more, and at
+    most :data:`~zmq_omni.transport._dedupe.MAX_PONG_REPEATS` told twice, in rotation (why that
     keeps delivery exactly-once while an unclaimed item pins the sender's low mark:
     :class:`~zmq_omni.transport._dedupe.SourceState`). Lists are cut into REPLYs of
     ``_MAX_REPLY_SEQS`` seqs at fixed offsets, so building them costs time linear in the
@@ -214,15 +213,23 @@ class ReceiveProtocol:
         return replies
 
     def last_words(self) -> list[Reply]:
-        """What to tell every sender as the receiver closes: arrivals and every consumption not yet confirmed.
+        """What to tell every sender as the receiver closes: drops, arrivals and every consumption not yet confirmed.
 
         Early acks may have found no route, and a reopened receiver must not get duplicates.
+        What the sender most likely has not heard goes first (drop reports, then the
+        consumptions untold or told once, then the rest in rotation order): the REPLYs go
+        out as one burst a slow sender's pipe may not take whole, and ZeroMQ refuses the tail.
         """
         replies: list[Reply] = []
         for source in self.sources.values():
+            for code, seqs in source.drops():
+                replies += self._reply(source, code, [], seqs)
             last = source.last_word()
             if last is not None:
-                replies += self._reply(source, -1, *last)
+                arrived, urgent, rest = last
+                replies += self._reply(source, -1, arrived, urgent)
+                if rest:
+                    replies += self._reply(source, -1, [], rest, keep_order=True)
         return replies
 
     def sent(self, reply: Reply, routed: bool) -> None:
@@ -233,7 +240,10 @@ class ReceiveProtocol:
         if source is None:
             return
         source.replied(routed)
-        if not routed:
+        if routed:
+            if reply.consumed:
+                source.told(reply.consumed)
+        else:
             given_up = source.unsent(reply.ping, reply.arrived, reply.consumed)
             if given_up:
                 self._counters.add("acks_given_up", given_up)
@@ -359,23 +369,27 @@ class ReceiveProtocol:
             source.shm = False if self._shm is None else self._shm.probe(probe)
             source.probe = probe
         replies = self.replies
-        for code, seqs in source.drops():  # before the pong, which then repeats them as consumed
+        for code, seqs in source.drops():  # before the pong; pongs call them consumed once this is routed
             replies += self._reply(source, code, [], seqs)
         arrived, consumed = source.pong()
         replies += self._reply(source, ping, arrived, consumed)
 
-    def _reply(self, source: SourceState, ping: int, arrived: list[int], consumed: list[int]) -> list[Reply]:
+    def _reply(
+        self, source: SourceState, ping: int, arrived: list[int], consumed: list[int], *, keep_order: bool = False
+    ) -> list[Reply]:
         """The REPLYs saying ``arrived`` and ``consumed`` to ``source``, answering ``ping``.
 
         Lists longer than ``_MAX_REPLY_SEQS`` go in several REPLYs, plain acks first and the
         answer to ``ping`` last, so that no REPLY exceeds what any sender accepts. The lists
-        are sorted once and cut at fixed offsets: the cost is linear in the seqs they hold
-        (plus the sort), however many parts they make.
+        are sorted once (``keep_order``: not sorted, the caller's order kept and its seqs
+        distinct) and cut at fixed offsets: the cost is linear in the seqs they hold (plus
+        the sort), however many parts they make.
         """
         cap = _MAX_REPLY_SEQS
         parts: list[tuple[int, list[int], list[int]]]
         if len(arrived) > cap or len(consumed) > cap:
-            arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
+            if not keep_order:
+                arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
             count = max(-(-len(arrived) // cap), -(-len(consumed) // cap), 1)
             ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
             parts = [
