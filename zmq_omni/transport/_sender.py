@@ -80,10 +80,11 @@ from ._loop import Driver
 from ._push_protocol import FailureCallback
 from ._security import Curve
 from ._send_window import Out, SendWindow
-from ._sender_core import Peer, SenderCore
+from ._sender_core import Peer, SenderCore, open_data_socket
 from ._sender_io import SenderIo
 from ._shm import ShmSend
 from ._signal import WouldBlock
+from ._sockets import close_socket
 
 __all__ = ["PushSender"]
 
@@ -323,14 +324,29 @@ class PushSender:
     def meet(self, to_stage: str) -> None:
         """Connect to ``to_stage``'s receiver now, before any put to it, and ask for its shm verdict.
 
-        A put to it later finds the verdict there (see :mod:`~zmq_omni.transport._shm`).
+        A put to it later finds the verdict there (see :mod:`~zmq_omni.transport._shm`). The data
+        socket is made here first: a stage whose socket cannot be made is not met (no beat pings
+        it), and a put to it raises why, as it would without this.
 
         Raises:
             ConfigError: ``to_stage`` has no endpoint, or CURVE is on and names no server key for it.
+            TransportError: ZeroMQ could not make or connect the socket to ``to_stage``.
         """
-        with self._core.lock:
-            if to_stage not in self._core.peers and not self._core.closed:
-                self._peer(to_stage)
+        core = self._core
+        with core.lock:
+            if to_stage in core.peers or core.closed:
+                return
+            endpoint = self._endpoints.require(to_stage)
+            server_key = None if core.curve is None else core.curve.server_key_for(to_stage)
+        sock = open_data_socket(core, endpoint, server_key)
+        with core.lock:
+            if to_stage not in core.peers and not core.closed:
+                peer = self._peer(to_stage)
+                # Nobody else holds it yet: the peer was made under this lock, which ping() needs first.
+                with peer.data_lock:
+                    peer.data_sock, sock = sock, None
+        if sock is not None:  # a put met it meanwhile, or close() ran
+            close_socket(sock)
 
     def reads_shm(self, to_stage: str, wait_s: float = 0.0) -> bool:
         """True once ``to_stage``'s receiver proved it reads our shared memory (waits up to ``wait_s``)."""
@@ -380,6 +396,7 @@ class PushSender:
                         "endpoint": p.endpoint,
                         "incarnation": p.win.incarnation,
                         "pending": len(p.win.retained),
+                        "puts": p.win.next_seq,
                         "shm": p.win.shm,
                     }
                     for p in core.peers.values()
