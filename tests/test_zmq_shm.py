@@ -635,3 +635,36 @@ def pings_reach(sender: ZmqConnector, stage: str, count: int, timeout: float = 3
     while peers[stage].ping_no < count and time.monotonic() < deadline:
         time.sleep(0.01)
     return bool(peers[stage].ping_no >= count)
+
+
+def test_the_first_slot_is_made_once_our_puts_arrived_though_unconsumed(short_tmp: Path, shm_dir: str) -> None:
+    """A put on its way holds the slot back; one that arrived and waits in the receiver's mailbox does not."""
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto")
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "1", "waits", {"v": 1})[0]  # queued for a receiver not bound yet
+        with ZmqConnector(rcfg) as receiver:
+            assert wait_for_verdict(sender, "1")["peers"]["1"]["shm"] is True
+            deadline = time.monotonic() + 30
+            while sender.health()["shm_slots"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            health = sender.health()
+            assert health["shm_slots"] == 1 and health["pending"] == 1, health  # made while "waits" is unconsumed
+            assert receiver.health()["mailbox"] == 1
+            got = receiver.get("0", "1", "waits")
+            assert got is not None and got[0] == {"v": 1}
+
+
+def test_the_first_slot_waits_for_a_put_on_its_way_a_bounded_number_of_times(short_tmp: Path, shm_dir: str) -> None:
+    """A put to a stage nobody serves stays on its way: the slot is left to the first large put, and the looks stop."""
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", delivery_timeout_s=120)
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "2", "stuck", {"v": 1})[0]  # stage 2 is never bound
+        with ZmqConnector(rcfg):
+            assert wait_for_verdict(sender, "1")["peers"]["1"]["shm"] is True
+            io = sender._sender._io
+            deadline = time.monotonic() + 60
+            while io._preparing and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = sender.health()
+            assert not io._preparing and health["shm_slots"] == 0, health
+            assert health["peers"]["2"]["pending"] == 1, health  # still on its way: the chain gave up, not the put
