@@ -50,7 +50,8 @@ what                       guards / means                                who tak
 ``core.closed``            set once by :meth:`PushSender.close`, in the  written under lock; read without it as a
                            same section that takes every unconfirmed     hint: a thread that finds it set leaves
                            put from the window                           its put to close(), which reported it
-``peer.ctl_sock``          the control socket                            the I/O thread alone (no lock)
+``peer.ctl_sock``,         the control socket; a socket error of the     the I/O thread alone (no lock)
+``peer.io_failing``        peer's was logged (later ones at DEBUG)
 ``core.cv.listener``       called (under lock) where room may have       set by :meth:`PushSender.on_window_change`
                            freed: an event loop's waiters hear it
 =========================  ============================================  ==========================================
@@ -59,7 +60,9 @@ Lock order: ``data_lock`` before ``core.lock``; the other way round only
 without waiting. ``Peer.release`` checks ``close_pending`` and releases under
 ``core.lock``, where the I/O thread sets it after failing to take
 ``data_lock``: a pending close is never missed. A PING that finds the data
-socket held is skipped: the next beat (or ack request) sends one.
+socket held is skipped: the next beat (or ack request) sends one; so is one
+whose socket cannot be made (logged once per peer), without stopping the
+beat or the ack requests of the peers after it.
 """
 
 from __future__ import annotations
@@ -342,9 +345,12 @@ class PushSender:
         with core.lock:
             if to_stage not in core.peers and not core.closed:
                 peer = self._peer(to_stage)
-                # Nobody else holds it yet: the peer was made under this lock, which ping() needs first.
-                with peer.data_lock:
+                # Only tried, as always under core.lock. It is free, and released here rather than by
+                # Peer.release (no close can be pending, no outbox queued): the peer was made under this
+                # lock, which anyone else needs first to find it.
+                if peer.data_lock.acquire(False):
                     peer.data_sock, sock = sock, None
+                    peer.data_lock.release()
         if sock is not None:  # a put met it meanwhile, or close() ran
             close_socket(sock)
 
