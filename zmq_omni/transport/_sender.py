@@ -327,9 +327,9 @@ class PushSender:
     def meet(self, to_stage: str) -> None:
         """Connect to ``to_stage``'s receiver now, before any put to it, and ask for its shm verdict.
 
-        A put to it later finds the verdict there (see :mod:`~zmq_omni.transport._shm`). The data
-        socket is made here first: a stage whose socket cannot be made is not met (no beat pings
-        it), and a put to it raises why, as it would without this.
+        A put to it later finds the verdict there (see :mod:`~zmq_omni.transport._shm`). A stage
+        whose socket cannot be made is not met (no beat pings it); a put to it reports why, as it
+        would without this.
 
         Raises:
             ConfigError: ``to_stage`` has no endpoint, or CURVE is on and names no server key for it.
@@ -341,18 +341,15 @@ class PushSender:
                 return
             endpoint = self._endpoints.require(to_stage)
             server_key = None if core.curve is None else core.curve.server_key_for(to_stage)
-        sock = open_data_socket(core, endpoint, server_key)
+        # A socket made and closed here, to meet no stage whose socket cannot be made (its beats would
+        # only log that). Not kept as the peer's: made before the peer's control socket, which the
+        # I/O thread makes, it would connect first to a receiver that binds later, whose answer to
+        # our first PING then finds no route back (and the next PING is a beat away). Without our
+        # routing id, so that the receiver never holds two routes of that id.
+        close_socket(open_data_socket(core, endpoint, server_key, anonymous=True))
         with core.lock:
             if to_stage not in core.peers and not core.closed:
-                peer = self._peer(to_stage)
-                # Only tried, as always under core.lock. It is free, and released here rather than by
-                # Peer.release (no close can be pending, no outbox queued): the peer was made under this
-                # lock, which anyone else needs first to find it.
-                if peer.data_lock.acquire(False):
-                    peer.data_sock, sock = sock, None
-                    peer.data_lock.release()
-        if sock is not None:  # a put met it meanwhile, or close() ran
-            close_socket(sock)
+                self._peer(to_stage)
 
     def reads_shm(self, to_stage: str, wait_s: float = 0.0) -> bool:
         """True once ``to_stage``'s receiver proved it reads our shared memory (waits up to ``wait_s``)."""

@@ -118,15 +118,16 @@ class SenderCore:
                     self.shm.discard(out.loc)
 
 
-def open_data_socket(core: SenderCore, endpoint: str, server_key: bytes | None) -> Any:
-    """A data socket connected to ``endpoint`` (the caller's, until it hands it to a :class:`Peer`).
+def open_data_socket(core: SenderCore, endpoint: str, server_key: bytes | None, *, anonymous: bool = False) -> Any:
+    """A data socket connected to ``endpoint``; ``anonymous``: without our routing id (a socket only made to be closed).
 
     Raises:
         TransportError: ZeroMQ could not make the socket (out of sockets or descriptors) or refused
             the endpoint (one it cannot connect to, such as a wildcard port).
     """
+    identity = None if anonymous else b"d" + core.sid.encode()
     try:
-        sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=b"d" + core.sid.encode())
+        sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=identity)
     except zmq.ZMQError as exc:  # (out of sockets or descriptors)
         raise from_zmq_error(exc, endpoint=endpoint, op="send") from exc
     try:
