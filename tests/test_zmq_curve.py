@@ -114,3 +114,29 @@ def test_probe_speaks_curve(conns: list[ZmqConnector]) -> None:
 def test_bad_curve_config_names_the_key(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         ZmqConnector({"stage_id": "0", "role": "sender", **extra})
+
+
+def test_a_sender_meets_no_stage_over_curve_before_putting_to_it(conns: list[ZmqConnector]) -> None:
+    """Stage 2's allow-list leaves stage 0 out, and stage 0 never puts to it: it never knocks there."""
+    server_pub, server_sec = pair()
+    zero_pub, zero_sec = pair()
+    one_pub, _ = pair()
+    keys = {"curve_public_key": server_pub, "curve_secret_key": server_sec, "role": "receiver"}
+    near = build(conns, stage_id="1", endpoints={"1": "tcp://127.0.0.1:0"}, curve_allowed_clients=[zero_pub], **keys)
+    far = build(conns, stage_id="2", endpoints={"2": "tcp://127.0.0.1:0"}, curve_allowed_clients=[one_pub], **keys)
+    assert near.endpoint is not None and far.endpoint is not None
+    sender = build(
+        conns,
+        stage_id="0",
+        role="sender",
+        endpoints={"1": near.endpoint, "2": far.endpoint},
+        curve_public_key=zero_pub,
+        curve_secret_key=zero_sec,
+        curve_server_key=server_pub,
+    )
+    assert sender.health().get("peers", {}) == {}  # nobody met as it was built (shm: auto)
+    assert sender.put("0", "1", "k", {"v": 1})[0]
+    got = near.get_with_deadline("0", "1", "k", deadline=time.monotonic() + 10)
+    assert got is not None and got[0] == {"v": 1}
+    assert set(sender.health()["peers"]) == {"1"}
+    assert far.health()["curve_refused"] == 0

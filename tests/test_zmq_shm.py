@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.shm import sweep
@@ -352,7 +354,7 @@ def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(sho
         peers: dict[str, Any] = {}
         while time.monotonic() < deadline:  # auto: wait until both receivers answered the probe
             for stage in ("1", "2"):
-                sender._sender.reads_shm(stage)  # type: ignore[union-attr]
+                sender._sender.reads_shm(stage)
             peers = sender.health().get("peers", {})
             if all(peers.get(s, {}).get("shm") is not None for s in ("1", "2")):
                 break
@@ -546,3 +548,123 @@ def test_a_receiver_that_binds_after_the_sender_was_built_answers_the_ping_queue
     assert result["first"][:3] == digest(data) and Path(result["first"][3]).name.startswith("zomni_")
     assert result["_again"] == [None]
     assert ours(shm_dir) == []
+
+
+def test_shm_on_health_counts_only_the_receivers_we_put_to(short_tmp: Path, shm_dir: str) -> None:
+    """A role-sender meets every stage of ``endpoints``; one on another host that it never puts to is no problem."""
+    other_dir = tempfile.mkdtemp(prefix="zt-other-", dir="/dev/shm")  # stands for another host or container
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="on")
+    try:
+        with (
+            ZmqConnector(rcfg) as near,
+            ZmqConnector({**rcfg, "stage_id": "2", "shm_dir": other_dir}) as far,
+            ZmqConnector(scfg) as sender,
+        ):
+            wait_for_verdict(sender, "1")
+            met = wait_for_verdict(sender, "2")
+            assert met["peers"]["1"]["shm"] is True and met["peers"]["2"]["shm"] is False, met
+            data = np.arange(MiB // 8, dtype=np.int64)
+            assert sender.put("0", "1", "k", {"data": data})[0]
+            got = near.get_with_deadline("0", "1", "k", deadline=time.monotonic() + 30)
+            assert got is not None and digest(got[0]["data"]) == digest(data)
+            del got
+            health = sender.health()
+            assert health["shm_puts"] == 1 and health["status"] == "ok", health  # stage 2 was met, never put to
+            assert health["peers"]["2"]["puts"] == 0 and health["peers"]["1"]["puts"] == 1, health
+            # The same receiver, once put to, is what shm: on reports.
+            assert sender.put("0", "2", "k", {"data": data})[0]
+            assert far.get_with_deadline("0", "2", "k", deadline=time.monotonic() + 30) is not None
+            health = sender.health()
+            assert health["status"] == "degraded", health
+            assert health["reasons"] == ["receivers of stages ['2'] cannot read our shared memory"], health
+    finally:
+        shutil.rmtree(other_dir, ignore_errors=True)
+
+
+def test_a_stage_whose_socket_zeromq_refuses_is_not_met_and_stops_no_beat(
+    short_tmp: Path, shm_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``tcp://127.0.0.1:*`` passes the endpoint check, but ZeroMQ cannot connect to it (EINVAL)."""
+    endpoints = {"0": "tcp://127.0.0.1:*", "1": f"ipc://{short_tmp}/r1", "2": f"ipc://{short_tmp}/r2"}
+    base = {"endpoints": endpoints, "shm_dir": shm_dir, "shm_min_free_bytes": 0, "heartbeat_s": 0.05}
+    with (
+        caplog.at_level(logging.DEBUG, logger="zmq_omni"),
+        ZmqConnector({**base, "stage_id": "2", "role": "receiver"}),
+        ZmqConnector({**base, "stage_id": "1", "role": "dual"}) as middle,
+    ):
+        health = wait_for_verdict(middle, "2")
+        assert set(health["peers"]) == {"2"}, health  # stage 0 not met: no socket can be made to it
+        assert pings_reach(middle, "2", 5)
+        assert health["status"] == "ok", health
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_peer_whose_socket_fails_stops_neither_the_beat_nor_the_ack_requests_of_the_others(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A put to a stage ZeroMQ cannot connect to leaves that peer behind; the ones after it are still pinged."""
+    endpoints = {"0": "tcp://127.0.0.1:*", "2": f"ipc://{short_tmp}/r2"}
+    base = {"endpoints": endpoints, "shm": "off", "heartbeat_s": 0.05, "peer_timeout_s": 0.5}
+    with (
+        caplog.at_level(logging.DEBUG, logger="zmq_omni"),
+        ZmqConnector({**base, "stage_id": "2", "role": "receiver"}) as receiver,
+        ZmqConnector({**base, "stage_id": "1", "role": "sender"}) as sender,
+    ):
+        assert not sender.put("1", "0", "lost", {"v": 0})[0]  # its peer is made first, its socket fails
+        assert sender.put("1", "2", "k", {"v": 1})[0]
+        assert receiver.get_with_deadline("1", "2", "k", deadline=time.monotonic() + 30) is not None
+        assert pings_reach(sender, "2", 5)  # each beat reaches stage 2, after the failing stage 0
+        assert sender.flush(30)  # its ack requests ping stage 0 first, then stage 2, and go on until done
+        core = sender._sender._core
+        deadline = time.monotonic() + 30
+        while core.acks_wanted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not core.acks_wanted  # the request chain ended; a later full window starts another
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    about = [r for r in caplog.records if "127.0.0.1:*" in r.getMessage()]
+    warned = [r.getMessage() for r in about if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned  # once for that peer (its control socket or its PING), not at every beat
+    debug = [r for r in about if r.levelno == logging.DEBUG]
+    assert len(debug) >= 5, len(debug)  # the later beats' retries
+
+
+def pings_reach(sender: ZmqConnector, stage: str, count: int, timeout: float = 30) -> bool:
+    """Wait until ``sender`` sent ``count`` PINGs to ``stage``'s receiver (the I/O thread's beats)."""
+    peers = sender._sender._core.peers
+    deadline = time.monotonic() + timeout
+    while peers[stage].ping_no < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(peers[stage].ping_no >= count)
+
+
+def test_the_first_slot_is_made_once_our_puts_arrived_though_unconsumed(short_tmp: Path, shm_dir: str) -> None:
+    """A put on its way holds the slot back; one that arrived and waits in the receiver's mailbox does not."""
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto")
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "1", "waits", {"v": 1})[0]  # queued for a receiver not bound yet
+        with ZmqConnector(rcfg) as receiver:
+            assert wait_for_verdict(sender, "1")["peers"]["1"]["shm"] is True
+            deadline = time.monotonic() + 30
+            while sender.health()["shm_slots"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            health = sender.health()
+            assert health["shm_slots"] == 1 and health["pending"] == 1, health  # made while "waits" is unconsumed
+            assert receiver.health()["mailbox"] == 1
+            got = receiver.get("0", "1", "waits")
+            assert got is not None and got[0] == {"v": 1}
+
+
+def test_the_first_slot_waits_for_a_put_on_its_way_a_bounded_number_of_times(short_tmp: Path, shm_dir: str) -> None:
+    """A put to a stage nobody serves stays on its way: the slot is left to the first large put, and the looks stop."""
+    scfg, rcfg = configs(short_tmp, shm_dir, shm="auto", delivery_timeout_s=120)
+    with ZmqConnector(scfg) as sender:
+        assert sender.put("0", "2", "stuck", {"v": 1})[0]  # stage 2 is never bound
+        with ZmqConnector(rcfg):
+            assert wait_for_verdict(sender, "1")["peers"]["1"]["shm"] is True
+            io = sender._sender._io
+            deadline = time.monotonic() + 60
+            while io._preparing and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = sender.health()
+            assert not io._preparing and health["shm_slots"] == 0, health
+            assert health["peers"]["2"]["pending"] == 1, health  # still on its way: the chain gave up, not the put

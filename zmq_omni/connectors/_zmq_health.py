@@ -131,8 +131,8 @@ class ZmqHealth(ZmqParts):
     def _shm_health(self, base: dict[str, Any]) -> None:
         """The fast path's state: policy, pool, fallbacks, verdicts; ``degraded`` while large transfers cannot use it.
 
-        Degraded: our pool cannot take large puts, or, with ``shm: on``, a receiver cannot read our shared
-        memory (push) or we cannot read a server's (pull).
+        Degraded: our pool cannot take large puts, or, with ``shm: on``, a receiver we put to cannot read
+        our shared memory (push) or we cannot read a server's (pull).
         """
         base["shm"] = self.settings.shm
         for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
@@ -157,7 +157,11 @@ class ZmqHealth(ZmqParts):
                     "large puts fall back to frames: no shared-memory slot (shm_dir full or pool at its limit)"
                 )
             if self.settings.shm == "on":
-                refused = [stage for stage, p in base.get("peers", {}).items() if p.get("shm") is False]
+                # Only stages we put to: a sender meets every stage it can name as it is built (for the
+                # verdict before its first put), among them stages it never sends to, which may well be
+                # on another host.
+                peers = base.get("peers", {}).items()
+                refused = [stage for stage, p in peers if p.get("shm") is False and p.get("puts")]
                 if refused:
                     problems.append(f"receivers of stages {refused} cannot read our shared memory")
         if problems:

@@ -119,13 +119,18 @@ class ZmqParts(OmniConnectorBase):
         """Have a sender built at construction connect to its receivers now, to learn their shm verdicts.
 
         The receivers it can name: ``to_stage`` when configured; else, for a ``sender`` or ``dual``
-        connector (vllm-omni injects no ``to_stage``), every other stage of ``endpoints``. A put
-        right after start then finds the verdict (and a slot) ready; see ``transport/_shm.py``. A
-        stage it cannot reach yet (no endpoint, no CURVE key for it) is left to its first put, which
-        reports that as it always does.
+        connector (vllm-omni injects no ``to_stage``), every other stage of ``endpoints``. Never the
+        stage it binds itself: a connector with no role and no ``stage_id`` binds ``to_stage`` in
+        push mode, so it meets nobody. A put right after start then finds the verdict (and a slot)
+        ready; see ``transport/_shm.py``. A stage it cannot reach yet (no endpoint, a socket ZeroMQ
+        cannot make) is left to its first put, which reports that as it always does.
+
+        Not over CURVE: CURVE is the path off the host, where no receiver can read our shared memory,
+        and a stage whose allow-list leaves us out (one we never put to) would refuse the handshake
+        and log it at every start.
         """
         cfg, sender = self.settings, self._sender
-        if sender is None or self._shm_send is None or self._shm_send.probe is None:
+        if sender is None or self._shm_send is None or self._shm_send.probe is None or self._curve is not None:
             return
         if cfg.to_stage is not None:
             stages = [cfg.to_stage]
@@ -139,7 +144,7 @@ class ZmqParts(OmniConnectorBase):
                 continue
             try:
                 sender.meet(stage)
-            except ConfigError as exc:
+            except ZmqOmniError as exc:  # ConfigError (no endpoint) or TransportError (no socket)
                 log.debug("not meeting stage %s before a put to it: %s", stage, exc)
 
     def _build_client(self) -> PullClient:

@@ -50,7 +50,8 @@ what                       guards / means                                who tak
 ``core.closed``            set once by :meth:`PushSender.close`, in the  written under lock; read without it as a
                            same section that takes every unconfirmed     hint: a thread that finds it set leaves
                            put from the window                           its put to close(), which reported it
-``peer.ctl_sock``          the control socket                            the I/O thread alone (no lock)
+``peer.ctl_sock``,         the control socket; a socket error of the     the I/O thread alone (no lock)
+``peer.io_failing``        peer's was logged (later ones at DEBUG)
 ``core.cv.listener``       called (under lock) where room may have       set by :meth:`PushSender.on_window_change`
                            freed: an event loop's waiters hear it
 =========================  ============================================  ==========================================
@@ -59,7 +60,9 @@ Lock order: ``data_lock`` before ``core.lock``; the other way round only
 without waiting. ``Peer.release`` checks ``close_pending`` and releases under
 ``core.lock``, where the I/O thread sets it after failing to take
 ``data_lock``: a pending close is never missed. A PING that finds the data
-socket held is skipped: the next beat (or ack request) sends one.
+socket held is skipped: the next beat (or ack request) sends one; so is one
+whose socket cannot be made (logged once per peer), without stopping the
+beat or the ack requests of the peers after it.
 """
 
 from __future__ import annotations
@@ -80,10 +83,11 @@ from ._loop import Driver
 from ._push_protocol import FailureCallback
 from ._security import Curve
 from ._send_window import Out, SendWindow
-from ._sender_core import Peer, SenderCore
+from ._sender_core import Peer, SenderCore, open_data_socket
 from ._sender_io import SenderIo
 from ._shm import ShmSend
 from ._signal import WouldBlock
+from ._sockets import close_socket
 
 __all__ = ["PushSender"]
 
@@ -323,13 +327,28 @@ class PushSender:
     def meet(self, to_stage: str) -> None:
         """Connect to ``to_stage``'s receiver now, before any put to it, and ask for its shm verdict.
 
-        A put to it later finds the verdict there (see :mod:`~zmq_omni.transport._shm`).
+        A put to it later finds the verdict there (see :mod:`~zmq_omni.transport._shm`). A stage
+        whose socket cannot be made is not met (no beat pings it); a put to it reports why, as it
+        would without this.
 
         Raises:
             ConfigError: ``to_stage`` has no endpoint, or CURVE is on and names no server key for it.
+            TransportError: ZeroMQ could not make or connect the socket to ``to_stage``.
         """
-        with self._core.lock:
-            if to_stage not in self._core.peers and not self._core.closed:
+        core = self._core
+        with core.lock:
+            if to_stage in core.peers or core.closed:
+                return
+            endpoint = self._endpoints.require(to_stage)
+            server_key = None if core.curve is None else core.curve.server_key_for(to_stage)
+        # A socket made and closed here, to meet no stage whose socket cannot be made (its beats would
+        # only log that). Not kept as the peer's: made before the peer's control socket, which the
+        # I/O thread makes, it would connect first to a receiver that binds later, whose answer to
+        # our first PING then finds no route back (and the next PING is a beat away). Without our
+        # routing id, so that the receiver never holds two routes of that id.
+        close_socket(open_data_socket(core, endpoint, server_key, anonymous=True))
+        with core.lock:
+            if to_stage not in core.peers and not core.closed:
                 self._peer(to_stage)
 
     def reads_shm(self, to_stage: str, wait_s: float = 0.0) -> bool:
@@ -380,6 +399,7 @@ class PushSender:
                         "endpoint": p.endpoint,
                         "incarnation": p.win.incarnation,
                         "pending": len(p.win.retained),
+                        "puts": p.win.next_seq,
                         "shm": p.win.shm,
                     }
                     for p in core.peers.values()

@@ -30,7 +30,7 @@ from ._shm import ShmSend
 from ._signal import NotifyingCondition
 from ._sockets import close_socket, make_socket
 
-__all__ = ["Peer", "SenderCore"]
+__all__ = ["Peer", "SenderCore", "open_data_socket"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -118,6 +118,28 @@ class SenderCore:
                     self.shm.discard(out.loc)
 
 
+def open_data_socket(core: SenderCore, endpoint: str, server_key: bytes | None, *, anonymous: bool = False) -> Any:
+    """A data socket connected to ``endpoint``; ``anonymous``: without our routing id (a socket only made to be closed).
+
+    Raises:
+        TransportError: ZeroMQ could not make the socket (out of sockets or descriptors) or refused
+            the endpoint (one it cannot connect to, such as a wildcard port).
+    """
+    identity = None if anonymous else b"d" + core.sid.encode()
+    try:
+        sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=identity)
+    except zmq.ZMQError as exc:  # (out of sockets or descriptors)
+        raise from_zmq_error(exc, endpoint=endpoint, op="send") from exc
+    try:
+        if core.curve is not None and server_key is not None:
+            core.curve.make_client(sock, server_key)
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        close_socket(sock)
+        raise from_zmq_error(exc, endpoint=endpoint, op="connect") from exc
+    return sock
+
+
 class Peer:
     """One receiving stage: its window, its outbox and its data socket; the guard of each field is beside it.
 
@@ -136,6 +158,7 @@ class Peer:
         self.data_sock: Any = None  # data_lock
         self.ping_no = 0  # data_lock
         self.ctl_sock: Any = None  # the I/O thread's alone
+        self.io_failing = False  # the I/O thread's alone: its last socket error was logged (once, not each beat)
         self.close_pending = False  # core.lock. Closing found the data socket held: its holder closes it.
         self.flush_soon: Callable[[], None] = lambda: None  # the I/O thread's flush of this outbox
 
@@ -145,19 +168,7 @@ class Peer:
         assert self.data_lock.locked()
         sock = self.data_sock
         if sock is None:
-            core = self.core
-            try:
-                sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=b"d" + core.sid.encode())
-            except zmq.ZMQError as exc:  # (out of sockets or descriptors)
-                raise from_zmq_error(exc, endpoint=self.endpoint, op="send") from exc
-            try:
-                if core.curve is not None and self.server_key is not None:
-                    core.curve.make_client(sock, self.server_key)
-                sock.connect(self.endpoint)
-            except zmq.ZMQError as exc:
-                close_socket(sock)
-                raise from_zmq_error(exc, endpoint=self.endpoint, op="connect") from exc
-            self.data_sock = sock
+            sock = self.data_sock = open_data_socket(self.core, self.endpoint, self.server_key)
         return sock
 
     def close_socket(self) -> None:

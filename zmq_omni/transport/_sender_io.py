@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from ..errors import DecodeError, format_seconds
+from ..errors import DecodeError, TransportError, format_seconds
 from ..wire import brief
 from ._batching import STREAM_FLUSH_S, batch_end
 from ._envelope import Kind, check_ranges, check_types, unpack
@@ -43,9 +43,10 @@ _VERDICT_TYPES = (type(None), bool)
 # may have left just before the consumption that would have freed the window.
 _ACK_REQUEST_S = 0.002
 _ACK_REQUEST_MAX_S = 0.1
-# While puts are in flight, how often to look again for a moment to make the shm pool's first slot.
+# While puts are on their way, how often (and how many times) to look for a moment to make the shm pool's first slot.
 _PREPARE_RETRY_S = 0.01
 _PREPARE_RETRY_MAX_S = 1.0
+_PREPARE_TRIES = 10
 # At stop, how long to wait for a put thread to let go of a data socket (it notices close() within a send slice).
 _CLOSE_WAIT_S = 0.5
 
@@ -64,6 +65,7 @@ class SenderIo:
         self._core = core
         self._peer_timeout = peer_timeout_s
         self._delivery_timeout = delivery_timeout_s
+        self._preparing = False  # a _prepare_slot chain is scheduled
         loop = core.loop
         loop.every(heartbeat_s, self._heartbeat)
         loop.every(min(0.05, heartbeat_s), self._expire)
@@ -88,10 +90,12 @@ class SenderIo:
                 core.acks_wanted = False
                 return
             peers = list(core.peers.values())
+        again = min(2 * delay, _ACK_REQUEST_MAX_S)
+        # Scheduled first: acks_wanted stays True until a later call finds no need, so a chain that
+        # stopped here would leave every later full window without an ack request.
+        core.loop.call_later(delay, lambda: self.ask_for_acks(again))
         for peer in peers:
             self.ping(peer)
-        again = min(2 * delay, _ACK_REQUEST_MAX_S)
-        core.loop.call_later(delay, lambda: self.ask_for_acks(again))
 
     def _open_ctl(self, peer: Peer) -> None:
         core = self._core
@@ -100,7 +104,7 @@ class SenderIo:
         try:
             sock = make_socket(core.loop.ctx, zmq.DEALER, hwm=core.hwm, identity=b"c" + core.sid.encode())
         except zmq.ZMQError as exc:  # (out of sockets or descriptors): the next heartbeat tries again
-            log.warning("no control socket to %s yet: %s", peer.endpoint, exc)
+            self._failing(peer, f"no control socket to {peer.endpoint} yet: {exc}")
             return
         try:
             if core.curve is not None and peer.server_key is not None:
@@ -108,7 +112,7 @@ class SenderIo:
             sock.connect(peer.endpoint)
         except zmq.ZMQError as exc:
             close_socket(sock)
-            log.warning("no control socket to %s yet: %s", peer.endpoint, exc)
+            self._failing(peer, f"no control socket to {peer.endpoint} yet: {exc}")
             return
         peer.ctl_sock = sock
         core.loop.add_reader(sock, lambda: self._on_ctl(peer))
@@ -165,7 +169,8 @@ class SenderIo:
             if arrived and core.cv.listener is not None:
                 # Arrivals drained ZeroMQ's queue: a non-blocking put refused at the high-water mark may go now.
                 core.cv.listener()
-        if reads:
+        if reads and not self._preparing:
+            self._preparing = True
             self._prepare_slot()
         if result.disposed:  # the receiver dropped them unconsumed, and says why: each put failed
             core.report_disposed(peer, ping, result.disposed)
@@ -205,22 +210,30 @@ class SenderIo:
         finally:
             peer.release()
 
-    def _prepare_slot(self, delay: float = _PREPARE_RETRY_S) -> None:
-        """Make the shm pool's first slot, for the first large put, once nothing of ours is in flight.
+    def _prepare_slot(self, delay: float = _PREPARE_RETRY_S, tries: int = _PREPARE_TRIES) -> None:
+        """Make the shm pool's first slot, for the first large put, at a moment no put of ours is on its way.
 
-        Creating it costs about 1 ms of CPU per MiB: made while a put is on its way (a put right
-        after start), it would slow that put down. So it waits for an empty window, looking again
-        after 10, 20, 40 ... ms (at most every second), and gives up once the pool has a slot.
+        Creating it costs about 1 ms of CPU per MiB (on this thread: in ``aio`` mode it holds the event
+        loop that long): made while a put is on its way (a put right after start), it would slow
+        that put down. On its way, as this thread can see it: admitted and not yet arrived at its
+        receiver (a put still encoding or writing its own slot is not admitted yet; if one takes
+        the pool's lock first, the slot made here is simply the second). It looks again after 10,
+        20, 40 ... ms (at most every second), ``tries`` times in all (about 4 s), then leaves the
+        slot to the first large put; it stops once the pool has a slot. One such chain at a time,
+        whatever the number of receivers that prove they read our memory meanwhile.
         """
         core, shm = self._core, self._core.shm
         if shm is None or core.closed or shm.stats()["slots"]:
+            self._preparing = False
             return
         with core.lock:
-            busy = core.window.count > 0
-        if busy:
+            busy = any(peer.win.unarrived for peer in core.peers.values())
+        if busy and tries > 1:
             again = min(2 * delay, _PREPARE_RETRY_MAX_S)
-            core.loop.call_later(delay, lambda: self._prepare_slot(again))
-        else:
+            core.loop.call_later(delay, lambda: self._prepare_slot(again, tries - 1))
+            return
+        self._preparing = False
+        if not busy:
             shm.prepare_slot()
 
     # -- the outbox -------------------------------------------------------------------------
@@ -287,9 +300,21 @@ class SenderIo:
         try:
             if not core.closed:
                 peer.send_ping(peer.socket(), low)
+        except TransportError as exc:  # no data socket (out of descriptors, or an endpoint ZeroMQ refuses)
+            # One peer's socket must not stop the beat, or the ack requests, of the peers after it.
+            self._failing(peer, f"cannot ping {peer.endpoint}: {exc}")
         finally:
             peer.release()
         return True
+
+    @staticmethod
+    def _failing(peer: Peer, message: str) -> None:
+        """Log a socket error of ``peer``'s once (a WARNING), then at DEBUG while every beat retries it."""
+        if peer.io_failing:
+            log.debug("%s", message)
+        else:
+            peer.io_failing = True
+            log.warning("%s (retried each beat; logged once)", message)
 
     def _ask_verdict(self, peer: Peer, delay: float = _ACK_REQUEST_S) -> None:
         """The first PING to a receiver, for its shm verdict: retried soon, not at the next beat, while a put sends.

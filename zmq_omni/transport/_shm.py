@@ -23,8 +23,9 @@ verdict must be in before it, and so must a slot to write into:
 
 * **Met at construction.** A push sender that can name its receivers
   (``to_stage``; without it, every other stage of ``endpoints`` for a
-  ``sender`` or ``dual`` connector, as vllm-omni's stage 0 is) connects to
-  them and pings them as it is built (``PushSender.meet``): the verdict comes
+  ``sender`` or ``dual`` connector, as vllm-omni's stage 0 is; never the stage
+  it binds itself, and none over CURVE: see ``ZmqParts._meet_receivers``)
+  connects to them and pings them as it is built (``PushSender.meet``): the verdict comes
   a few ms later, long before a stage that loads a model serves a request. A
   receiver that is not up yet gets the PING ZeroMQ queued for it once it binds
   and our sockets reconnect (within a second), or the next beat's if its
@@ -47,8 +48,9 @@ verdict must be in before it, and so must a slot to write into:
   1 MiB). So once a receiver proves it reads our memory, the I/O thread makes
   the pool's first slot (:meth:`ShmSend.prepare_slot`: four times the
   threshold, at most 8 MiB; 2 MiB by default, which any payload from the
-  threshold up to that size uses), when no put of ours is in flight (the CPU
-  it takes would slow that put down). One slot only: the pool grows by the
+  threshold up to that size uses), at a moment no put of ours is on its way
+  (the CPU it takes would slow that put down; ``SenderIo._prepare_slot`` says
+  how long it looks for one). One slot only: the pool grows by the
   puts' own sizes from then on, and a put of a size no free slot fits still
   makes its segment on its own path.
 
