@@ -98,7 +98,6 @@ import os
 import queue
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -111,6 +110,8 @@ from typing import Any
 
 import yaml
 from _vllm_main import env as main_env
+
+from zmq_omni.transport import reserve_loopback_port
 
 STAGE_SCRIPT = Path(__file__).resolve().parent / "_vllm_main" / "stage.py"
 DEPLOY_YAML = "vllm_omni/deploy/qwen3_omni_moe.yaml"
@@ -129,19 +130,6 @@ class BenchmarkFailed(RuntimeError):
     """A stage found wrong data, hung, crashed, or a run left something behind."""
 
 
-def reserve_port() -> int:
-    """A loopback port in TIME_WAIT: no ``bind(port 0)`` or ``connect`` gets it for a minute; ZeroMQ can bind it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port: int = listener.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)):
-            accepted, _ = listener.accept()
-            accepted.close()
-        return port
-
-
 def stage_configs(checkout: Path, backend: str, workdir: Path) -> dict[int, dict[str, Any]]:
     """The ``stage_connector_config`` main hands each stage process, from its deploy YAML (switched for ours)."""
     from vllm_omni.distributed.omni_connectors.utils.initialization import (  # type: ignore[import-not-found]
@@ -155,7 +143,7 @@ def stage_configs(checkout: Path, backend: str, workdir: Path) -> dict[int, dict
         if transport == "ipc":
             endpoints = {str(s): f"ipc://{workdir}/stage{s}.sock" for s in (0, 1, 2)}
         else:
-            endpoints = {str(s): f"tcp://127.0.0.1:{reserve_port()}" for s in (0, 1, 2)}
+            endpoints = {str(s): f"tcp://127.0.0.1:{reserve_loopback_port()}" for s in (0, 1, 2)}
         ours: dict[str, Any] = {"endpoints": endpoints}
         if backend.startswith("zmq-pull"):
             ours["mode"] = "pull"

@@ -53,7 +53,6 @@ import multiprocessing.connection as mp_connection
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -62,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..transport import reserve_loopback_port
 from ._common import Comparison, percentile
 
 __all__ = [
@@ -159,20 +159,6 @@ class PipelineResult:
 
 
 # -- what each backend's stages are given ---------------------------------------------------------------------------
-def _free_port() -> int:
-    # A port closed from our side first stays in TIME_WAIT: for a minute the kernel hands it to no bind(0) and
-    # no outgoing connection, while ZeroMQ's listener (SO_REUSEADDR) can still bind it.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port: int = listener.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)):
-            accepted, _ = listener.accept()
-            accepted.close()
-        return port
-
-
 def _backend_spec(name: str, tmp: Path) -> dict[str, Any]:
     if name == BASELINE:
         return {"name": name, "connector": "main-shm", "extra": dict(_CODEC_KEYS)}
@@ -180,7 +166,7 @@ def _backend_spec(name: str, tmp: Path) -> dict[str, Any]:
     if transport == "ipc":
         endpoints = {str(s): f"ipc://{tmp}/{name}-{s}.sock" for s in (0, 1, 2)}
     else:
-        endpoints = {str(s): f"tcp://127.0.0.1:{_free_port()}" for s in (0, 1, 2)}
+        endpoints = {str(s): f"tcp://127.0.0.1:{reserve_loopback_port()}" for s in (0, 1, 2)}
     shm = "off" if name == "push-tcp" else "auto"
     extra = {**_CODEC_KEYS, "mode": mode, "shm": shm, "endpoints": endpoints}
     return {"name": name, "connector": "ZmqConnector", "extra": extra}

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..stages import PipelineDriver, load_pipeline_config
+from ..transport import reserve_loopback_port
 from ._commands import PARENT_PID_ENV, wait_ready
 from ._run import Progress, drive_requests, format_table, make_out_dir
 
@@ -30,30 +30,11 @@ __all__ = ["demo_pipeline", "run_demo"]
 STAGES = (("thinker", "0"), ("talker", "1"), ("vocoder", "2"))
 
 
-def _free_port() -> int:
-    """A free loopback port that stays reserved for the stage that binds it next.
-
-    A port merely bound and released can be handed to anyone before the stage
-    binds it. This one is left in TIME_WAIT by a closed connection: for the next
-    minute the kernel hands it to no ``bind(port 0)`` and no outgoing connection,
-    while a listener with SO_REUSEADDR (as ZeroMQ's is) can still bind it.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port: int = listener.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)):
-            accepted, _ = listener.accept()
-            accepted.close()  # the side that closes first holds the TIME_WAIT: ours, on `port`
-        return port
-
-
 def demo_pipeline(transport: str, workdir: Path, *, shm: str = "auto", timeout_s: float = 120.0) -> dict[str, Any]:
     """The demo's pipeline config as a dict (ipc endpoints under ``workdir``, or free tcp ports)."""
 
     def endpoint(name: str) -> str:
-        return f"ipc://{workdir}/{name}.sock" if transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
+        return f"ipc://{workdir}/{name}.sock" if transport == "ipc" else f"tcp://127.0.0.1:{reserve_loopback_port()}"
 
     stages = [
         {"name": name, "stage_id": stage_id, "function": f"zmq_omni.cli.demo_stages:{name}", "endpoint": endpoint(name)}

@@ -17,7 +17,7 @@ from ._security import ENV_INSECURE, Curve, insecure_from_env, is_loopback, requ
 from ._sender import PushSender
 from ._shm import ShmReceive, ShmSend
 from ._signal import NotifyingCondition, WouldBlock
-from ._sockets import tune_malloc
+from ._sockets import reserve_loopback_port, tune_malloc
 from ._tombstones import Tombstones
 
 __all__ = [
@@ -45,5 +45,6 @@ __all__ = [
     "is_loopback",
     "probe",
     "require_curve",
+    "reserve_loopback_port",
     "tune_malloc",
 ]

@@ -66,6 +66,25 @@ _shared_users = 0
 _shared_pid = 0
 
 
+def reserve_loopback_port() -> int:
+    """A free 127.0.0.1 port that stays reserved for the ZeroMQ endpoint that binds it next.
+
+    A port merely bound and released can be handed to anyone before the stage
+    binds it. This one is left in TIME_WAIT by a closed connection: for the next
+    minute the kernel hands it to no ``bind(port 0)`` and no outgoing connection,
+    while a listener with SO_REUSEADDR (as ZeroMQ's is) can still bind it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port: int = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # the side that closes first holds the TIME_WAIT: ours, on `port`
+        return port
+
+
 def tune_malloc() -> bool:
     """Make glibc reuse heap memory for large blocks (once per process); True when applied.
 
