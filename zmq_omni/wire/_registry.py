@@ -160,7 +160,8 @@ def record_of(obj: object) -> tuple[str, Any] | None:
     cls = type(obj)
     msgspec = sys.modules.get("msgspec")
     if msgspec is not None and isinstance(obj, msgspec.Struct):
-        return default_name(cls), _struct_value(msgspec, obj)
+        plan = struct_plans.get(cls) or _struct_plan(msgspec, cls)
+        return plan.name, struct_value(plan, obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # an instance, not the class itself
         return default_name(cls), _dataclass_value(obj)
     return None
@@ -169,7 +170,7 @@ def record_of(obj: object) -> tuple[str, Any] | None:
 def _record_value(obj: Any) -> Any:
     msgspec = sys.modules.get("msgspec")
     if msgspec is not None and isinstance(obj, msgspec.Struct):
-        return _struct_value(msgspec, obj)
+        return struct_value(struct_plans.get(type(obj)) or _struct_plan(msgspec, type(obj)), obj)
     return _dataclass_value(obj)
 
 
@@ -222,12 +223,6 @@ def _struct_plan(msgspec: Any, cls: type) -> StructPlan:
         struct_plans.clear()
     struct_plans[cls] = plan
     return plan
-
-
-def _struct_value(msgspec: Any, obj: Any) -> Any:
-    """What ``msgspec.msgpack.encode`` writes for a Struct, one level deep (values are left as objects)."""
-    plan = struct_plans.get(type(obj))
-    return struct_value(plan or _struct_plan(msgspec, type(obj)), obj)
 
 
 def struct_value(plan: StructPlan, obj: Any) -> Any:
