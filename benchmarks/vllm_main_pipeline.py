@@ -281,7 +281,7 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
             f" stop {time.monotonic() - t_stop:.1f} s)",
             flush=True,
         )
-        problems += _leftovers(nonce, shm_dir, workdir)
+        problems += _leftovers(nonce, shm_dir)
         records = {}
         for sp in stages:
             path = workdir / f"records-{sp.stage}.json"
@@ -324,7 +324,7 @@ def _stop(stages: list[StageProc], timeout: float) -> list[str]:
     return problems
 
 
-def _leftovers(nonce: str, shm_dir: Path, workdir: Path) -> list[str]:
+def _leftovers(nonce: str, shm_dir: Path) -> list[str]:
     """Segments, lock files and sockets the run left behind (removed, and reported)."""
     problems = []
     for path in SHM_ROOT.iterdir():

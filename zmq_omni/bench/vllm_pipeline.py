@@ -198,7 +198,6 @@ class _Pipeline:
         self.logs = {stage: tmp / f"{self.name}-stage{stage}.log" for stage in (0, 1, 2)}
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, mp_connection.Connection] = {}
-        self.pids: set[int] = set()
         for stage in (0, 1, 2):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
@@ -211,8 +210,6 @@ class _Pipeline:
             self.procs[stage] = proc
             proc.start()
             theirs.close()
-            if proc.pid is not None:
-                self.pids.add(proc.pid)
 
     def _expect(self, what: str, stages: set[int], deadline: float) -> dict[int, tuple[Any, ...]]:
         """Wait for message ``what`` from each of ``stages``; a problem, a death or the deadline raises."""
@@ -282,8 +279,12 @@ class _Pipeline:
 
 
 # -- figures --------------------------------------------------------------------------------------------------------
+def _put_started(records: _JobRecords) -> dict[tuple[str, int], float]:
+    return {(rid, n): t0 for rid, n, t0, _ in records.puts}
+
+
 def _end_to_end(records: _JobRecords) -> dict[tuple[str, int], float]:
-    started = {(rid, n): t0 for rid, n, t0, _ in records.puts}
+    started = _put_started(records)
     return {(rid, n): t - started[(rid, n)] for rid, n, t in records.code2wav}
 
 
@@ -297,7 +298,7 @@ class _Samples:
 
     def add_paced(self, records: _JobRecords) -> None:
         e2e = _end_to_end(records)
-        started = {(rid, n): t0 for rid, n, t0, _ in records.puts}
+        started = _put_started(records)
         self.chunks += e2e.values()
         self.chunk0 += [t for (_, n), t in e2e.items() if n == 0]
         self.put_small += [t1 - t0 for _, n, t0, t1 in records.puts if n > 0]
@@ -432,9 +433,6 @@ def run_vllm_pipeline(
             raise RuntimeError(f"{failure}\n{output}") from failure
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def median(values: Sequence[float]) -> float:
-        return statistics.median(values)
-
     rows = []
     for name in backends:
         reps = samples[name]
@@ -442,14 +440,14 @@ def run_vllm_pipeline(
             PipelineRow(
                 backend=name,
                 label=BACKENDS[name],
-                chunk0=median([statistics.median(s.chunk0) for s in reps]),
-                chunk_p50=median([percentile(s.chunks, 50) for s in reps]),
-                chunk_p99=median([percentile(s.chunks, 99) for s in reps]),
-                chunks_per_s=median(rates[name]),
-                put_small_p50=median([percentile(s.put_small, 50) for s in reps]),
-                put_small_p99=median([percentile(s.put_small, 99) for s in reps]),
-                put_chunk0_p50=median([statistics.median(s.put_chunk0) for s in reps]),
-                hop1_p50=median([percentile(s.hop1, 50) for s in reps]),
+                chunk0=statistics.median([statistics.median(s.chunk0) for s in reps]),
+                chunk_p50=statistics.median([percentile(s.chunks, 50) for s in reps]),
+                chunk_p99=statistics.median([percentile(s.chunks, 99) for s in reps]),
+                chunks_per_s=statistics.median(rates[name]),
+                put_small_p50=statistics.median([percentile(s.put_small, 50) for s in reps]),
+                put_small_p99=statistics.median([percentile(s.put_small, 99) for s in reps]),
+                put_chunk0_p50=statistics.median([statistics.median(s.put_chunk0) for s in reps]),
+                hop1_p50=statistics.median([percentile(s.hop1, 50) for s in reps]),
                 cold_chunk0=cold[name],
             )
         )
