@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -14,6 +17,18 @@ EDGE = ("0", "1")
 def digest(arr: np.ndarray[Any, Any]) -> tuple[str, tuple[int, ...], str]:
     """dtype, shape and a hash of the raw bytes: bit-exact comparison across processes."""
     return arr.dtype.str, tuple(arr.shape), hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8)).hexdigest()
+
+
+def dead_process_segment(shm_dir: str) -> str:
+    """The name of a segment left in ``shm_dir`` by a process that exited without closing it."""
+    child = (
+        "import os, sys; from zmq_omni.shm import Segment; "
+        "seg = Segment.create(4096, directory=sys.argv[1]); print(seg.name, flush=True); os._exit(0)"
+    )
+    left = subprocess.run([sys.executable, "-c", child, shm_dir], capture_output=True, text=True, check=True)
+    name = left.stdout.strip()
+    assert name in os.listdir(shm_dir)  # the dead process's segment is still there
+    return name
 
 
 def receive_digests(config: dict[str, Any], keys: list[str], out: Any) -> None:

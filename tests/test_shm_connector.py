@@ -313,3 +313,9 @@ def test_bad_config_names_the_key(shm_dir: str) -> None:
         SharedMemoryConnector({"namespace": "../etc", "shm_dir": shm_dir})
     with pytest.raises(ConfigError, match="ttl_s"):
         SharedMemoryConnector({"ttl_s": -1, "shm_dir": shm_dir})
+
+
+def test_a_connector_that_starts_sweeps_what_killed_processes_left(config: dict[str, Any], shm_dir: str) -> None:
+    name = workers.dead_process_segment(shm_dir)
+    with SharedMemoryConnector(config):
+        assert name not in os.listdir(shm_dir)

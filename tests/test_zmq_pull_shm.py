@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import tempfile
 import time
 import weakref
@@ -16,6 +17,7 @@ import zmq
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.transport._envelope import Kind, pack, unpack
 
+from ._shm_workers import dead_process_segment
 from .test_zmq_shm import MiB, digest, ours, receiver_proc, start
 from .zmq_peers import SPAWN
 
@@ -189,3 +191,10 @@ def test_a_pull_connector_closed_while_its_reply_waits_in_shared_memory_is_colle
         gc.collect()
         assert gone() is None
         sock.close(linger=0)
+
+
+def test_a_pull_server_that_starts_sweeps_what_killed_processes_left(short_tmp: Path, shm_dir: str) -> None:
+    name = dead_process_segment(shm_dir)
+    scfg, _ = pull_configs(short_tmp, shm_dir)
+    with ZmqConnector({**scfg, "shm": "on"}):
+        assert name not in os.listdir(shm_dir)

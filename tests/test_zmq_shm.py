@@ -21,6 +21,7 @@ import pytest
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.shm import sweep
 
+from ._shm_workers import dead_process_segment
 from .conftest import need_privilege
 from .test_shm_connector import every_dtype
 from .zmq_peers import SPAWN
@@ -668,3 +669,10 @@ def test_the_first_slot_waits_for_a_put_on_its_way_a_bounded_number_of_times(sho
             health = sender.health()
             assert not io._preparing and health["shm_slots"] == 0, health
             assert health["peers"]["2"]["pending"] == 1, health  # still on its way: the chain gave up, not the put
+
+
+def test_a_connector_that_starts_sweeps_what_killed_processes_left(short_tmp: Path, shm_dir: str) -> None:
+    name = dead_process_segment(shm_dir)
+    scfg, _ = configs(short_tmp, shm_dir)
+    with ZmqConnector(scfg):
+        assert name not in os.listdir(shm_dir)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config.zmq import ZmqConnectorConfig
+from ..shm import sweep_dead_once
 from ..transport import Curve, Driver, IoLoop, PullServer, PushReceiver, ShmReceive, ShmSend
 from ..wire import DecodeLimits, decode_each
 from ._shared_endpoint import SharedEndpoint
@@ -53,7 +54,11 @@ BOUND_SETTINGS: dict[str, tuple[str, ...]] = {
 
 
 def shm_pool(cfg: ZmqConnectorConfig, loop: Driver) -> ShmSend:
-    """A sending shared-memory pool as configured, reaped every second on ``loop``."""
+    """A sending shared-memory pool as configured, reaped every second on ``loop``.
+
+    The first pool of this process in ``shm_dir`` sweeps the leftovers of dead processes there first.
+    """
+    sweep_dead_once(cfg.shm_dir)
     pool = ShmSend(
         directory=cfg.shm_dir,
         threshold=cfg.shm_threshold,

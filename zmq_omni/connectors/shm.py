@@ -50,6 +50,7 @@ from ..shm import (
     make_name,
     namespace_dir,
     self_owner,
+    sweep_dead_once,
 )
 from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
@@ -190,7 +191,9 @@ class SharedMemoryConnector(OmniConnectorBase):
     slots; arrays already handed to receivers stay valid. A process killed
     without ``close()`` leaves segments that :func:`zmq_omni.shm.sweep`
     removes; its unconsumed records are removed by the same sweep, and other
-    connectors expire records older than ``ttl_s``.
+    connectors expire records older than ``ttl_s``. The first connector of a
+    process to use a ``shm_dir`` runs that sweep for dead owners
+    (:func:`zmq_omni.shm.sweep_dead_once`) before it builds its pool.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -204,6 +207,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         self._device = resolve_device(cfg.decode_device, "SharedMemoryConnector.decode_device")
         self._box = Mailbox(namespace_dir(cfg.shm_dir, cfg.namespace))
         super().__init__()
+        sweep_dead_once(cfg.shm_dir)
         self._pool = SlotPool(
             directory=cfg.shm_dir,
             max_bytes=cfg.pool_max_bytes,

@@ -12,7 +12,8 @@ No sockets here. The pieces, from the bottom up:
   once by atomic rename (the :class:`~zmq_omni.connectors.shm.SharedMemoryConnector`
   transport);
 * :func:`sweep` -- removes leftovers of dead processes (``zmq-omni shm-sweep``);
-  :func:`sweep_dead_once` runs it when a process first makes a slot pool;
+  :func:`sweep_dead_once` runs it once per process and directory, called by
+  the connectors before they build a slot pool;
 * :class:`Owner`, :func:`make_name`, :func:`parse_name`, :func:`is_our_name` --
   the owner carried in every name; :class:`DirWatch` / :class:`DirEvents` --
   sleeping until a directory changes (inotify).

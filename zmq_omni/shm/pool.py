@@ -235,10 +235,6 @@ class SlotPool(_Closing):
         self.bytes_written = 0
         self.segments_created = 0
         self.reclaimed = 0
-        # A sender that starts cleans up after senders that were killed (imported here: sweep imports pool).
-        from .sweep import sweep_dead_once
-
-        sweep_dead_once(self.directory)
 
     # -- writing ---------------------------------------------------------------
     def write(self, frames: Sequence[Any]) -> SlotHandle:

@@ -226,9 +226,9 @@ _swept_lock = threading.Lock()
 def sweep_dead_once(shm_dir: str | None = None) -> None:
     """Sweep the leftovers of dead processes from ``shm_dir``, once per process and directory.
 
-    Called when a process first uses shared memory (a :class:`~zmq_omni.shm.SlotPool` is made), so a
-    stage that was killed leaves nothing behind once any stage starts again on the host, without
-    anyone running ``zmq-omni shm-sweep``. It removes only what :func:`sweep` removes: objects of our
+    The connectors call it before they build a :class:`~zmq_omni.shm.SlotPool` (a pool itself sweeps
+    nothing), so a stage that was killed leaves nothing behind once any stage starts again on the
+    host, without anyone running ``zmq-omni shm-sweep``. It removes only what :func:`sweep` removes: objects of our
     naming scheme whose owner is provably dead. It never raises: a failed sweep is logged.
     """
     directory = os.path.realpath(shm_dir or default_shm_dir())
