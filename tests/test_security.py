@@ -28,6 +28,8 @@ from tests.test_cli import CLI, StageProcs, run_cli, write_pipeline
 from zmq_omni.aio import AsyncConnector
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import AuthenticationError, ConfigError, DeliveryError
+from zmq_omni.stages import load_pipeline_config
+from zmq_omni.stages.keys import Party
 from zmq_omni.transport import is_loopback, probe
 
 PARTIES = ("thinker", "talker", "vocoder", "driver", "health")
@@ -185,6 +187,18 @@ def test_keygen_makes_every_party_s_keys_with_safe_modes(short_tmp: Path) -> Non
     assert files["driver"]["servers"] == {"0": pub["thinker"], "1": pub["talker"], "2": pub["vocoder"]}
     assert files["health"]["clients"] == [] and len(files["health"]["servers"]) == 4
     assert pub["thinker"] not in files["vocoder"]["clients"]  # not a neighbour: not admitted
+
+
+def test_the_trust_rule_follows_the_pipeline_topology(short_tmp: Path) -> None:
+    config = short_tmp / "pipeline.yaml"
+    write_pipeline(config)
+    trust = {party.name: party for party in load_pipeline_config(config).trust()}
+    assert list(trust) == list(PARTIES)
+    assert trust["talker"] == Party(
+        "talker", "1", ("thinker", "vocoder"), ("talker", "thinker", "vocoder", "driver", "health")
+    )
+    assert trust["driver"].servers == ("thinker", "talker", "vocoder")
+    assert trust["health"] == Party("health", None, ("thinker", "talker", "vocoder", "driver"), ())
 
 
 def test_keygen_never_overwrites_a_secret_key_silently(short_tmp: Path) -> None:

@@ -302,7 +302,7 @@ def _keygen_error(message: str) -> int:
 
 
 def _keygen_pipeline(args: argparse.Namespace, new_pair: Any) -> int:
-    from ..stages.keys import HEALTH_PROBER, KeyFile, KeyFileExistsError, make_pipeline_keys, write_key_files
+    from ..stages.keys import HEALTH_PROBER, KeyFile, KeyFileExistsError, make_key_files, write_key_files
 
     pipeline = load_pipeline_config(args.config)
     out_dir = args.out_dir or pipeline.keys_dir
@@ -322,7 +322,7 @@ def _keygen_pipeline(args: argparse.Namespace, new_pair: Any) -> int:
                 f"missing: {', '.join(f'{m}.keys' for m in missing)}"
             )
         existing = {name: KeyFile.load(KeyFile.path_in(out_dir, name)) for name in names}
-    files = make_pipeline_keys(pipeline, new_pair, existing=existing, rotate=tuple(args.rotate or ()))
+    files = make_key_files(pipeline.trust(), new_pair, existing=existing, rotate=tuple(args.rotate or ()))
     try:
         written = write_key_files(out_dir, files, replace=args.force or bool(args.rotate))
     except KeyFileExistsError as exc:

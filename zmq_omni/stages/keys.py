@@ -9,7 +9,9 @@ party (each stage by name, the driver, and ``health``):
   the sockets it binds: its neighbours, the driver, the health prober, itself);
 - ``DIR/<name>.pub`` (0644): its public key alone, to hand out.
 
-The directory is made 0700. A pipeline names the directory with
+Who trusts whom follows from the pipeline's topology
+(:meth:`~zmq_omni.stages.PipelineConfig.trust`); this module makes the pairs
+and files from that rule. The directory is made 0700. A pipeline names the directory with
 ``pipeline.keys_dir`` (``ZMQ_OMNI_KEYS_DIR`` wins); each stage then loads only
 its own file. The format and the rotation steps are in ``docs/security.md``.
 """
@@ -21,23 +23,21 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .pipeline import PipelineConfig
 
 __all__ = [
     "ENV_KEYS_DIR",
     "HEALTH_PROBER",
     "KeyFile",
     "KeyFileExistsError",
-    "make_pipeline_keys",
+    "Party",
+    "make_key_files",
     "write_key_files",
 ]
 
@@ -142,56 +142,56 @@ class KeyFileExistsError(ConfigError):
     """``write_key_files`` would replace an existing key file and was not told to."""
 
 
-def make_pipeline_keys(
-    pipeline: PipelineConfig,
+@dataclass(frozen=True)
+class Party:
+    """One party of a pipeline's trust rule, by name (``PipelineConfig.trust`` derives them).
+
+    Attributes:
+        name: the party (a stage's name, the driver's name, or ``health``).
+        stage_id: its stage id (what its servers are looked up by); None for the health prober.
+        servers: the parties it connects to (it holds their public keys, by stage id).
+        clients: the parties allowed to connect to the sockets it binds.
+    """
+
+    name: str
+    stage_id: str | None
+    servers: tuple[str, ...] = ()
+    clients: tuple[str, ...] = ()
+
+
+def make_key_files(
+    parties: Sequence[Party],
     new_pair: Callable[[], tuple[str, str]],
     *,
     existing: Mapping[str, KeyFile] | None = None,
     rotate: tuple[str, ...] = (),
 ) -> dict[str, KeyFile]:
-    """The key file of every party of ``pipeline`` (each stage, the driver, ``health``).
-
-    Each stage admits its neighbours, the driver (it probes every stage before
-    driving), the health prober and itself (a healthcheck beside the stage probes
-    it with the stage's own key), and knows the public keys of its neighbours
-    (push mode connects downstream, pull mode upstream). The driver knows every
-    stage's key; the health prober knows every key and admits nobody.
+    """The key file of every party: a pair each, and the public keys its trust names.
 
     Args:
-        pipeline: the pipeline.
+        parties: who trusts whom (``PipelineConfig.trust()``).
         new_pair: returns a fresh ``(public, secret)`` pair (``zmq.curve_keypair``, decoded).
         existing: key files already made: their pairs are kept, except those in ``rotate``.
         rotate: parties that get a new pair.
 
     Raises:
-        ConfigError: a stage is called ``health``, or ``rotate`` names an unknown party.
+        ConfigError: ``rotate`` names an unknown party.
     """
-    parties = [*pipeline.stages, pipeline.driver]
-    names = [spec.name for spec in parties]
-    if HEALTH_PROBER in names:
-        raise ConfigError(f"a stage may not be called {HEALTH_PROBER!r}: that is the health prober's key file")
-    unknown = sorted(set(rotate) - {*names, HEALTH_PROBER})
+    names = [party.name for party in parties]
+    unknown = sorted(set(rotate) - set(names))
     if unknown:
-        raise ConfigError(f"--rotate {unknown[0]!r}: no such party (parties: {', '.join([*names, HEALTH_PROBER])})")
+        raise ConfigError(f"--rotate {unknown[0]!r}: no such party (parties: {', '.join(names)})")
     old = dict(existing or {})
     pairs: dict[str, tuple[str, str]] = {}
-    for name in (*names, HEALTH_PROBER):
+    for name in names:
         kept = old.get(name)
         pairs[name] = new_pair() if kept is None or name in rotate else (kept.public_key, kept.secret_key)
-    driver, health = pipeline.driver, pairs[HEALTH_PROBER][0]
+    stage_ids = {party.name: party.stage_id for party in parties if party.stage_id is not None}
     files: dict[str, KeyFile] = {}
-    for spec in parties:
-        peers = list(dict.fromkeys(pipeline.neighbours(spec)))
-        known = parties if spec == driver else peers
-        servers = {other.stage_id: pairs[other.name][0] for other in known if other != spec}
-        # Itself too: a container's healthcheck probes its own stage with the key it already holds.
-        clients = [pairs[other.name][0] for other in (spec, *peers, driver)]
-        files[spec.name] = KeyFile(
-            spec.name, *pairs[spec.name], MappingProxyType(servers), tuple(dict.fromkeys([*clients, health]))
-        )
-    files[HEALTH_PROBER] = KeyFile(
-        HEALTH_PROBER, *pairs[HEALTH_PROBER], MappingProxyType({s.stage_id: pairs[s.name][0] for s in parties}), ()
-    )
+    for party in parties:
+        servers = {stage_ids[other]: pairs[other][0] for other in party.servers}
+        clients = tuple(dict.fromkeys(pairs[other][0] for other in party.clients))
+        files[party.name] = KeyFile(party.name, *pairs[party.name], MappingProxyType(servers), clients)
     return files
 
 

@@ -20,7 +20,7 @@ from ..config.fields import check_known_keys, import_callable, read_bool, read_f
 from ..config.pipeline import read_config_document
 from ..errors import ConfigError
 from ..transport import check_endpoint, env_name
-from .keys import ENV_KEYS_DIR, KeyFile
+from .keys import ENV_KEYS_DIR, HEALTH_PROBER, KeyFile, Party
 
 __all__ = [
     "ChunkFunction",
@@ -181,6 +181,31 @@ class PipelineConfig:
         upstream = self.stages[index - 1] if index > 0 else self.driver
         downstream = self.stages[index + 1] if index + 1 < len(self.stages) else self.driver
         return upstream, downstream
+
+    def trust(self) -> tuple[Party, ...]:
+        """Who trusts whom, from the topology: every party of the CURVE key files (``zmq-omni keygen``).
+
+        Each stage admits its neighbours, the driver (it probes every stage before
+        driving), the health prober and itself (a healthcheck beside the stage probes
+        it with the stage's own key), and knows the public keys of its neighbours
+        (push mode connects downstream, pull mode upstream). The driver knows every
+        stage's key; the health prober knows every key and admits nobody.
+
+        Raises:
+            ConfigError: a stage is called ``health`` (the health prober's name).
+        """
+        parties = (*self.stages, self.driver)
+        if any(spec.name == HEALTH_PROBER for spec in parties):
+            raise ConfigError(f"a stage may not be called {HEALTH_PROBER!r}: that is the health prober's key file")
+        trusted: list[Party] = []
+        for spec in parties:
+            peers = tuple(dict.fromkeys(self.neighbours(spec)))
+            known = parties if spec == self.driver else peers
+            servers = tuple(other.name for other in known if other != spec)
+            clients = (*dict.fromkeys(other.name for other in (spec, *peers, self.driver)), HEALTH_PROBER)
+            trusted.append(Party(spec.name, spec.stage_id, servers=servers, clients=clients))
+        trusted.append(Party(HEALTH_PROBER, None, servers=tuple(spec.name for spec in parties)))
+        return tuple(trusted)
 
     def stage_names(self) -> dict[str, str]:
         """Stage id -> name, for every stage and the driver (for messages people read)."""
