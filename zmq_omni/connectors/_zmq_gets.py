@@ -15,7 +15,8 @@ from typing import Any
 from ..errors import DecodeError, ShmError, TransportTimeoutError, ZmqOmniError
 from ._zmq_pull import ZmqPullFetch
 from ._zmq_puts import announces
-from .base import ArrivalWatch, bounded_deadline, bounded_timeout
+from .arrivals import ArrivalWatch
+from .base import bounded_deadline, bounded_timeout
 
 #: A get or wait_for_change on a push receiver re-arms its wait this often, to see its own connector's close
 #: (a receiver other connectors of the process still hold stays open, and so does not wake it).
@@ -34,7 +35,7 @@ class ZmqGets(ZmqPullFetch):
         A pull-mode receiver's items never arrive by themselves: wait for them on a
         :class:`FetchChannel` instead (see :meth:`open_fetch_channel`).
         """
-        watch = self._new_watch()
+        watch = self._register_watch(ArrivalWatch())
         self._hook_watches()
         return watch
 

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 import time
 import warnings
 from abc import ABCMeta, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from ..errors import ZmqOmniError
 from ..metrics import Counters
 from ..wire import DecodeLimits, decode, encode
+from .arrivals import ArrivalWatch, Slot, WatchSet
 
 __all__ = [
     "HEALTH_COUNTERS",
@@ -85,6 +85,8 @@ _ONE_BUFFER_LIMITS = DecodeLimits(max_header_bytes=64 << 30, max_frames=0)
 
 #: How many undrained failures a connector keeps; older ones are dropped (and counted).
 MAX_KEPT_FAILURES = 10_000
+
+_W = TypeVar("_W", bound=ArrivalWatch)
 
 
 def key_matches_prefix(key: str, prefix: str) -> bool:
@@ -200,154 +202,6 @@ def _drop_tracebacks(error: BaseException | None) -> None:
         error = error.__cause__ or error.__context__
 
 
-#: An address as the mailboxes hold it: ``(from_stage, to_stage, key)``, all ``str``.
-Slot = tuple[str, str, str]
-
-#: Addresses an :class:`ArrivalWatch` keeps between two drains; beyond it, it reports "anything".
-MAX_WATCHED_ARRIVALS = 65536
-
-
-class ArrivalWatch:
-    """A file descriptor an event loop can watch: readable once something arrived or changed.
-
-    The wake-up hook for callers that wait without a thread (``zmq_omni.aio``
-    registers :meth:`fileno` with its event loop). The connector calls
-    :meth:`notify` from whichever thread changes its state (the I/O thread when
-    a push receiver's mailbox gets items, a ``put`` of the same namespace, a
-    window that frees room, ``close()``); the watcher calls :meth:`drain` on its
-    own thread when the descriptor is readable.
-
-    Lock: ``_lock`` guards ``_slots``, ``_anything`` and ``_signalled``. The
-    descriptor is written at most once between two drains (``_signalled``), so a
-    stream of arrivals costs one syscall per wake-up, not one per arrival; a
-    notify that comes after :meth:`drain` cleared the flag writes again, so no
-    wake-up is lost.
-
-    Args:
-        on_close: called once by :meth:`close` (the connector forgets the watch).
-    """
-
-    def __init__(self, on_close: Callable[[ArrivalWatch], None] | None = None) -> None:
-        self._on_close = on_close
-        self._lock = threading.Lock()
-        self._slots: list[Slot] = []
-        self._anything = False
-        self._room = False
-        self._room_wanted = False
-        self._signalled = False
-        self._closed = False
-        self._inline: Callable[[list[Slot]], None] | None = None
-        self._inline_thread = 0
-        if hasattr(os, "eventfd"):
-            self._rfd = self._wfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        else:  # not Linux: a pipe does the same
-            self._rfd, self._wfd = os.pipe()
-            os.set_blocking(self._rfd, False)
-            os.set_blocking(self._wfd, False)
-
-    def fileno(self) -> int:
-        """The descriptor this process's notifications make readable."""
-        return self._rfd
-
-    def filenos(self) -> tuple[int, ...]:
-        """Every descriptor to watch for reading (a backend may add its own, e.g. an inotify one)."""
-        return (self._rfd,)
-
-    def notify(self, slots: Iterable[Slot] | None = None) -> None:
-        """Note that ``slots`` arrived (None: anything may have changed) and make the descriptor readable.
-
-        Any thread; never blocks. On the watcher's thread, while it delivers inline
-        (:meth:`deliver_inline`), addresses go straight to its handler instead.
-        """
-        inline = self._inline
-        if inline is not None and slots is not None and threading.get_ident() == self._inline_thread:
-            inline(slots if isinstance(slots, list) else list(slots))
-            return
-        with self._lock:
-            if self._closed:
-                return
-            if slots is None:
-                self._anything = True
-            elif not self._anything:
-                self._slots.extend(slots)
-                if len(self._slots) > MAX_WATCHED_ARRIVALS:  # nobody drains: stop remembering, say "anything"
-                    self._anything = True
-                    self._slots = []
-            self._signal()
-
-    def deliver_inline(self, handler: Callable[[list[Slot]], None] | None) -> None:
-        """Until called with None, hand addresses notified on this thread straight to ``handler``.
-
-        The watcher's thread only: where that thread is also the one that stores the
-        arrivals (a connector driven by the watcher's event loop), they reach its
-        waiters at once, without a round through the descriptor. ``handler`` runs
-        inside the connector's read and must not raise. Other threads' notices (and
-        "anything" notices) still write the descriptor.
-        """
-        self._inline = handler
-        self._inline_thread = threading.get_ident()
-
-    def want_room(self, wanted: bool) -> None:
-        """Say whether the watcher has puts waiting for window room; only then does :meth:`notify_room` signal.
-
-        The watcher's thread. A window frees room on most of its receivers'
-        replies, and a wake-up for each would cost an idle watcher a round of
-        its event loop. Set it before the waiting put's last try: a room notice
-        then either finds it set or came before that try, which sees the room.
-        """
-        self._room_wanted = wanted
-
-    def notify_room(self) -> None:
-        """Note that room may have freed in the put window, and make the descriptor readable. Any thread.
-
-        Nothing happens while the watcher wants no room (see :meth:`want_room`).
-        """
-        if not self._room_wanted:
-            return
-        with self._lock:
-            if self._closed:
-                return
-            self._room = True
-            self._signal()
-
-    def _signal(self) -> None:
-        """Make the descriptor readable unless it already is (caller holds ``_lock``)."""
-        if not self._signalled:
-            self._signalled = True
-            # Under the lock: close() cannot release the descriptor (whose number could be reused) meanwhile.
-            with contextlib.suppress(OSError):  # the counter saturated, or the pipe is full: readable anyway
-                os.write(self._wfd, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-
-    def drain(self) -> tuple[list[Slot] | None, bool]:
-        """Read the descriptor; what happened since the last drain.
-
-        The watcher's thread only.
-
-        Returns:
-            ``(arrived, room)``: the addresses that arrived (None: anything may
-            have, retry every waiting get) and whether room may have freed in
-            the put window.
-        """
-        with contextlib.suppress(OSError):
-            os.read(self._rfd, 4096)
-        with self._lock:
-            slots, anything, room = self._slots, self._anything, self._room
-            self._slots, self._anything, self._room, self._signalled = [], False, False, False
-        return (None if anything else slots), room
-
-    def close(self) -> None:
-        """Stop watching and release the descriptor. Idempotent; the watcher's thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            os.close(self._rfd)
-            if self._wfd != self._rfd:
-                os.close(self._wfd)
-        if self._on_close is not None:
-            self._on_close(self)
-
-
 class _ConnectorMeta(ABCMeta):
     """Marks an instance as fully built once its whole ``__init__`` chain returned."""
 
@@ -402,8 +256,7 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
         self._counters = Counters(HEALTH_COUNTERS)
         self._failures: deque[TransferFailure] = deque(maxlen=MAX_KEPT_FAILURES)
         self._failures_lock = threading.Lock()
-        self._watches: list[ArrivalWatch] = []  # copy-on-write: notifiers iterate without the lock
-        self._watches_lock = threading.Lock()
+        self._watches = WatchSet()
 
     # -- the contract ---------------------------------------------------------
     # The parameter names are vllm-omni's (``put_key``, ``get_key``, ``request_id``): its callers pass
@@ -507,40 +360,35 @@ class OmniConnectorBase(metaclass=_ConnectorMeta):
         """
         return None
 
-    def _new_watch(self) -> ArrivalWatch:
-        """A watch registered with this connector (for backends' :meth:`watch_arrivals`)."""
-        watch = ArrivalWatch(self._forget_watch)
-        with self._watches_lock:
-            self._watches = [*self._watches, watch]
-        if self._closed:
-            self._notify_closed()
-        return watch
+    def _register_watch(self, watch: _W, *also: WatchSet) -> _W:
+        """Register ``watch`` (made by a backend's :meth:`watch_arrivals`) with this connector; return it.
 
-    def _forget_watch(self, watch: ArrivalWatch) -> None:
-        with self._watches_lock:
-            self._watches = [w for w in self._watches if w is not watch]
+        The one registration path of every backend: the watch is notified by this
+        connector (and by each set of ``also``, e.g. a mailbox every connector of a
+        namespace shares) until it closes, and woken at once when the connector is closed.
+        """
+        for watches in (self._watches, *also):
+            watches.add(watch)
+        if self._closed:
+            watch.notify(None)
+        return watch
 
     def _notify_closed(self) -> None:
         """Wake every watch at close: waiting gets and puts then see :attr:`closed`.
 
         "Anything" is enough for both: a watcher checks :attr:`closed` before what a drain names.
         """
-        for watch in getattr(self, "_watches", ()):
-            watch.notify(None)
+        self._notify_watches(None)
 
     def _notify_room(self) -> None:
         """Tell every watch that room may have freed in the put window. Any thread."""
-        for watch in self._watches:
-            watch.notify_room()
+        self._watches.notify_room()
 
     def _notify_watches(self, slots: Iterable[Slot] | None) -> None:
         """Tell every watch that ``slots`` arrived (None: anything changed). Any thread."""
-        watches = getattr(self, "_watches", ())  # close() after a failed __init__
-        if watches:
-            if slots is not None and len(watches) > 1:
-                slots = list(slots)
-            for watch in watches:
-                watch.notify(slots)
+        watches: WatchSet | None = getattr(self, "_watches", None)  # close() after a failed __init__
+        if watches is not None:
+            watches.notify(slots)
 
     # -- failures kept for the adapters ----------------------------------------
     def drain_failures(self) -> list[TransferFailure]:

@@ -23,7 +23,8 @@ from ..config.extra import ConnectorExtra, foreign_keys
 from ..config.fields import read_stage_id, read_str
 from ..errors import ClosedResourceError
 from ..wire import decode, encode
-from .base import ArrivalWatch, OmniConnectorBase, bounded_deadline, key_matches_prefix, key_matches_request
+from .arrivals import ArrivalWatch, WatchSet
+from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix, key_matches_request
 
 __all__ = ["InProcConnector"]
 
@@ -36,7 +37,7 @@ class _Mailbox:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.items: dict[_Slot, list[bytearray]] = {}
-        self.watches: list[ArrivalWatch] = []  # every connector's watches: a put notifies them all
+        self.watches = WatchSet()  # every connector's watches: a put notifies them all
 
 
 _mailboxes: weakref.WeakValueDictionary[str, _Mailbox] = weakref.WeakValueDictionary()
@@ -94,8 +95,7 @@ class InProcConnector(OmniConnectorBase):
         with self._box.cond:
             self._box.items[slot] = frames
             self._box.cond.notify_all()
-            for watch in self._box.watches:
-                watch.notify((slot,))
+            self._box.watches.notify((slot,))
         self._counters.add("puts")
         self._counters.add("bytes_sent", nbytes)
         return True, nbytes, {"key": slot[2], "size": nbytes}
@@ -144,21 +144,7 @@ class InProcConnector(OmniConnectorBase):
 
     def watch_arrivals(self) -> ArrivalWatch:
         """A watch notified by every put of the namespace (any connector) and by this connector's close."""
-        box = self._box
-
-        def forget(watch: ArrivalWatch) -> None:
-            self._forget_watch(watch)
-            with box.cond:
-                box.watches.remove(watch)
-
-        watch = ArrivalWatch(forget)
-        with self._watches_lock:
-            self._watches = [*self._watches, watch]
-        with box.cond:
-            box.watches.append(watch)
-        if self._closed:
-            self._notify_closed()
-        return watch
+        return self._register_watch(ArrivalWatch(), self._box.watches)
 
     def cleanup(self, request_id: str) -> bool:
         """Drop every unconsumed payload of the request: keys ``request_id``, ``request_id_*``, ``*_request_id``."""

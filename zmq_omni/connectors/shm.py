@@ -56,7 +56,8 @@ from ..shm.mailbox import KIND_INLINE, KIND_SLOT, KIND_SPILL, entry_name
 from ..shm.pool import flat_bytes
 from ..shm.segment import shm_error
 from ..wire import decode, encode, frames_nbytes, resolve_device
-from .base import ArrivalWatch, OmniConnectorBase, Slot, bounded_deadline, key_matches_prefix, key_matches_request
+from .arrivals import ArrivalWatch, Slot
+from .base import OmniConnectorBase, bounded_deadline, key_matches_prefix, key_matches_request
 
 __all__ = ["SharedMemoryConfig", "SharedMemoryConnector"]
 
@@ -151,7 +152,7 @@ class _MailboxWatch(ArrivalWatch):
     def __init__(self, connector: SharedMemoryConnector, path: str) -> None:
         self._events = DirEvents(path)
         self._connector = connector
-        super().__init__(connector._forget_watch)
+        super().__init__()
 
     def filenos(self) -> tuple[int, ...]:
         """The eventfd of this process's notifications and the mailbox directory's inotify descriptor."""
@@ -404,12 +405,7 @@ class SharedMemoryConnector(OmniConnectorBase):
         Raises:
             OSError: inotify is not available (not Linux).
         """
-        watch = _MailboxWatch(self, self._box.path)
-        with self._watches_lock:
-            self._watches = [*self._watches, watch]
-        if self._closed:
-            self._notify_closed()
-        return watch
+        return self._register_watch(_MailboxWatch(self, self._box.path))
 
     # -- cleanup -----------------------------------------------------------------
     def cleanup(self, request_id: str) -> bool:
