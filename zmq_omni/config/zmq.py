@@ -1,28 +1,23 @@
 """Configuration of :class:`~zmq_omni.connectors.zmq.ZmqConnector` (the ``extra`` dict).
 
 Every key, its default and its meaning is documented in ``docs/zmq-connector.md``.
+Each key is declared once, on :class:`ZmqConnectorConfig`'s fields (default,
+bounds, reader); :func:`~zmq_omni.config.reader.read_fields` reads them.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Literal
 
 from ..errors import ConfigError
 from .device import read_device
 from .extra import foreign_keys
-from .fields import (
-    read_bool,
-    read_choice,
-    read_float,
-    read_int,
-    read_mapping,
-    read_stage_id,
-    read_str,
-)
+from .fields import read_mapping, read_stage_id
+from .reader import read_fields, setting
 
 __all__ = ["TRANSFER_ENGINE_KEYS", "ZmqConnectorConfig"]
 
@@ -45,6 +40,49 @@ Mode = Literal["push", "pull"]
 ShmPolicy = Literal["auto", "on", "off"]
 
 _PATH = "ZmqConnector"
+
+
+def _env_int(name: str) -> int:
+    """An integer environment variable, 0 when unset or not a non-negative integer."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else 0
+
+
+def _place(endpoint: str, replica_id: int, local_rank: int) -> str:
+    """``endpoint`` with ``{replica}`` and ``{rank}`` replaced (plain replacement: no format syntax)."""
+    return endpoint.replace("{replica}", str(replica_id)).replace("{rank}", str(local_rank))
+
+
+def _read_stage(data: Mapping[str, Any], key: str, path: str) -> str | None:
+    """A stage id as a string (routing compares strings); ints are accepted."""
+    stage = read_stage_id(data, key, path)
+    return None if stage is None else str(stage)
+
+
+def _read_endpoints(data: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
+    """Stage id -> endpoint; ``{replica}`` and ``{rank}`` are replaced once the ids are read."""
+    endpoints: dict[str, str] = {}
+    for stage, endpoint in read_mapping(data, key, path=path).items():
+        if not isinstance(endpoint, str):
+            raise ConfigError(f"config key '{path}.{key}.{stage}' must be a string, got {endpoint!r}")
+        endpoints[str(stage)] = endpoint
+    return endpoints
+
+
+def _read_server_key(data: Mapping[str, Any], key: str, path: str) -> str | Mapping[str, str]:
+    value = data[key]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values()):
+        return MappingProxyType({str(k): v for k, v in value.items()})
+    raise ConfigError(f"config key '{path}.{key}' must be a key or a map of stage id -> key")
+
+
+def _read_key_list(data: Mapping[str, Any], key: str, path: str) -> tuple[str, ...]:
+    value = data[key]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"config key '{path}.{key}' must be a list of public keys")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,51 +182,53 @@ class ZmqConnectorConfig:
             ``ZMQ_OMNI_INSECURE=1`` does the same). See ``docs/security.md``.
     """
 
-    stage_id: str | None = None
+    stage_id: str | None = setting(None, read=_read_stage)
     role: Role | None = None
     mode: Mode = "push"
-    endpoints: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    endpoints: Mapping[str, str] = setting(default_factory=lambda: MappingProxyType({}), read=_read_endpoints)
     bind: str | None = None
-    from_stage: str | None = None
-    to_stage: str | None = None
-    replica_id: int = 0
-    local_rank: int = 0
-    metadata_get_timeout_s: float = 5.0
-    put_timeout_s: float = 10.0
-    delivery_timeout_s: float = 30.0
-    close_timeout_s: float = 5.0
-    heartbeat_s: float = 0.5
-    ack_delay_s: float = 0.02
-    peer_timeout_s: float = 3.0
-    max_unacked: int = 10_000
-    max_unacked_bytes: int = 1 << 30
-    max_message_bytes: int = 1 << 30
-    max_header_depth: int = 32
-    max_header_objects: int = 1 << 20
-    hwm: int = 1000
-    batch_max_messages: int = 256
-    batch_max_bytes: int = 64 << 10
-    pull_ttl_s: float = 300.0
-    unclaimed_ttl_s: float = 300.0
-    tombstone_ttl_s: float = 60.0
-    max_tombstones: int = 65536
-    degraded_hold_s: float = 30.0
-    fetch_timeout_s: float = 5.0
+    from_stage: str | None = setting(None, read=_read_stage)
+    to_stage: str | None = setting(None, read=_read_stage)
+    replica_id: int = setting(default_factory=lambda: _env_int("VLLM_OMNI_REPLICA_ID"), minimum=0)
+    local_rank: int = setting(default_factory=lambda: _env_int("LOCAL_RANK"), minimum=0)
+    metadata_get_timeout_s: float = setting(5.0, minimum=0.0)
+    put_timeout_s: float = setting(10.0, minimum=0.0)
+    delivery_timeout_s: float = setting(30.0, minimum=0.001)
+    close_timeout_s: float = setting(5.0, minimum=0.0)
+    heartbeat_s: float = setting(0.5, minimum=0.01)
+    ack_delay_s: float = setting(0.02, minimum=0.001, maximum=10.0)
+    peer_timeout_s: float = setting(3.0, minimum=0.01)
+    max_unacked: int = setting(10_000, minimum=1)
+    max_unacked_bytes: int = setting(1 << 30, minimum=1)
+    # ZeroMQ takes MAXMSGSIZE as an int64 and the high-water marks as a C int.
+    max_message_bytes: int = setting(1 << 30, minimum=1024, maximum=2**63 - 1)
+    # 256: the ceiling DecodeLimits.max_depth accepts.
+    max_header_depth: int = setting(32, minimum=1, maximum=256)
+    max_header_objects: int = setting(1 << 20, minimum=1)
+    hwm: int = setting(1000, minimum=1, maximum=2**31 - 1)
+    batch_max_messages: int = setting(256, minimum=1)
+    batch_max_bytes: int = setting(64 << 10, minimum=1024)
+    pull_ttl_s: float = setting(300.0, minimum=0.001)
+    unclaimed_ttl_s: float = setting(300.0, minimum=0.01)
+    tombstone_ttl_s: float = setting(60.0, minimum=0.01)
+    max_tombstones: int = setting(65536, minimum=1)
+    degraded_hold_s: float = setting(30.0, minimum=0.0)
+    fetch_timeout_s: float = setting(5.0, minimum=0.001)
     copy_on_put: bool = False
-    inline_threshold: int = 4096
+    inline_threshold: int = setting(4096, minimum=0)
     allow_pickle: bool = False
-    decode_device: str | None = None
+    decode_device: str | None = setting(None, read=read_device)
     malloc_tuning: bool = True
     shm: ShmPolicy = "auto"
     shm_dir: str | None = None
-    shm_threshold: int = 512 << 10
-    shm_pool_max_bytes: int = 1 << 30
-    shm_min_free_bytes: int = 16 << 20
-    shm_ttl_s: float = 300.0
-    curve_secret_key: str | None = field(default=None, repr=False)
+    shm_threshold: int = setting(512 << 10, minimum=1)
+    shm_pool_max_bytes: int = setting(1 << 30, minimum=1 << 20)
+    shm_min_free_bytes: int = setting(16 << 20, minimum=0)
+    shm_ttl_s: float = setting(300.0, minimum=0.001)
+    curve_secret_key: str | None = setting(None, repr=False)
     curve_public_key: str | None = None
-    curve_server_key: str | Mapping[str, str] | None = None
-    curve_allowed_clients: tuple[str, ...] | None = None
+    curve_server_key: str | Mapping[str, str] | None = setting(None, read=_read_server_key)
+    curve_allowed_clients: tuple[str, ...] | None = setting(None, read=_read_key_list)
     insecure: bool = False
 
     @classmethod
@@ -215,101 +255,19 @@ class ZmqConnectorConfig:
                         f"({extra[name]!r} != {value!r})"
                     )
                 extra[name] = value
-        replica_id = read_int(extra, "replica_id", _env_int("VLLM_OMNI_REPLICA_ID"), _PATH, minimum=0)
-        local_rank = read_int(extra, "local_rank", _env_int("LOCAL_RANK"), _PATH, minimum=0)
-        endpoints_raw = read_mapping(extra, "endpoints", {}, _PATH)
-        endpoints: dict[str, str] = {}
-        for stage, endpoint in endpoints_raw.items():
-            if not isinstance(endpoint, str):
-                raise ConfigError(f"config key '{_PATH}.endpoints.{stage}' must be a string, got {endpoint!r}")
-            endpoints[str(stage)] = _place(endpoint, replica_id, local_rank)
-        bind = read_str(extra, "bind", None, _PATH)
-        stage_id = read_stage_id(extra, "stage_id", _PATH)
-        from_stage = read_stage_id(extra, "from_stage", _PATH)
-        to_stage = read_stage_id(extra, "to_stage", _PATH)
-        role = extra.get("role")
-        if role == "auto":  # vllm-omni's "auto" (a transfer-engine role it could not decide) means "not given"
-            role = None
-        config = cls(
-            stage_id=None if stage_id is None else str(stage_id),
-            role=None if role is None else read_choice(extra, "role", ("sender", "receiver", "dual"), None, _PATH),
-            mode=read_choice(extra, "mode", ("push", "pull"), "push", _PATH),
-            endpoints=MappingProxyType(endpoints),
-            bind=None if bind is None else _place(bind, replica_id, local_rank),
-            from_stage=None if from_stage is None else str(from_stage),
-            to_stage=None if to_stage is None else str(to_stage),
-            replica_id=replica_id,
-            local_rank=local_rank,
-            metadata_get_timeout_s=read_float(extra, "metadata_get_timeout_s", 5.0, _PATH, minimum=0.0),
-            put_timeout_s=read_float(extra, "put_timeout_s", 10.0, _PATH, minimum=0.0),
-            delivery_timeout_s=read_float(extra, "delivery_timeout_s", 30.0, _PATH, minimum=0.001),
-            close_timeout_s=read_float(extra, "close_timeout_s", 5.0, _PATH, minimum=0.0),
-            heartbeat_s=read_float(extra, "heartbeat_s", 0.5, _PATH, minimum=0.01),
-            ack_delay_s=read_float(extra, "ack_delay_s", 0.02, _PATH, minimum=0.001, maximum=10.0),
-            peer_timeout_s=read_float(extra, "peer_timeout_s", 3.0, _PATH, minimum=0.01),
-            max_unacked=read_int(extra, "max_unacked", 10_000, _PATH, minimum=1),
-            max_unacked_bytes=read_int(extra, "max_unacked_bytes", 1 << 30, _PATH, minimum=1),
-            # ZeroMQ takes MAXMSGSIZE as an int64 and the high-water marks as a C int.
-            max_message_bytes=read_int(extra, "max_message_bytes", 1 << 30, _PATH, minimum=1024, maximum=2**63 - 1),
-            # 256: the ceiling DecodeLimits.max_depth accepts.
-            max_header_depth=read_int(extra, "max_header_depth", 32, _PATH, minimum=1, maximum=256),
-            max_header_objects=read_int(extra, "max_header_objects", 1 << 20, _PATH, minimum=1),
-            hwm=read_int(extra, "hwm", 1000, _PATH, minimum=1, maximum=2**31 - 1),
-            batch_max_messages=read_int(extra, "batch_max_messages", 256, _PATH, minimum=1),
-            batch_max_bytes=read_int(extra, "batch_max_bytes", 64 << 10, _PATH, minimum=1024),
-            pull_ttl_s=read_float(extra, "pull_ttl_s", 300.0, _PATH, minimum=0.001),
-            unclaimed_ttl_s=read_float(extra, "unclaimed_ttl_s", 300.0, _PATH, minimum=0.01),
-            tombstone_ttl_s=read_float(extra, "tombstone_ttl_s", 60.0, _PATH, minimum=0.01),
-            max_tombstones=read_int(extra, "max_tombstones", 65536, _PATH, minimum=1),
-            degraded_hold_s=read_float(extra, "degraded_hold_s", 30.0, _PATH, minimum=0.0),
-            fetch_timeout_s=read_float(extra, "fetch_timeout_s", 5.0, _PATH, minimum=0.001),
-            copy_on_put=read_bool(extra, "copy_on_put", False, _PATH),
-            inline_threshold=read_int(extra, "inline_threshold", 4096, _PATH, minimum=0),
-            allow_pickle=read_bool(extra, "allow_pickle", False, _PATH),
-            decode_device=read_device(extra, "decode_device", _PATH),
-            malloc_tuning=read_bool(extra, "malloc_tuning", True, _PATH),
-            shm=read_choice(extra, "shm", ("auto", "on", "off"), "auto", _PATH),
-            shm_dir=read_str(extra, "shm_dir", None, _PATH),
-            shm_threshold=read_int(extra, "shm_threshold", 512 << 10, _PATH, minimum=1),
-            shm_pool_max_bytes=read_int(extra, "shm_pool_max_bytes", 1 << 30, _PATH, minimum=1 << 20),
-            shm_min_free_bytes=read_int(extra, "shm_min_free_bytes", 16 << 20, _PATH, minimum=0),
-            shm_ttl_s=read_float(extra, "shm_ttl_s", 300.0, _PATH, minimum=0.001),
-            curve_secret_key=read_str(extra, "curve_secret_key", None, _PATH),
-            curve_public_key=read_str(extra, "curve_public_key", None, _PATH),
-            curve_server_key=_read_server_key(extra.get("curve_server_key")),
-            curve_allowed_clients=_read_key_list(extra.get("curve_allowed_clients")),
-            insecure=read_bool(extra, "insecure", False, _PATH),
+        if extra.get("role") == "auto":  # vllm-omni's "auto" (a transfer-engine role it could not decide)
+            extra["role"] = None  # means "not given"
+        values = read_fields(cls, extra, _PATH)
+        replica_id, local_rank = values["replica_id"], values["local_rank"]
+        values["endpoints"] = MappingProxyType(
+            {stage: _place(endpoint, replica_id, local_rank) for stage, endpoint in values["endpoints"].items()}
         )
+        if values["bind"] is not None:
+            values["bind"] = _place(values["bind"], replica_id, local_rank)
+        config = cls(**values)
         if config.peer_timeout_s < config.heartbeat_s:
             raise ConfigError(
                 f"config key '{_PATH}.peer_timeout_s' ({config.peer_timeout_s}) must be >= "
                 f"heartbeat_s ({config.heartbeat_s})"
             )
         return config
-
-
-def _env_int(name: str) -> int:
-    """An integer environment variable, 0 when unset or not a non-negative integer."""
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else 0
-
-
-def _place(endpoint: str, replica_id: int, local_rank: int) -> str:
-    """``endpoint`` with ``{replica}`` and ``{rank}`` replaced (plain replacement: no format syntax)."""
-    return endpoint.replace("{replica}", str(replica_id)).replace("{rank}", str(local_rank))
-
-
-def _read_server_key(value: Any) -> str | Mapping[str, str] | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values()):
-        return MappingProxyType({str(k): v for k, v in value.items()})
-    raise ConfigError(f"config key '{_PATH}.curve_server_key' must be a key or a map of stage id -> key")
-
-
-def _read_key_list(value: Any) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ConfigError(f"config key '{_PATH}.curve_allowed_clients' must be a list of public keys")
