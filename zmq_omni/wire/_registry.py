@@ -192,12 +192,6 @@ class StructPlan(NamedTuple):
     fields: tuple[tuple[str, str, Any, type | None], ...]
     omit_defaults: bool
     unset: Any
-    #: Encode names, in field order (a tuple :func:`msgspec.structs.astuple` lines up with).
-    keys: tuple[str, ...]
-    #: Defaults in field order (``_NO_DEFAULT`` where none); ``None`` when a field has a collection factory.
-    defaults: tuple[Any, ...] | None
-    #: ``msgspec.structs.astuple``: every field value, in order, in one C call.
-    astuple: Callable[[Any], tuple[Any, ...]]
 
 
 #: A field without a default: no value is ever identical to it.
@@ -224,19 +218,7 @@ def _struct_plan(msgspec: Any, cls: type) -> StructPlan:
     tag: Any = None
     if config.tag is not None:
         tag = [config.tag] if config.array_like else {config.tag_field: config.tag}
-    keys = tuple(field[1] for field in fields)
-    defaults = None if any(field[3] is not None for field in fields) else tuple(field[2] for field in fields)
-    plan = StructPlan(
-        default_name(cls),
-        config.array_like,
-        tag,
-        fields,
-        config.omit_defaults,
-        msgspec.UNSET,
-        keys,
-        defaults,
-        msgspec.structs.astuple,
-    )
+    plan = StructPlan(default_name(cls), config.array_like, tag, fields, config.omit_defaults, msgspec.UNSET)
     if len(struct_plans) >= _PLANS_SIZE:
         struct_plans.clear()
     struct_plans[cls] = plan
@@ -250,16 +232,6 @@ def struct_value(plan: StructPlan, obj: Any) -> Any:
         # msgspec ignores omit_defaults for array_like Structs.
         values = [getattr(obj, field[0]) for field in plan.fields]
         return values if plan.tag is None else [*plan.tag, *values]
-    defaults = plan.defaults
-    if plan.omit_defaults and defaults is not None:
-        # No collection factory: one C call for the values, one comprehension (a Struct of 33 fields
-        # costs a few microseconds, not one attribute read and two tests in Python per field).
-        kept = {
-            key: value
-            for key, value, default in zip(plan.keys, plan.astuple(obj), defaults, strict=True)
-            if value is not default and value is not unset
-        }
-        return kept if plan.tag is None else {**plan.tag, **kept}
     out: dict[str, Any] = {} if plan.tag is None else dict(plan.tag)
     if plan.omit_defaults:
         for attr, key, default, factory in plan.fields:
