@@ -259,80 +259,12 @@ class ZmqConnectorConfig:
                         f"({extra[name]!r} != {value!r})"
                     )
                 extra[name] = value
-<<<<<<< HEAD
         if extra.get("role") == "auto":  # vllm-omni's "auto" (a transfer-engine role it could not decide)
             extra["role"] = None  # means "not given"
         values = read_fields(cls, extra, _PATH)
         replica_id, local_rank = values["replica_id"], values["local_rank"]
         values["endpoints"] = MappingProxyType(
             {stage: _place(endpoint, replica_id, local_rank) for stage, endpoint in values["endpoints"].items()}
-=======
-        replica_id = read_int(extra, "replica_id", _env_int("VLLM_OMNI_REPLICA_ID"), _PATH, minimum=0)
-        local_rank = read_int(extra, "local_rank", _env_int("LOCAL_RANK"), _PATH, minimum=0)
-        endpoints_raw = read_mapping(extra, "endpoints", {}, _PATH)
-        endpoints: dict[str, str] = {}
-        for stage, endpoint in endpoints_raw.items():
-            if not isinstance(endpoint, str):
-                raise ConfigError(f"config key '{_PATH}.endpoints.{stage}' must be a string, got {endpoint!r}")
-            endpoints[str(stage)] = _place(endpoint, replica_id, local_rank)
-        bind = read_str(extra, "bind", None, _PATH)
-        stage_id = read_stage_id(extra, "stage_id", _PATH)
-        from_stage = read_stage_id(extra, "from_stage", _PATH)
-        to_stage = read_stage_id(extra, "to_stage", _PATH)
-        role = extra.get("role")
-        if role == "auto":  # vllm-omni's "auto" (a transfer-engine role it could not decide) means "not given"
-            role = None
-        config = cls(
-            stage_id=None if stage_id is None else str(stage_id),
-            role=None if role is None else read_choice(extra, "role", ("sender", "receiver", "dual"), None, _PATH),
-            mode=read_choice(extra, "mode", ("push", "pull"), "push", _PATH),
-            endpoints=MappingProxyType(endpoints),
-            bind=None if bind is None else _place(bind, replica_id, local_rank),
-            from_stage=None if from_stage is None else str(from_stage),
-            to_stage=None if to_stage is None else str(to_stage),
-            replica_id=replica_id,
-            local_rank=local_rank,
-            metadata_get_timeout_s=read_float(extra, "metadata_get_timeout_s", 5.0, _PATH, minimum=0.0),
-            put_timeout_s=read_float(extra, "put_timeout_s", 10.0, _PATH, minimum=0.0),
-            delivery_timeout_s=read_float(extra, "delivery_timeout_s", 30.0, _PATH, minimum=0.001),
-            close_timeout_s=read_float(extra, "close_timeout_s", 5.0, _PATH, minimum=0.0),
-            heartbeat_s=read_float(extra, "heartbeat_s", 0.5, _PATH, minimum=0.01),
-            ack_delay_s=read_float(extra, "ack_delay_s", 0.02, _PATH, minimum=0.001, maximum=10.0),
-            peer_timeout_s=read_float(extra, "peer_timeout_s", 3.0, _PATH, minimum=0.01),
-            max_unacked=read_int(extra, "max_unacked", 10_000, _PATH, minimum=1),
-            max_unacked_bytes=read_int(extra, "max_unacked_bytes", 1 << 30, _PATH, minimum=1),
-            # ZeroMQ takes MAXMSGSIZE as an int64 and the high-water marks as a C int.
-            max_message_bytes=read_int(extra, "max_message_bytes", 1 << 30, _PATH, minimum=1024, maximum=2**63 - 1),
-            max_key_bytes=read_int(extra, "max_key_bytes", 4096, _PATH, minimum=1, maximum=1 << 24),
-            # 256: the ceiling DecodeLimits.max_depth accepts.
-            max_header_depth=read_int(extra, "max_header_depth", 32, _PATH, minimum=1, maximum=256),
-            max_header_objects=read_int(extra, "max_header_objects", 1 << 20, _PATH, minimum=1),
-            hwm=read_int(extra, "hwm", 1000, _PATH, minimum=1, maximum=2**31 - 1),
-            batch_max_messages=read_int(extra, "batch_max_messages", 256, _PATH, minimum=1),
-            batch_max_bytes=read_int(extra, "batch_max_bytes", 64 << 10, _PATH, minimum=1024),
-            pull_ttl_s=read_float(extra, "pull_ttl_s", 300.0, _PATH, minimum=0.001),
-            unclaimed_ttl_s=read_float(extra, "unclaimed_ttl_s", 300.0, _PATH, minimum=0.01),
-            tombstone_ttl_s=read_float(extra, "tombstone_ttl_s", 60.0, _PATH, minimum=0.01),
-            max_tombstones=read_int(extra, "max_tombstones", 65536, _PATH, minimum=1),
-            degraded_hold_s=read_float(extra, "degraded_hold_s", 30.0, _PATH, minimum=0.0),
-            fetch_timeout_s=read_float(extra, "fetch_timeout_s", 5.0, _PATH, minimum=0.001),
-            copy_on_put=read_bool(extra, "copy_on_put", False, _PATH),
-            inline_threshold=read_int(extra, "inline_threshold", 4096, _PATH, minimum=0),
-            allow_pickle=read_bool(extra, "allow_pickle", False, _PATH),
-            decode_device=read_device(extra, "decode_device", _PATH),
-            malloc_tuning=read_bool(extra, "malloc_tuning", True, _PATH),
-            shm=read_choice(extra, "shm", ("auto", "on", "off"), "auto", _PATH),
-            shm_dir=read_str(extra, "shm_dir", None, _PATH),
-            shm_threshold=read_int(extra, "shm_threshold", 512 << 10, _PATH, minimum=1),
-            shm_pool_max_bytes=read_int(extra, "shm_pool_max_bytes", 1 << 30, _PATH, minimum=1 << 20),
-            shm_min_free_bytes=read_int(extra, "shm_min_free_bytes", 16 << 20, _PATH, minimum=0),
-            shm_ttl_s=read_float(extra, "shm_ttl_s", 300.0, _PATH, minimum=0.001),
-            curve_secret_key=read_str(extra, "curve_secret_key", None, _PATH),
-            curve_public_key=read_str(extra, "curve_public_key", None, _PATH),
-            curve_server_key=_read_server_key(extra.get("curve_server_key")),
-            curve_allowed_clients=_read_key_list(extra.get("curve_allowed_clients")),
-            insecure=read_bool(extra, "insecure", False, _PATH),
->>>>>>> core
         )
         if values["bind"] is not None:
             values["bind"] = _place(values["bind"], replica_id, local_rank)
