@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import gc
 import json
 import math
 import pickle
@@ -622,3 +623,15 @@ def test_codec_memos_stay_bounded() -> None:
         decode(encode({"x": arr}))
     assert len(_codec._oob_ext_memo) <= _codec._MEMO_SIZE
     assert len(_codec._oob_descriptors) <= _codec._MEMO_SIZE
+
+
+def test_a_tensor_frame_keeps_its_tensor_alive() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(1 << 12, dtype=torch.int32)
+    want = tensor.clone()
+    frames = encode({"t": tensor}, inline_threshold=0)
+    del tensor
+    gc.collect()
+    fillers = [torch.full((1 << 12,), -1, dtype=torch.int32) for _ in range(8)]  # what would reuse freed memory
+    assert torch.equal(decode([frames[0], bytes(frames[1])])["t"], want)
+    del fillers

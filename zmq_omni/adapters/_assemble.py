@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["assemble_chunks"]
+__all__ = ["assemble_chunks", "payload_nbytes"]
 
 
 def _is_torch(value: Any) -> bool:
@@ -62,3 +62,15 @@ def assemble_chunks(payloads: Sequence[Mapping[str, Any]], axis: int = 0) -> dic
         for key, value in payload.items():
             by_key.setdefault(key, []).append(value)
     return {key: _join(values, axis) for key, values in by_key.items()}
+
+
+def payload_nbytes(data: Mapping[str, Any]) -> int:
+    """Bytes a received chunk holds: its arrays' ``nbytes`` plus ``bytes``/``str`` lengths (for max_ready_bytes)."""
+    total = 0
+    for value in data.values():
+        nbytes = getattr(value, "nbytes", None)
+        if isinstance(nbytes, int):
+            total += nbytes
+        elif isinstance(value, (bytes, bytearray, str)):
+            total += len(value)
+    return total

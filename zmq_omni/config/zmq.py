@@ -133,6 +133,9 @@ class ZmqConnectorConfig:
         max_unacked: most puts held unconsumed by a sender (the window).
         max_unacked_bytes: most payload bytes held unconsumed by a sender.
         max_message_bytes: largest message; also ``MAXMSGSIZE`` of receiving sockets.
+        max_key_bytes: longest key (UTF-8 bytes) a receiver accepts from a peer (default 4096,
+            far above real keys); a message with a longer one is refused and counted
+            (``rejected_keys``, ``rejected_frames``).
         max_header_depth: most arrays and maps nested inside one another in a received
             payload's header (lists, tuples, dicts, records); deeper is refused (1 to 256).
         max_header_objects: most msgpack objects a received payload's header may decode
@@ -202,6 +205,7 @@ class ZmqConnectorConfig:
     max_unacked_bytes: int = setting(1 << 30, minimum=1)
     # ZeroMQ takes MAXMSGSIZE as an int64 and the high-water marks as a C int.
     max_message_bytes: int = setting(1 << 30, minimum=1024, maximum=2**63 - 1)
+    max_key_bytes: int = setting(4096, minimum=1, maximum=1 << 24)
     # 256: the ceiling DecodeLimits.max_depth accepts.
     max_header_depth: int = setting(32, minimum=1, maximum=256)
     max_header_objects: int = setting(1 << 20, minimum=1)

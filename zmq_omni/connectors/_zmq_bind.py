@@ -29,6 +29,7 @@ BOUND_SETTINGS: dict[str, tuple[str, ...]] = {
     "push": (
         *_BOUND_COMMON,
         "max_message_bytes",
+        "max_key_bytes",
         "max_header_depth",
         "max_header_objects",
         "allow_pickle",
@@ -118,6 +119,7 @@ def open_endpoint(
                 hwm=cfg.hwm,
                 max_message_bytes=cfg.max_message_bytes,
                 max_frames=MAX_FRAMES,
+                max_key_bytes=cfg.max_key_bytes,
                 source_ttl_s=max(60.0, 20 * cfg.peer_timeout_s),
                 counters=shared.counters,
                 unclaimed_ttl_s=cfg.unclaimed_ttl_s,

@@ -52,7 +52,7 @@ class ZmqHealth(ZmqParts):
         if self._shared is not None:  # what the bound part counted (shared by the connectors bound there)
             for name, value in self._shared.counters.snapshot().items():
                 base[name] = base.get(name, 0) + value
-        for name in ("resends", "rejected_frames", "duplicates_dropped", "delivery_failures"):
+        for name in ("resends", "rejected_frames", "rejected_keys", "duplicates_dropped", "delivery_failures"):
             base.setdefault(name, 0)
         if self._sender is not None:  # what its receivers dropped unconsumed (and acknowledged, freeing the window)
             for name in ("receiver_dropped_unclaimed", "receiver_dropped_cancelled"):

@@ -53,8 +53,10 @@ from ..errors import DecodeError
 from ..wire import brief, check_shape
 
 __all__ = [
+    "DEFAULT_MAX_KEY_BYTES",
     "PREAMBLE_SIZE",
     "Kind",
+    "check_key",
     "check_ranges",
     "check_types",
     "from_ranges",
@@ -160,6 +162,22 @@ def check_types(header: Sequence[Any], types: tuple[type, ...], what: str) -> No
         got = ", ".join(type(value).__name__ for value in header)
         want = ", ".join(t.__name__ for t in types)
         raise DecodeError(f"{what} header has types ({got}), expected ({want})")
+
+
+#: The longest key (UTF-8 bytes) a receiver or pull server accepts unless configured otherwise (``max_key_bytes``).
+DEFAULT_MAX_KEY_BYTES = 4096
+
+
+def check_key(key: str, max_key_bytes: int) -> None:
+    """Raise ``DecodeError`` when ``key`` is longer than ``max_key_bytes`` in UTF-8 (every key a peer sends).
+
+    A key is hashed, cut and compared on its way to the mailbox and the tombstones: its length is
+    bounded before any of that. The encoding is measured only for keys whose character count leaves
+    the answer open (a character takes one to four bytes).
+    """
+    size = len(key)
+    if size > max_key_bytes or (size * 4 > max_key_bytes and len(key.encode("utf-8", "surrogatepass")) > max_key_bytes):
+        raise DecodeError(f"key of {size} characters is longer than max_key_bytes {max_key_bytes}")
 
 
 def to_ranges(seqs: Iterable[int]) -> list[list[int]]:

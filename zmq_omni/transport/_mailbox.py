@@ -7,6 +7,12 @@ closed flag. Whoever holds the receiver's socket stores arrivals; any thread
 pops. An event loop is woken by :attr:`Mailbox.on_arrivals`, which is called
 outside the lock with the addresses that arrived.
 
+**Close seals.** :meth:`Mailbox.close` sets ``closed`` under the lock and wakes
+every waiting thread; every take after it returns ``None`` and records nothing,
+so the receiver's last acknowledgements, sent after the seal, name every item a
+get ever took (an item taken after them would be delivered again by the next
+incarnation of the endpoint).
+
 Nothing unclaimed lives forever: an item no get took within ``unclaimed_ttl_s``
 is dropped (:meth:`Mailbox.expire`), and :meth:`Mailbox.forget` with a key or a
 prefix leaves a :class:`~zmq_omni.transport._tombstones.Tombstones` entry under
@@ -75,6 +81,7 @@ class Mailbox:
         self.flush_due: float | None = None
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
         self.closed = False
+        self._opening = 0  # shared-memory items taken and not yet mapped: a seal waits for them (close)
         self.waiting = 0  # threads waiting on the condition
         self.on_arrivals: Callable[[list[Slot]], None] | None = None
         self.gets = 0
@@ -159,12 +166,17 @@ class Mailbox:
             return self.pop_locked(slot)
 
     def pop_locked(self, slot: Slot) -> Item | None:
-        """:meth:`pop` for a caller holding :attr:`lock`."""
+        """:meth:`pop` for a caller holding :attr:`lock`; None once the mailbox is sealed (:meth:`close`)."""
+        if self.closed:
+            return None
         if self._tombs.entries:
             self._tombs.lift(slot[2])
         item = self._box.pop(slot, None)
-        if item is not None and item.loc is None:
-            self._note_taken(item)
+        if item is not None:
+            if item.loc is None:
+                self._note_taken(item)
+            else:
+                self._opening += 1  # its consumption is noted once mapped (result)
         return item
 
     def _note_taken(self, item: Item) -> None:
@@ -242,7 +254,8 @@ class Mailbox:
 
         Its consumption counts only once the slot is mapped (or found gone): a sender that hears
         "consumed" may unlink the slot, and one unlinked before the mapping would be lost while its
-        sender counts it delivered.
+        sender counts it delivered. A seal meanwhile waits for this open (:meth:`close`), so the
+        consumption is still in the last acknowledgements.
 
         Raises:
             ShmError: the payload expired or its sender withdrew it (the item is gone).
@@ -256,6 +269,9 @@ class Mailbox:
         finally:
             with self.lock:
                 self._note_taken(item)
+                self._opening -= 1
+                if self.closed and not self._opening:
+                    self._cv.notify_all()
         if views is None:
             if self._counters is not None:
                 self._counters.add("shm_stale")
@@ -280,11 +296,22 @@ class Mailbox:
                 self.wait(remaining)
             return self.generation
 
-    def close(self) -> None:
-        """No item will arrive any more: wake every waiting thread."""
+    def close(self, timeout: float = 1.0) -> None:
+        """Seal: no take succeeds from now on, every waiting thread wakes (see the module docstring).
+
+        Returns once the shared-memory items taken before the seal are mapped and their consumptions
+        noted (they are mapped in microseconds; at most ``timeout``), so the last acknowledgements,
+        sent after this, name them.
+        """
+        deadline = time.monotonic() + timeout
         with self.lock:
             self.closed = True
             self._cv.notify_all()
+            while self._opening:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
 
     def stats(self) -> dict[str, Any]:
         """Gets, bytes taken, items waiting, the oldest one's age, tombstones and what was dropped."""

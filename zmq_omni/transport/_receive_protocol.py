@@ -23,7 +23,7 @@ from ..errors import DecodeError, MessageTooLargeError
 from ..metrics import Counters
 from ..wire import brief
 from ._dedupe import SourceState
-from ._envelope import Kind, check_types, pack, to_ranges, unpack
+from ._envelope import DEFAULT_MAX_KEY_BYTES, Kind, check_key, check_types, pack, to_ranges, unpack
 from ._shm import ShmReceive
 
 __all__ = ["ACK_BATCH", "ACK_BYTES", "Item", "ReceiveProtocol", "Reply", "Slot"]
@@ -101,6 +101,9 @@ class ReceiveProtocol:
         shm: the shared-memory reader, None without the fast path.
         handover: what left the mailbox since it was last asked (``(consumed, dropped, nbytes)``),
             asked before each pong, which says every consumption not yet told.
+        max_key_bytes: the longest key accepted (UTF-8 bytes); a DATA with a longer one is
+            refused, a BATCH entry with one is rejected alone (both counted in ``rejected_keys``
+            and ``rejected_frames``).
     """
 
     def __init__(
@@ -116,8 +119,11 @@ class ReceiveProtocol:
         health: Callable[[], dict[str, Any]],
         shm: ShmReceive | None,
         handover: Callable[[], tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]] = lambda: ([], [], 0),
+        max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
     ) -> None:
         self._handover = handover
+        self.max_key_bytes = max_key_bytes
+        self._short_key = max_key_bytes // 4  # a key of at most this many characters is never too long
         self.endpoint = endpoint
         self.incarnation = incarnation
         self._decode = decode
@@ -153,6 +159,8 @@ class ReceiveProtocol:
                 check_types(header[:6], _DATA_TYPES, "DATA")
                 if type(header[6]) not in _LOC_TYPES:
                     raise DecodeError(f"DATA location table {brief(header[6])} is not a slot handle")
+                if len(header[5]) > self._short_key:
+                    self._check_key(header[5])
                 self._on_data(header, payload, frames)
                 key: str = header[5]
                 return key
@@ -172,6 +180,14 @@ class ReceiveProtocol:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("rejected a message on %s: %s", self.endpoint, exc)
         return None
+
+    def _check_key(self, key: str) -> None:
+        """Refuse a key longer than ``max_key_bytes`` (counted in ``rejected_keys``; the caller counts the message)."""
+        try:
+            check_key(key, self.max_key_bytes)
+        except DecodeError:
+            self._counters.add("rejected_keys")
+            raise
 
     def taken(self, consumed: Iterable[tuple[str, int]], dropped: Iterable[tuple[str, int, int]], nbytes: int) -> None:
         """Items left the mailbox: ``consumed`` by gets or re-puts, ``dropped`` unconsumed (with why)."""
@@ -346,6 +362,7 @@ class ReceiveProtocol:
         seen: set[int] = set()  # a seq repeated inside the batch is taken once
         rejected = 0
         arrivals, now = self.arrivals, self._now
+        short_key = self._short_key
         for seq, from_stage, key, wire, obj in zip(seqs, from_stages, keys, wires, objs, strict=True):
             if not all_new and (seq in seen or not source.is_new(seq)):
                 duplicates.append(seq)  # already have (or had) it: acknowledge again, keep one copy
@@ -353,6 +370,12 @@ class ReceiveProtocol:
             if isinstance(obj, DecodeError):
                 rejected += 1  # not acknowledged: the sender's deadline reports it
                 continue
+            if len(key) > short_key:
+                try:
+                    self._check_key(key)
+                except DecodeError:
+                    rejected += 1  # as a payload that does not decode: not acknowledged
+                    continue
             seen.add(seq)
             accepted.append(seq)
             arrivals.append(((from_stage, to_stage, key), new_item(Item, (obj, len(wire), sid, seq, None, now))))

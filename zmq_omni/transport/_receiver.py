@@ -56,6 +56,7 @@ import zmq
 
 from ..errors import from_zmq_error
 from ..metrics import Counters
+from ._envelope import DEFAULT_MAX_KEY_BYTES
 from ._loop import Driver
 from ._mailbox import Mailbox
 from ._receive_protocol import Item, Slot
@@ -88,6 +89,7 @@ class PushReceiver:
         max_message_bytes: int,
         max_frames: int,
         source_ttl_s: float,
+        max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
         counters: Counters,
         unclaimed_ttl_s: float = 300.0,
         ack_delay_s: float = DEFAULT_ACK_DELAY_S,
@@ -132,6 +134,7 @@ class PushReceiver:
                 hwm=hwm,
                 max_message_bytes=max_message_bytes,
                 max_frames=max_frames,
+                max_key_bytes=max_key_bytes,
                 counters=counters,
                 health=health,
                 curve=curve,

@@ -9,7 +9,11 @@ arriving keeps it. A ``get`` of a buried key lifts the tombstones that are not
 (``cleanup``, ``cleanup_prefix``: the request is over) stays until it lapses.
 At most ``max_count`` tombstones are held: past it the one that lapses first goes.
 
-:class:`~zmq_omni.transport._receiver.PushReceiver` holds one under its ``_lock``;
+Looking a key up costs O(len(key) x the number of distinct buried prefix lengths):
+only the lengths some prefix was buried at are cut from the key, never one per
+trailing digit (a peer's key ending in many digits would cost its length squared).
+
+:class:`~zmq_omni.transport._mailbox.Mailbox` holds one under its lock;
 nothing here reads a clock (``now`` is passed in).
 
 The invariants the tests check after any sequence of calls:
@@ -33,7 +37,7 @@ class Tombstones:
         max_count: most tombstones held (keys and prefixes together).
     """
 
-    __slots__ = ("_firm", "_max", "_prefixes", "_ttl", "entries", "evicted")
+    __slots__ = ("_ends", "_firm", "_lengths", "_max", "_ttl", "entries", "evicted")
 
     def __init__(self, ttl_s: float, max_count: int) -> None:
         self._ttl = ttl_s
@@ -42,7 +46,9 @@ class Tombstones:
         # Public for one use: ``if tombs.entries:`` is the hot paths' test for "any tombstone at all" (a dict's
         # truth, where ``len()`` would be a Python call per get). Read it, never change it.
         self.entries: dict[tuple[int, str], float] = {}
-        self._prefixes = 0  # how many of them are prefixes (none: an arrival costs one lookup)
+        # How many buried prefixes have each length (none: an arrival costs one lookup); those lengths, longest first.
+        self._lengths: dict[int, int] = {}
+        self._ends: list[int] = []
         self._firm: set[tuple[int, str]] = set()  # those a get does not lift
         self.evicted = 0  # tombstones pushed out by max_count
 
@@ -74,11 +80,11 @@ class Tombstones:
         name = (_KEY, key)
         if name not in firm:
             self.entries.pop(name, None)
-        if self._prefixes:
-            for end in _prefix_ends(key):
+        if self._ends:
+            for end in self._covering_ends(key):
                 name = (_PREFIX, key[:end])
-                if name not in firm and self.entries.pop(name, None) is not None:
-                    self._prefixes -= 1
+                if name not in firm and name in self.entries:
+                    self._remove(name)
 
     def lapse(self, now: float) -> int:
         """Forget the tombstones whose time is up; how many."""
@@ -98,16 +104,32 @@ class Tombstones:
         until = tombs.get((_KEY, key))
         if until is not None and until > now:
             return _KEY, key
-        if self._prefixes:
-            for end in _prefix_ends(key):
+        if self._ends:
+            for end in self._covering_ends(key):
                 until = tombs.get((_PREFIX, key[:end]))
                 if until is not None and until > now:
                     return _PREFIX, key[:end]
         return None
 
+    def _covering_ends(self, key: str) -> list[int]:
+        """The buried prefix lengths ``key`` extends by digits only, longest first (``key_matches_prefix``'s rule)."""
+        size = len(key)
+        ends = []
+        for end in self._ends:
+            if end >= size:
+                continue
+            if not key[end:].isdigit():
+                break  # a shorter prefix leaves this tail too: no shorter one is covered either
+            ends.append(end)
+        return ends
+
     def _lay(self, name: tuple[int, str], now: float) -> None:
         if self.entries.pop(name, None) is None and name[0] == _PREFIX:
-            self._prefixes += 1
+            size = len(name[1])
+            count = self._lengths.get(size, 0)
+            self._lengths[size] = count + 1
+            if not count:
+                self._ends = sorted(self._lengths, reverse=True)
         self.entries[name] = now + self._ttl
         while len(self.entries) > self._max:  # the first one lapses first
             self._remove(next(iter(self.entries)))
@@ -121,17 +143,13 @@ class Tombstones:
         del self.entries[name]
         self._firm.discard(name)
         if name[0] == _PREFIX:
-            self._prefixes -= 1
+            size = len(name[1])
+            count = self._lengths[size] - 1
+            if count:
+                self._lengths[size] = count
+            else:
+                del self._lengths[size]
+                self._ends = sorted(self._lengths, reverse=True)
 
 
 _KEY, _PREFIX = 0, 1
-
-
-def _prefix_ends(key: str) -> list[int]:
-    """Lengths of the prefixes ``key`` extends by digits only (longest first): ``key_matches_prefix``'s rule."""
-    ends = []
-    end = len(key)
-    while end > 0 and key[end - 1].isdigit():
-        end -= 1
-        ends.append(end)
-    return ends

@@ -26,6 +26,7 @@ __all__ = [
     "numpy_dtype_for",
     "torch_dtype_for",
     "torch_module",
+    "torch_names",
     "wire_name_of_numpy",
     "wire_name_of_torch",
 ]
@@ -153,6 +154,11 @@ def _build_torch_maps(torch: Any) -> tuple[dict[Any, str], dict[bytes, Any]]:
         present = [(getattr(torch, attr), name) for attr, name in pairs if hasattr(torch, attr)]
         _torch_maps = (dict(present), {name.encode(): tdtype for tdtype, name in present})
     return _torch_maps
+
+
+def torch_names(torch: Any) -> dict[Any, str]:
+    """Every torch dtype the format carries, with its wire name."""
+    return _build_torch_maps(torch)[0]
 
 
 def wire_name_of_torch(torch: Any, dtype: Any) -> str | None:

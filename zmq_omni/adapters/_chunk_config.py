@@ -1,0 +1,143 @@
+"""ChunkManagerConfig: the config of an :class:`~zmq_omni.adapters.OmniChunkManager`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ConnectorSpec
+from ..config.fields import check_known_keys, read_float, read_int, read_mapping, read_str
+from ..errors import ConfigError
+from .retry import RetryPolicy
+
+__all__ = ["ChunkManagerConfig"]
+
+
+def _neighbour(stage_id: str, step: int) -> str | None:
+    try:
+        value = int(stage_id) + step
+    except ValueError:
+        return None
+    return str(value) if value >= 0 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkManagerConfig:
+    """Config of an :class:`OmniChunkManager` (build from YAML with :meth:`from_dict`).
+
+    Attributes:
+        stage_id: this stage; chunks it sends are keyed with it.
+        upstream_stage_id: the stage it receives from; default ``stage_id - 1``
+            for numeric ids (none for stage 0).
+        downstream_stage_id: the stage it sends to; default ``stage_id + 1``
+            for numeric ids.
+        connector: the connector to build when none is passed in.
+        retry: the send policy; a chunk that exhausts it fails its request.
+        stall_timeout_s: a receiving request that gets no chunk for this long
+            is reported by ``collect_failed_receive_request_ids()``.
+        recv_wait_s: longest block of the receive worker on one key (bounds
+            the latency of other keys and of stall detection).
+        concat_axis: axis along which received arrays are concatenated.
+        shutdown_grace_s: how long ``shutdown`` waits for a put in progress.
+        max_queued_chunks: most chunks queued for the save thread at once.
+            A ``save_async`` / ``save`` that finds the queue full waits for
+            room up to ``queue_full_timeout_s``; then the chunk is refused and
+            its request fails to send (reason "save queue full"), since a
+            stream cannot go on with a hole. A cancellation's end-of-stream
+            marker is always queued (one per request at most).
+        queue_full_timeout_s: how long a save waits for room in a full queue.
+        idle_state_timeout_s: a request whose state here saw no activity this
+            long is forgotten without ``release``: a stream still open (no
+            chunk queued since) is cancelled (the next stage gets a cancelled
+            end of stream) and reported as a send failure; a failed or ended
+            send state and a finished receiving stream whose inputs were never
+            taken are dropped (counted as ``expired_states``). Its id stays a
+            used id.
+        max_ready_chunks: most chunks received for one request and not taken
+            yet. At the bound the receive worker stops reading that request's
+            stream until the scheduler takes its inputs: the chunks stay in the
+            connector unconsumed, so the sender's window pushes back on the
+            upstream stage instead of this stage's memory growing with a
+            backlog (and each take assembling an ever larger one). The time a
+            stream is paused does not count towards ``stall_timeout_s``.
+        max_ready_bytes: most payload bytes (array ``nbytes``, ``bytes``/``str``
+            lengths) received for all requests together and not taken yet; at
+            the bound, requests holding any untaken chunk pause the same way
+            (a request with none may still read one, so every request can
+            progress). Streams read by :meth:`OmniChunkManager.load` are not
+            bounded (it returns the whole stream at once).
+    """
+
+    stage_id: str
+    upstream_stage_id: str | None = None
+    downstream_stage_id: str | None = None
+    connector: ConnectorSpec | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    stall_timeout_s: float = 30.0
+    recv_wait_s: float = 0.01
+    concat_axis: int = 0
+    shutdown_grace_s: float = 0.5
+    max_queued_chunks: int = 4096
+    queue_full_timeout_s: float = 10.0
+    idle_state_timeout_s: float = 600.0
+    max_ready_chunks: int = 64
+    max_ready_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_id", str(self.stage_id))
+        if self.upstream_stage_id is None:
+            object.__setattr__(self, "upstream_stage_id", _neighbour(self.stage_id, -1))
+        if self.downstream_stage_id is None:
+            object.__setattr__(self, "downstream_stage_id", _neighbour(self.stage_id, +1))
+        if self.stall_timeout_s <= 0 or self.recv_wait_s <= 0:
+            raise ConfigError("'stall_timeout_s' and 'recv_wait_s' must be > 0")
+        if self.max_queued_chunks < 1:
+            raise ConfigError(f"'max_queued_chunks' must be >= 1, got {self.max_queued_chunks}")
+        if self.queue_full_timeout_s < 0 or self.idle_state_timeout_s <= 0:
+            raise ConfigError("'queue_full_timeout_s' must be >= 0 and 'idle_state_timeout_s' > 0")
+        if self.max_ready_chunks < 1 or self.max_ready_bytes < 1:
+            raise ConfigError("'max_ready_chunks' and 'max_ready_bytes' must be >= 1")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
+        """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
+        known = (
+            "stage_id",
+            "upstream_stage_id",
+            "downstream_stage_id",
+            "connector",
+            "retry",
+            "stall_timeout_s",
+            "recv_wait_s",
+            "concat_axis",
+            "shutdown_grace_s",
+            "max_queued_chunks",
+            "queue_full_timeout_s",
+            "idle_state_timeout_s",
+            "max_ready_chunks",
+            "max_ready_bytes",
+        )
+        check_known_keys(data, known, path)
+        spec = data.get("connector")
+        d = cls.__dataclass_fields__
+        return cls(
+            stage_id=read_str(data, "stage_id", path=path),
+            upstream_stage_id=read_str(data, "upstream_stage_id", None, path),
+            downstream_stage_id=read_str(data, "downstream_stage_id", None, path),
+            connector=None
+            if spec is None
+            else (spec if isinstance(spec, ConnectorSpec) else ConnectorSpec.from_dict(spec, f"{path}.connector")),
+            retry=RetryPolicy.from_dict(read_mapping(data, "retry", {}, path), f"{path}.retry"),
+            stall_timeout_s=read_float(data, "stall_timeout_s", d["stall_timeout_s"].default, path),
+            recv_wait_s=read_float(data, "recv_wait_s", d["recv_wait_s"].default, path),
+            concat_axis=read_int(data, "concat_axis", d["concat_axis"].default, path),
+            shutdown_grace_s=read_float(data, "shutdown_grace_s", d["shutdown_grace_s"].default, path, minimum=0),
+            max_queued_chunks=read_int(data, "max_queued_chunks", d["max_queued_chunks"].default, path),
+            queue_full_timeout_s=read_float(
+                data, "queue_full_timeout_s", d["queue_full_timeout_s"].default, path, minimum=0
+            ),
+            idle_state_timeout_s=read_float(data, "idle_state_timeout_s", d["idle_state_timeout_s"].default, path),
+            max_ready_chunks=read_int(data, "max_ready_chunks", d["max_ready_chunks"].default, path),
+            max_ready_bytes=read_int(data, "max_ready_bytes", d["max_ready_bytes"].default, path),
+        )
