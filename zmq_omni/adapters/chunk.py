@@ -146,7 +146,9 @@ class OmniChunkManager(ChunkShell):
         effects = NO_EFFECTS
         with self._lock:
             self._check_open()
-            stream = self._streams.open_send(request_id, external_req_id, time.monotonic())
+            now = time.monotonic()
+            sweep = self._streams.sweep_due(now)
+            stream = self._streams.open_send(request_id, external_req_id, now)
             if stream is not None and self._streams.queue_full() and not self._wait_for_room(stream):
                 effects = self._streams.refuse(
                     stream,
@@ -158,7 +160,8 @@ class OmniChunkManager(ChunkShell):
                 item = self._streams.queue_chunk(stream, payload or {}, is_final, done, time.monotonic())
                 self._save_cond.notify()
         self._perform(effects)
-        self._sweep_idle()
+        if sweep:
+            self._sweep_idle()
         return item
 
     def _wait_for_room(self, stream: SendStream) -> bool:
@@ -204,9 +207,12 @@ class OmniChunkManager(ChunkShell):
             return None
         with self._lock:
             self._check_open()
-            self._settle_locked(self._streams.open_receive(request_id, external_req_id, whole, time.monotonic()))
+            now = time.monotonic()
+            sweep = self._streams.sweep_due(now)
+            self._settle_locked(self._streams.open_receive(request_id, external_req_id, whole, now))
             stream = self._streams.receiving(request_id)
-        self._sweep_idle()
+        if sweep:
+            self._sweep_idle()
         return stream
 
     def load(
@@ -262,8 +268,7 @@ class OmniChunkManager(ChunkShell):
     def waiting_for_chunks(self, request_ids: Iterable[str]) -> set[str]:
         """The ids among ``request_ids`` receiving a stream that has no new chunk yet (one consistent read)."""
         with self._lock:
-            is_ready = self._streams.is_ready
-            return {request_id for request_id in request_ids if not is_ready(request_id)}
+            return self._streams.waiting_for_chunks(request_ids)
 
     def take_inputs(self, request_id: str) -> ChunkInputs | None:
         """Assemble and hand over the chunks received for ``request_id`` since the last take.
