@@ -30,8 +30,9 @@ from ..metrics import Counters
 from ..wire import brief
 from ._envelope import Kind, check_types, pack, unpack
 from ._loop import Driver
+from ._pull_lot import MAX_PARK_S, Parked, ParkingLot
 from ._pull_protocol import Slot
-from ._router import recv_routed
+from ._router import RoutedReader, trim_malloc
 from ._security import Curve, watch_refusals
 from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
@@ -44,9 +45,17 @@ log = logging.getLogger("zmq_omni.transport")
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 _SEND_CHECK_S = 0.01  # wait_fetched re-checks replies still leaving this often (ZeroMQ does not notify)
 _CLOSE_GRACE_S = 0.5  # close() lets replies still leaving finish this long, then reports them
-# Long polls parked at once; beyond it a FETCH is answered "not found" at once. A bound on what fetchers
-# (buggy or hostile) can make the server hold, and on the expiry scan's cost, far above real fan-in.
+# Long polls parked at once, and their bytes (each FETCH's request plus its entry): beyond them the peer holding
+# the most gives way (see ``_pull_lot``). Bounds on what fetchers (buggy or hostile) make the server hold.
 _MAX_PARKED = 65536
+_MAX_PARKED_BYTES = 64 << 20
+#: The longest key (UTF-8 bytes) a FETCH may name; a longer one is refused and counted (``rejected_frames``).
+DEFAULT_MAX_KEY_BYTES = 4096
+# A turn of the read loop ends after this long, whatever the messages cost (the rest is read next turn).
+_READ_BUDGET_S = 0.01
+_PROBE_S = 5.0  # a peer whose FETCHes are parked is checked this often (a gone peer's are dropped)
+_REBIND_S = 5.0  # how long a rebind tries to bind the endpoint again
+_TRIM_AFTER_S = 0.5  # a dropped message's memory is handed back to the OS this long after its socket closed
 _PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
 
 
@@ -55,6 +64,13 @@ OwnedFailureCallback = Callable[[Any, str, str, str, str, str, ZmqOmniError], No
 
 #: The owner of a reply still leaving once that owner was garbage-collected: its loss is counted, reported to none.
 _GONE = object()
+
+
+def _check_key(key: str, max_key_bytes: int) -> None:
+    """Raise ``DecodeError`` when ``key`` is longer than ``max_key_bytes`` in UTF-8."""
+    size = len(key)
+    if size > max_key_bytes or (size * 4 > max_key_bytes and len(key.encode("utf-8", "surrogatepass")) > max_key_bytes):
+        raise DecodeError(f"key of {size} characters is longer than max_key_bytes {max_key_bytes}")
 
 
 class _Stored:
@@ -114,11 +130,14 @@ class PullServer:
         health: Callable[[], dict[str, Any]],
         curve: Curve | None = None,
         shm: ShmSend | None = None,
+        max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
     ) -> None:
         """Bind and serve on ``loop``.
 
         Each payload keeps the ``owner`` its :meth:`store` named: ``on_failure`` gets it first,
-        ``wait_fetched`` and ``drop_owned`` select by it.
+        ``wait_fetched`` and ``drop_owned`` select by it. A request (one frame) of more than
+        ``max_frames`` frames closes the ROUTER and binds a new one on the same endpoint: libzmq
+        holds a message whole, and reading it to its end would keep every other peer waiting.
         """
         self._loop = loop
         self._shm = shm
@@ -138,25 +157,37 @@ class PullServer:
         self._prune_at = _PRUNE_MIN  # _leaving is pruned when it reaches this length (amortized), and each second
         self._puts = 0
         self._bytes_sent = 0
-        # Parked FETCHes per slot: (identity, req_id, expiry, the fetcher reads our shared memory).
-        self._waiters: dict[Slot, list[tuple[bytes, int, float, bool | None]]] = {}
-        self._parked = 0  # waiters in all the lists of _waiters
+        self._max_key = max_key_bytes
+        self._lot = ParkingLot(_MAX_PARKED, _MAX_PARKED_BYTES)  # parked FETCHes (long polls)
+        for name in ("rebinds", "fetches_evicted", "fetches_of_gone_peers"):
+            counters.add(name, 0)
+        self._probed_at = 0.0
         self._closed = False
-        # FETCH requests are tiny; a peer sending more is hostile.
-        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
-        if curve is not None:
-            curve.make_server(self._sock)
-            watch_refusals(loop, self._sock, counters)
-        try:
-            bound = bind(self._sock, bind_endpoint)
-        except BaseException:
-            close_socket(self._sock)
-            raise
-        self.endpoint = advertised or bound
-        self._bound = bound
+        self._hwm, self._curve = hwm, curve
+        self._stop_refusals: Callable[[], None] | None = None
+        self._sock = self._open(bind_endpoint)
+        self._bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = advertised or self._bound
+        self._reader = RoutedReader(self._sock, 1, max_frames)  # a request is one frame
         loop.add_reader(self._sock, self._on_readable)
         loop.every(min(1.0, ttl_s / 4), self._expire)
         loop.on_stop(self._shutdown)
+
+    def _open(self, endpoint: str) -> Any:
+        """A ROUTER bound on ``endpoint`` (its refusals counted under CURVE)."""
+        # FETCH requests are tiny; a peer sending more is hostile.
+        sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=1 << 20)
+        try:
+            if self._curve is not None:
+                self._curve.make_server(sock)
+                self._stop_refusals = watch_refusals(self._loop, sock, self._counters, stop_on_stop=False)
+            bind(sock, endpoint)
+        except BaseException:
+            if self._stop_refusals is not None:
+                self._stop_refusals()
+            close_socket(sock)
+            raise
+        return sock
 
     # -- put threads ----------------------------------------------------------------
     def on_window_change(self, listener: Callable[[], None] | None) -> None:
@@ -212,7 +243,7 @@ class PullServer:
             self._bytes += nbytes
             self._puts += 1
             self._bytes_sent += nbytes
-            if slot in self._waiters:
+            if slot in self._lot:
                 self._loop.call_soon(lambda: self._serve_waiter(slot))
         return {"endpoint": self.endpoint, "from_stage": from_stage, "to_stage": to_stage, "key": key, "size": nbytes}
 
@@ -325,13 +356,16 @@ class PullServer:
 
     # -- I/O thread ---------------------------------------------------------------
     def _on_readable(self) -> None:
-        for _ in range(512):
-            message = recv_routed(self._sock, self._max_frames)
+        reader, until = self._reader, time.monotonic() + _READ_BUDGET_S
+        while True:
+            message = reader.read(until)
             if message is None:
+                if reader.overflowed:
+                    self._rebind()
                 return
             identity, frames, ok = message
             try:
-                if not ok or len(frames) != 1:
+                if not ok:
                     raise DecodeError("a request must be exactly one frame")
                 kind, header, _ = unpack(frames[0])
                 if kind is Kind.FETCH:
@@ -340,7 +374,9 @@ class PullServer:
                     local = header[5] if len(header) > 5 else None
                     if local is not None and type(local) is not bool:
                         raise DecodeError(f"FETCH shm flag {brief(local)} is not a bool")
-                    self._on_fetch(identity, header[0], (header[1], header[2], header[3]), header[4], local)
+                    _check_key(header[3], self._max_key)
+                    slot = (header[1], header[2], header[3])
+                    self._on_fetch(identity, header[0], slot, header[4], local, len(frames[0]))
                 elif kind is Kind.HEALTH:
                     self._reply(identity, [pack(Kind.HEALTH_REPLY, (self._health(),))])
                 else:
@@ -348,21 +384,68 @@ class PullServer:
             except DecodeError as exc:
                 self._counters.add("rejected_frames")
                 log.debug("rejected a request on %s: %s", self.endpoint, exc)
+            if time.monotonic() > until:  # costly requests: the rest next turn
+                return
 
-    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool | None) -> None:
+    def _rebind(self) -> None:
+        """Close the ROUTER holding a message of too many frames (libzmq frees it) and bind a new one there.
+
+        Peers reconnect by themselves; their requests in flight are lost (clients ask again) and
+        the FETCHes parked for them cannot be answered on the new socket, so they are forgotten.
+        """
+        self._counters.add("rebinds")
+        log.warning(
+            "pull server %s: a peer sent a request of more than %d frames; the socket is bound anew",
+            self.endpoint,
+            self._reader.max_frames,
+        )
+        self._loop.remove_reader(self._sock)
+        if self._stop_refusals is not None:
+            self._stop_refusals()
+            self._stop_refusals = None
+        # Replies still leaving go on leaving (linger); the held message goes with the socket.
+        close_socket(self._sock, linger_ms=int(_CLOSE_GRACE_S * 1000))
+        with self._cv:
+            self._lot.clear()
+        self._reopen(time.monotonic() + _REBIND_S)
+
+    def _reopen(self, give_up_at: float) -> None:
+        """Bind the new ROUTER once the old listener is gone (libzmq closes it a moment after ``close``)."""
+        if self._closed:
+            return
+        try:
+            self._sock = self._open(self._bound)
+        except ZmqOmniError as exc:
+            if time.monotonic() < give_up_at:
+                self._loop.call_later(0.005, lambda: self._reopen(give_up_at))
+                return
+            log.error("pull server %s: could not bind again: %s", self.endpoint, exc)
+            return
+        self._reader = RoutedReader(self._sock, 1, self._reader.max_frames)
+        self._loop.add_reader(self._sock, self._on_readable)
+        self._loop.call_later(_TRIM_AFTER_S, trim_malloc)
+
+    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool | None, size: int) -> None:
+        evicted: list[Parked] = []
+        parked = False
         with self._cv:
             taken = self._take(slot)
             if taken is None and wait_ms > 0:
-                if self._parked < _MAX_PARKED:
-                    expiry = time.monotonic() + min(wait_ms, 3_600_000) / 1000.0
-                    self._waiters.setdefault(slot, []).append((identity, req_id, expiry, local))
-                    self._parked += 1
-                    return
-                self._counters.add("fetches_not_parked")
-        if taken is None:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
-        else:
+                expiry = time.monotonic() + min(wait_ms / 1000.0, MAX_PARK_S)
+                parked, evicted = self._lot.park(identity, req_id, slot, expiry, local, size)
+                if evicted:
+                    self._counters.add("fetches_evicted", len(evicted))
+                if not parked:
+                    self._counters.add("fetches_not_parked")
+        for entry in evicted:  # their clients ask again
+            self._not_found(entry.identity, entry.req_id, entry.local)
+        if taken is not None:
             self._deliver(identity, req_id, slot, *taken, local)
+        elif not parked:
+            self._not_found(identity, req_id, local)
+
+    def _not_found(self, identity: bytes, req_id: int, local: bool | None) -> Any:
+        return self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
 
     def _take(self, slot: Slot) -> tuple[_Stored, _Leaving] | None:
         """Move a payload from the store to the replies leaving (caller holds ``_cv``): still pending."""
@@ -378,18 +461,13 @@ class PullServer:
         return entry, leaving
 
     def _serve_waiter(self, slot: Slot) -> None:
-        now = time.monotonic()
         with self._cv:
-            parked = self._waiters.pop(slot, [])
-            waiters = [w for w in parked if w[2] > now]
-            taken = self._take(slot) if waiters else None
-            served = waiters.pop(0) if taken is not None else None
-            if waiters:  # still parked: the next put of the key serves the next one
-                self._waiters[slot] = waiters
-            self._parked += len(waiters) - len(parked)
+            if slot not in self._store:
+                return
+            served = self._lot.pop(slot, time.monotonic())  # the others stay parked for the next put of the key
+            taken = self._take(slot) if served is not None else None
         if taken is not None and served is not None:
-            identity, req_id, _, local = served
-            self._deliver(identity, req_id, slot, *taken, local)
+            self._deliver(served.identity, served.req_id, slot, *taken, served.local)
 
     def _deliver(
         self, identity: bytes, req_id: int, slot: Slot, entry: _Stored, leaving: _Leaving, local: bool | None
@@ -447,7 +525,6 @@ class PullServer:
     def _expire(self) -> None:
         now = time.monotonic()
         expired: list[tuple[Slot, Any]] = []
-        unanswered: list[tuple[bytes, int, bool | None]] = []  # parked fetches whose wait ended
         with self._cv:
             self._still_leaving()  # replies that left since the last beat are forgotten here, not only at stats()
             for slot, entry in list(self._store.items()):
@@ -456,22 +533,36 @@ class PullServer:
                     expired.append((slot, entry.owner))
             if expired:
                 self._cv.notify_all()
-            for slot, waiters in list(self._waiters.items()):
-                live = [w for w in waiters if w[2] > now]
-                unanswered.extend((w[0], w[1], w[3]) for w in waiters if w[2] <= now)
-                self._parked -= len(waiters) - len(live)
-                if live:
-                    self._waiters[slot] = live
-                else:
-                    del self._waiters[slot]
-        for identity, req_id, local in unanswered:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
+            unanswered = self._lot.expire(now)  # parked fetches whose wait ended
+            probe = self._lot.peers() if now - self._probed_at >= _PROBE_S else []
+        for waiter in unanswered:
+            self._not_found(waiter.identity, waiter.req_id, waiter.local)
+        if probe:
+            self._probed_at = now
+            self._drop_gone(probe)
         self._report_lost(
             expired, "expired", lambda to_stage: f"not fetched by stage {to_stage!r} within pull_ttl_s={self._ttl}"
         )
 
+    def _drop_gone(self, peers: list[bytes]) -> None:
+        """Forget the parked FETCHes of peers no longer connected (a FETCH_REPLY to request 0 finds no route)."""
+        probe = pack(Kind.FETCH_REPLY, (0, False))  # request ids start at 1: clients ignore it
+        gone = 0
+        for identity in peers:
+            try:
+                self._sock.send_multipart([identity, probe], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    with self._cv:
+                        gone += self._lot.drop_peer(identity)
+        if gone:
+            self._counters.add("fetches_of_gone_peers", gone)
+
     def _shutdown(self) -> None:
         self._loop.remove_reader(self._sock)
+        if self._stop_refusals is not None:
+            self._stop_refusals()
+            self._stop_refusals = None
         # Replies handed to ZeroMQ just before close may still be leaving: give them a bounded moment,
         # then report those that did not make it (closing the socket drops them).
         deadline = time.monotonic() + _CLOSE_GRACE_S
