@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +31,11 @@ from ._envelope import Kind, check_types, pack, unpack
 from ._loop import Driver
 from ._pull_lot import MAX_PARK_S, Parked, ParkingLot
 from ._pull_protocol import Slot
-from ._router import RoutedReader, trim_malloc
-from ._security import Curve, watch_refusals
+from ._pull_socket import PullRouter
+from ._pull_store import GONE, Leaving, Stored, check_key
+from ._security import Curve
 from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
-from ._sockets import bind, close_bound, close_socket, make_socket
 
 __all__ = ["PullServer"]
 
@@ -51,63 +50,12 @@ _MAX_PARKED = 65536
 _MAX_PARKED_BYTES = 64 << 20
 #: The longest key (UTF-8 bytes) a FETCH may name; a longer one is refused and counted (``rejected_frames``).
 DEFAULT_MAX_KEY_BYTES = 4096
-# A turn of the read loop ends after this long, whatever the messages cost (the rest is read next turn).
-_READ_BUDGET_S = 0.01
 _PROBE_S = 5.0  # a peer whose FETCHes are parked is checked this often (a gone peer's are dropped)
-_REBIND_S = 5.0  # how long a rebind tries to bind the endpoint again
-_TRIM_AFTER_S = 0.5  # a dropped message's memory is handed back to the OS this long after its socket closed
 _PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
 
 
 #: A failure of a stored payload, with its owner first (the ``owner`` its :meth:`PullServer.store` named).
 OwnedFailureCallback = Callable[[Any, str, str, str, str, str, ZmqOmniError], None]
-
-#: The owner of a reply still leaving once that owner was garbage-collected: its loss is counted, reported to none.
-_GONE = object()
-
-
-def _check_key(key: str, max_key_bytes: int) -> None:
-    """Raise ``DecodeError`` when ``key`` is longer than ``max_key_bytes`` in UTF-8."""
-    size = len(key)
-    if size > max_key_bytes or (size * 4 > max_key_bytes and len(key.encode("utf-8", "surrogatepass")) > max_key_bytes):
-        raise DecodeError(f"key of {size} characters is longer than max_key_bytes {max_key_bytes}")
-
-
-class _Stored:
-    __slots__ = ("expires", "frames", "nbytes", "owner")
-
-    def __init__(self, frames: list[Any], nbytes: int, expires: float, owner: Any = None) -> None:
-        self.frames = frames
-        self.nbytes = nbytes
-        self.expires = expires
-        self.owner = owner
-
-
-class _Leaving:
-    """A payload reply handed to ZeroMQ that has not left yet.
-
-    Its frames are still being written (``tracker`` not done), or its
-    shared-memory slot was not opened yet (``loc``, for as long as the pool
-    keeps the slot). Its owner is held weakly: a connector that closed while
-    the server goes on serving others must not be kept alive by a reply.
-    """
-
-    __slots__ = ("_owner", "loc", "nbytes", "slot", "tracker")
-
-    def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None, owner: Any = None) -> None:
-        self.slot = slot
-        self.nbytes = nbytes
-        self.tracker = tracker
-        self.loc = loc
-        self._owner = None if owner is None else weakref.ref(owner)
-
-    @property
-    def owner(self) -> Any:
-        """The payload's owner; None when it had none, ``_GONE`` once it was garbage-collected."""
-        if self._owner is None:
-            return None
-        owner = self._owner()
-        return _GONE if owner is None else owner
 
 
 class PullServer:
@@ -151,43 +99,31 @@ class PullServer:
         self._on_failure = on_failure
         self._health = health
         self._cv = NotifyingCondition()
-        self._store: dict[Slot, _Stored] = {}
+        self._store: dict[Slot, Stored] = {}
         self._bytes = 0
-        self._leaving: list[_Leaving] = []  # pending like the store: close() before they left loses them
+        self._leaving: list[Leaving] = []  # pending like the store: close() before they left loses them
         self._prune_at = _PRUNE_MIN  # _leaving is pruned when it reaches this length (amortized), and each second
         self._puts = 0
         self._bytes_sent = 0
         self._max_key = max_key_bytes
         self._lot = ParkingLot(_MAX_PARKED, _MAX_PARKED_BYTES)  # parked FETCHes (long polls)
-        for name in ("rebinds", "fetches_evicted", "fetches_of_gone_peers"):
+        for name in ("fetches_evicted", "fetches_of_gone_peers"):
             counters.add(name, 0)
         self._probed_at = 0.0
         self._closed = False
-        self._hwm, self._curve = hwm, curve
-        self._stop_refusals: Callable[[], None] | None = None
-        self._sock = self._open(bind_endpoint)
-        self._bound = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.endpoint = advertised or self._bound
-        self._reader = RoutedReader(self._sock, 1, max_frames)  # a request is one frame
-        loop.add_reader(self._sock, self._on_readable)
+        self._router = PullRouter(
+            loop,
+            bind_endpoint,
+            hwm=hwm,
+            max_frames=max_frames,
+            counters=counters,
+            curve=curve,
+            on_message=self._on_message,
+            on_rebind=self._forget_parked,
+        )
+        self.endpoint = advertised or self._router.bound
         loop.every(min(1.0, ttl_s / 4), self._expire)
         loop.on_stop(self._shutdown)
-
-    def _open(self, endpoint: str) -> Any:
-        """A ROUTER bound on ``endpoint`` (its refusals counted under CURVE)."""
-        # FETCH requests are tiny; a peer sending more is hostile.
-        sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=1 << 20)
-        try:
-            if self._curve is not None:
-                self._curve.make_server(sock)
-                self._stop_refusals = watch_refusals(self._loop, sock, self._counters, stop_on_stop=False)
-            bind(sock, endpoint)
-        except BaseException:
-            if self._stop_refusals is not None:
-                self._stop_refusals()
-            close_socket(sock)
-            raise
-        return sock
 
     # -- put threads ----------------------------------------------------------------
     def on_window_change(self, listener: Callable[[], None] | None) -> None:
@@ -239,7 +175,7 @@ class PullServer:
             old = self._store.pop(slot, None)
             if old is not None:  # a re-put of an unfetched key replaces it
                 self._bytes -= old.nbytes
-            self._store[slot] = _Stored(frames, nbytes, time.monotonic() + self._ttl, owner)
+            self._store[slot] = Stored(frames, nbytes, time.monotonic() + self._ttl, owner)
             self._bytes += nbytes
             self._puts += 1
             self._bytes_sent += nbytes
@@ -271,7 +207,7 @@ class PullServer:
                 "endpoint": self.endpoint,
             }
 
-    def _still_leaving(self) -> list[_Leaving]:
+    def _still_leaving(self) -> list[Leaving]:
         """Forget replies that left; the rest (caller holds ``_cv``)."""
         shm = self._shm
         self._leaving = [
@@ -348,82 +284,39 @@ class PullServer:
         """Count and report each payload given up on (slot, owner) as a DeliveryError (no lock held)."""
         for (from_stage, to_stage, key), owner in lost:
             self._counters.add(counter)
-            if owner is _GONE:  # nobody is left to tell
+            if owner is GONE:  # nobody is left to tell
                 continue
             reason = why(to_stage)
             error = DeliveryError(reason, key=key, endpoint=self.endpoint)
             self._on_failure(owner, "put", from_stage, to_stage, key, reason, error)
 
     # -- I/O thread ---------------------------------------------------------------
-    def _on_readable(self) -> None:
-        reader, until = self._reader, time.monotonic() + _READ_BUDGET_S
-        while True:
-            message = reader.read(until)
-            if message is None:
-                if reader.overflowed:
-                    self._rebind()
-                return
-            identity, frames, ok = message
-            try:
-                if not ok:
-                    raise DecodeError("a request must be exactly one frame")
-                kind, header, _ = unpack(frames[0])
-                if kind is Kind.FETCH:
-                    check_types(header[:5], (int, str, str, str, int), "FETCH")
-                    # None: a client of the previous version, which takes replies of two fields only.
-                    local = header[5] if len(header) > 5 else None
-                    if local is not None and type(local) is not bool:
-                        raise DecodeError(f"FETCH shm flag {brief(local)} is not a bool")
-                    _check_key(header[3], self._max_key)
-                    slot = (header[1], header[2], header[3])
-                    self._on_fetch(identity, header[0], slot, header[4], local, len(frames[0]))
-                elif kind is Kind.HEALTH:
-                    self._reply(identity, [pack(Kind.HEALTH_REPLY, (self._health(),))])
-                else:
-                    raise DecodeError(f"unexpected {kind.name} message")
-            except DecodeError as exc:
-                self._counters.add("rejected_frames")
-                log.debug("rejected a request on %s: %s", self.endpoint, exc)
-            if time.monotonic() > until:  # costly requests: the rest next turn
-                return
+    def _on_message(self, identity: bytes, frames: list[Any], ok: bool) -> None:
+        try:
+            if not ok:
+                raise DecodeError("a request must be exactly one frame")
+            kind, header, _ = unpack(frames[0])
+            if kind is Kind.FETCH:
+                check_types(header[:5], (int, str, str, str, int), "FETCH")
+                # None: a client of the previous version, which takes replies of two fields only.
+                local = header[5] if len(header) > 5 else None
+                if local is not None and type(local) is not bool:
+                    raise DecodeError(f"FETCH shm flag {brief(local)} is not a bool")
+                check_key(header[3], self._max_key)
+                slot = (header[1], header[2], header[3])
+                self._on_fetch(identity, header[0], slot, header[4], local, len(frames[0]))
+            elif kind is Kind.HEALTH:
+                self._reply(identity, [pack(Kind.HEALTH_REPLY, (self._health(),))])
+            else:
+                raise DecodeError(f"unexpected {kind.name} message")
+        except DecodeError as exc:
+            self._counters.add("rejected_frames")
+            log.debug("rejected a request on %s: %s", self.endpoint, exc)
 
-    def _rebind(self) -> None:
-        """Close the ROUTER holding a message of too many frames (libzmq frees it) and bind a new one there.
-
-        Peers reconnect by themselves; their requests in flight are lost (clients ask again) and
-        the FETCHes parked for them cannot be answered on the new socket, so they are forgotten.
-        """
-        self._counters.add("rebinds")
-        log.warning(
-            "pull server %s: a peer sent a request of more than %d frames; the socket is bound anew",
-            self.endpoint,
-            self._reader.max_frames,
-        )
-        self._loop.remove_reader(self._sock)
-        if self._stop_refusals is not None:
-            self._stop_refusals()
-            self._stop_refusals = None
-        # Replies still leaving go on leaving (linger); the held message goes with the socket.
-        close_socket(self._sock, linger_ms=int(_CLOSE_GRACE_S * 1000))
+    def _forget_parked(self) -> None:
+        """The socket was bound anew: the parked FETCHes' peers reconnect with new identities and ask again."""
         with self._cv:
             self._lot.clear()
-        self._reopen(time.monotonic() + _REBIND_S)
-
-    def _reopen(self, give_up_at: float) -> None:
-        """Bind the new ROUTER once the old listener is gone (libzmq closes it a moment after ``close``)."""
-        if self._closed:
-            return
-        try:
-            self._sock = self._open(self._bound)
-        except ZmqOmniError as exc:
-            if time.monotonic() < give_up_at:
-                self._loop.call_later(0.005, lambda: self._reopen(give_up_at))
-                return
-            log.error("pull server %s: could not bind again: %s", self.endpoint, exc)
-            return
-        self._reader = RoutedReader(self._sock, 1, self._reader.max_frames)
-        self._loop.add_reader(self._sock, self._on_readable)
-        self._loop.call_later(_TRIM_AFTER_S, trim_malloc)
 
     def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool | None, size: int) -> None:
         evicted: list[Parked] = []
@@ -447,13 +340,13 @@ class PullServer:
     def _not_found(self, identity: bytes, req_id: int, local: bool | None) -> Any:
         return self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
 
-    def _take(self, slot: Slot) -> tuple[_Stored, _Leaving] | None:
+    def _take(self, slot: Slot) -> tuple[Stored, Leaving] | None:
         """Move a payload from the store to the replies leaving (caller holds ``_cv``): still pending."""
         entry = self._store.pop(slot, None)
         if entry is None:
             return None
         self._bytes -= entry.nbytes
-        leaving = _Leaving(slot, entry.nbytes, None, None, entry.owner)
+        leaving = Leaving(slot, entry.nbytes, None, None, entry.owner)
         self._leaving.append(leaving)
         if len(self._leaving) >= self._prune_at:  # amortized: pruning is linear in what is leaving
             self._prune_at = 2 * len(self._still_leaving()) + _PRUNE_MIN
@@ -470,7 +363,7 @@ class PullServer:
             self._deliver(served.identity, served.req_id, slot, *taken, served.local)
 
     def _deliver(
-        self, identity: bytes, req_id: int, slot: Slot, entry: _Stored, leaving: _Leaving, local: bool | None
+        self, identity: bytes, req_id: int, slot: Slot, entry: Stored, leaving: Leaving, local: bool | None
     ) -> None:
         loc = self._to_shm(entry) if local else None
         if loc is not None:
@@ -497,7 +390,7 @@ class PullServer:
         """FETCH_REPLY fields: with our probe for a client that sent the shm flag, without for an older one."""
         return (req_id, found) if local is None else (req_id, found, self._probe)
 
-    def _to_shm(self, entry: _Stored) -> bytes | None:
+    def _to_shm(self, entry: Stored) -> bytes | None:
         """Copy a large payload into a slot for a same-host fetcher; the packed handle, or None (frames)."""
         shm = self._shm
         if shm is None or entry.nbytes < shm.threshold:
@@ -510,12 +403,12 @@ class PullServer:
         """Send a reply without blocking; its tracker (or True untracked), or None when ZeroMQ refused it."""
         try:
             if not track:
-                self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+                self._router.sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
                 return True
             # One tracker per part: send_multipart tracks only the last, which may be a small copied one.
             parts = [identity, *frames]
-            trackers = [self._sock.send(part, _MORE, copy=False, track=True) for part in parts[:-1]]
-            trackers.append(self._sock.send(parts[-1], zmq.NOBLOCK, copy=False, track=True))
+            trackers = [self._router.sock.send(part, _MORE, copy=False, track=True) for part in parts[:-1]]
+            trackers.append(self._router.sock.send(parts[-1], zmq.NOBLOCK, copy=False, track=True))
             return zmq.MessageTracker(*trackers)
         except zmq.ZMQError as exc:
             self._counters.add("replies_dropped")
@@ -550,7 +443,7 @@ class PullServer:
         gone = 0
         for identity in peers:
             try:
-                self._sock.send_multipart([identity, probe], zmq.NOBLOCK)
+                self._router.sock.send_multipart([identity, probe], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
                     with self._cv:
@@ -559,10 +452,7 @@ class PullServer:
             self._counters.add("fetches_of_gone_peers", gone)
 
     def _shutdown(self) -> None:
-        self._loop.remove_reader(self._sock)
-        if self._stop_refusals is not None:
-            self._stop_refusals()
-            self._stop_refusals = None
+        self._router.stop_reading()
         # Replies handed to ZeroMQ just before close may still be leaving: give them a bounded moment,
         # then report those that did not make it (closing the socket drops them).
         deadline = time.monotonic() + _CLOSE_GRACE_S
@@ -572,7 +462,7 @@ class PullServer:
             time.sleep(_SEND_CHECK_S)
             with self._cv:
                 leaving = self._still_leaving()
-        close_bound(self._sock, self._bound)
+        self._router.close()
         self._report_lost(
             [(entry.slot, entry.owner) for entry in leaving],
             "delivery_failures",
