@@ -68,6 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=300, help="puts of each backend (the first 20 are warm-up)")
     parser.add_argument("--pace-ms", type=float, default=20.0, help="ms between two puts (0: back to back)")
+    parser.add_argument("--inline-threshold", type=int, default=None, help="our connector's inline_threshold")
     parser.add_argument("--breakdown", action="store_true", help="also time encode and the sender's send (ours)")
     args = parser.parse_args()
 
@@ -89,7 +90,9 @@ def main() -> int:
     proc.start()
     if queue.get(timeout=60) != "up":
         return 1
-    extra = {"mode": "push", "endpoints": endpoints, "stage_id": 0, "role": "sender"}
+    extra: dict[str, Any] = {"mode": "push", "endpoints": endpoints, "stage_id": 0, "role": "sender"}
+    if args.inline_threshold is not None:
+        extra["inline_threshold"] = args.inline_threshold
     ours = create_connector({"name": "ZmqConnector", "extra": extra})
     theirs = MainShmConnector({"stage_id": 0})
     parts: dict[str, list[float]] = {"encode": [], "send": []}
