@@ -6,11 +6,14 @@
   while the endpoint stays open for the other connector, whose gets go on;
 * a close while the receiver decodes a slow payload returns with the socket closed:
   the address binds again at once, and the process's ZeroMQ context is released;
-* a threaded connector that only receives starts no thread besides its endpoint's driver.
+* a threaded connector that only receives starts no thread besides its endpoint's driver;
+* each put is taken exactly once across a dozen restarts of its receiver, each closed at a
+  random point while three threads get from it.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -139,3 +142,60 @@ def test_a_threaded_connector_that_only_receives_starts_one_thread_its_endpoints
         assert receiver.get("0", "1", "none") is None
         started = [t for t in threading.enumerate() if t not in before]
         assert len(started) == 1, started  # the bound endpoint's I/O thread: the driver of its socket
+
+
+def test_each_put_is_taken_once_across_restarts_of_the_receiver_while_gets_race_its_close(short_tmp: Path) -> None:
+    endpoint = f"ipc://{short_tmp}/restart.sock"
+    spec = {"role": "receiver", "from_stage": 0, "to_stage": 1, "endpoints": {"1": endpoint}, "shm": "off"}
+    rounds, per_round = 12, 20
+    taken: dict[str, int] = {}
+    lock = threading.Lock()
+    rng = random.Random(42)
+    outstanding: list[str] = []
+
+    def getter(receiver: ZmqConnector, stop: threading.Event) -> None:
+        while not stop.is_set():
+            with lock:
+                keys = list(outstanding)
+            for key in keys:
+                got = receiver.get_with_deadline("0", "1", key, deadline=time.monotonic() + 0.002)
+                if got is not None:
+                    assert got[0] == {"key": key}
+                    with lock:
+                        taken[key] = taken.get(key, 0) + 1
+                        if key in outstanding:
+                            outstanding.remove(key)
+            if not keys:
+                time.sleep(0.001)
+
+    upstream_spec = {"role": "sender", "from_stage": 0, "to_stage": 1, "endpoints": {"1": endpoint}}
+    with ZmqConnector({**upstream_spec, "heartbeat_s": 0.05, "delivery_timeout_s": 60}) as upstream:
+        for round_no in range(rounds + 1):
+            receiver = ZmqConnector(spec)
+            stop = threading.Event()
+            getters = [threading.Thread(target=getter, args=(receiver, stop)) for _ in range(3)]
+            for thread in getters:
+                thread.start()
+            try:
+                if round_no < rounds:
+                    for i in range(per_round):
+                        key = f"r{round_no}-{i}"
+                        with lock:
+                            outstanding.append(key)
+                        assert upstream.put("0", "1", key, {"key": key})[0]
+                    time.sleep(rng.uniform(0.0, 0.03))  # close at a random point of the stream and its gets
+                else:  # the last incarnation takes what is left (resent by the sender)
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:
+                        with lock:
+                            if not outstanding:
+                                break
+                        time.sleep(0.01)
+            finally:
+                receiver.close()
+                stop.set()
+                for thread in getters:
+                    thread.join(10)
+    assert not outstanding
+    assert sorted(taken) == sorted(f"r{r}-{i}" for r in range(rounds) for i in range(per_round))
+    assert {count for count in taken.values()} == {1}, {key: n for key, n in taken.items() if n != 1}
