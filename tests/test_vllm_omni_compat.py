@@ -597,8 +597,8 @@ def test_the_docs_page_yaml_loads_and_builds_the_edge(short_tmp: Path) -> None:
     assert resolved.endpoints["1"] == "ipc:///tmp/omni-stage1-r2-t0.sock" and resolved.role == "receiver"
     # the same extra, with the socket moved into this test's directory, builds and binds
     ours = {**stage_extra, "endpoints": {"1": f"ipc://{short_tmp}/s1-r{{replica}}-t{{rank}}.sock"}}
-    with ZmqConnector(ours) as receiver:
-        assert receiver.stage_id == 1 and receiver.endpoint == f"ipc://{short_tmp}/s1-r0-t0.sock"
+    with ZmqConnector(ours) as receiver:  # this test's process is no TP worker: {rank} is "engine"
+        assert receiver.stage_id == 1 and receiver.endpoint == f"ipc://{short_tmp}/s1-r0-tengine.sock"
     tcp_extra = tcp["runtime"]["connectors"]["zmq_edge"]["extra"]
     assert ZmqConnectorConfig.from_dict(tcp_extra).bind == "tcp://0.0.0.0:5601"
     # the diff's "after" side is the same edge choice as the full config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,40 @@ def test_the_factory_builds_it_by_name(short_tmp: Path) -> None:
         assert isinstance(conn, ZmqConnector) and conn.health()["role"] == "sender"
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize(
+    ("tp_rank", "local_rank_env", "rank", "placed"),
+    [
+        (1, "0", 1, "1"),  # a TP worker: vLLM's TP rank, whatever LOCAL_RANK says
+        (0, None, 0, "0"),
+        (None, None, None, "engine"),  # the EngineCore of a TP stage: no rank, not rank 0
+        (None, "3", 3, "3"),  # vLLM loaded, no TP group, torchrun's LOCAL_RANK: main's fallback
+        ("absent", "2", 2, "2"),  # no vLLM in the process
+        ("absent", None, None, "engine"),
+    ],
+)
+def test_rank_is_vllms_tp_rank_and_a_non_worker_has_none(
+    tp_rank: int | str | None,
+    local_rank_env: str | None,
+    rank: int | None,
+    placed: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.vllm_main.vllm_state import MODULE, parallel_state
+
+    if tp_rank == "absent":
+        monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    else:
+        assert not isinstance(tp_rank, str)
+        monkeypatch.setitem(sys.modules, MODULE, parallel_state(tp_rank, 2))
+    if local_rank_env is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank_env)
+    cfg = ZmqConnectorConfig.from_dict({"endpoints": {"1": "ipc:///tmp/s1-t{rank}"}, "bind": "ipc:///tmp/b{rank}"})
+    assert cfg.local_rank == rank
+    assert cfg.endpoints["1"] == f"ipc:///tmp/s1-t{placed}" and cfg.bind == f"ipc:///tmp/b{placed}"
+    # the key given wins over everything
+    given = ZmqConnectorConfig.from_dict({"endpoints": {"1": "ipc:///tmp/s1-t{rank}"}, "local_rank": 5})
+    assert given.local_rank == 5 and given.endpoints["1"] == "ipc:///tmp/s1-t5"

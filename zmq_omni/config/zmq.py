@@ -8,6 +8,7 @@ bounds, reader); :func:`~zmq_omni.config.reader.read_fields` reads them.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
@@ -19,7 +20,7 @@ from .extra import foreign_keys
 from .fields import read_mapping, read_stage_id
 from .reader import read_fields, setting
 
-__all__ = ["TRANSFER_ENGINE_KEYS", "ZmqConnectorConfig"]
+__all__ = ["NO_RANK", "TRANSFER_ENGINE_KEYS", "ZmqConnectorConfig"]
 
 #: Keys vllm-omni's factory writes into a dual-merged ``extra`` (its transfer-engine connectors'
 #: ports and rank maps). They mean nothing to ZeroMQ endpoints and are accepted and ignored.
@@ -48,9 +49,35 @@ def _env_int(name: str) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def _place(endpoint: str, replica_id: int, local_rank: int) -> str:
+#: What ``{rank}`` becomes in a process that is not a tensor-parallel worker (vLLM's EngineCore, the orchestrator).
+NO_RANK = "engine"
+
+
+def _tp_rank() -> int | None:
+    """The TP rank of this process, as main's ``get_local_tp_rank`` finds it; None: not a TP worker.
+
+    vLLM's multiprocess executor hands each worker its rank as an argument and
+    sets up the TP group before the model runner builds its connectors: the rank
+    is ``get_tensor_model_parallel_rank()`` once that group exists (vLLM is never
+    imported here: a process that has not imported it has no TP group). Else
+    ``$LOCAL_RANK`` (torchrun and main's own fallback). A process with neither
+    (the EngineCore of a TP > 1 stage, which builds the scheduler's connector)
+    has no rank, rather than passing for rank 0.
+    """
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None:
+        try:
+            return int(state.get_tensor_model_parallel_rank())
+        except Exception:  # vLLM asserts when the TP group is not set up in this process
+            pass
+    value = os.environ.get("LOCAL_RANK", "")
+    return int(value) if value.isdigit() else None
+
+
+def _place(endpoint: str, replica_id: int, local_rank: int | None) -> str:
     """``endpoint`` with ``{replica}`` and ``{rank}`` replaced (plain replacement: no format syntax)."""
-    return endpoint.replace("{replica}", str(replica_id)).replace("{rank}", str(local_rank))
+    rank = NO_RANK if local_rank is None else str(local_rank)
+    return endpoint.replace("{replica}", str(replica_id)).replace("{rank}", rank)
 
 
 def _read_stage(data: Mapping[str, Any], key: str, path: str) -> str | None:
@@ -112,8 +139,10 @@ class ZmqConnectorConfig:
         to_stage: vllm-omni injects it; names the stage to bind when ``stage_id`` is absent.
         replica_id: this process's replica of its stage (default ``$VLLM_OMNI_REPLICA_ID`` or 0);
             replaces ``{replica}`` in ``endpoints`` and ``bind``.
-        local_rank: this process's tensor-parallel rank (default ``$LOCAL_RANK`` or 0);
-            replaces ``{rank}`` in ``endpoints`` and ``bind``.
+        local_rank: this process's tensor-parallel rank: default vLLM's TP rank in a TP
+            worker, else ``$LOCAL_RANK``, else None (not a TP worker: vLLM's EngineCore,
+            the orchestrator); replaces ``{rank}`` in ``endpoints`` and ``bind`` (None
+            puts ``engine``, so such a process never takes rank 0's endpoint).
         metadata_get_timeout_s: push mode: longest a ``get`` handed the metadata
             of one of our puts waits for that put to arrive (vllm-omni's
             orchestrator calls ``get`` once); a ``get`` without such metadata never waits.
@@ -193,7 +222,7 @@ class ZmqConnectorConfig:
     from_stage: str | None = setting(None, read=_read_stage)
     to_stage: str | None = setting(None, read=_read_stage)
     replica_id: int = setting(default_factory=lambda: _env_int("VLLM_OMNI_REPLICA_ID"), minimum=0)
-    local_rank: int = setting(default_factory=lambda: _env_int("LOCAL_RANK"), minimum=0)
+    local_rank: int | None = setting(default_factory=_tp_rank, minimum=0)
     metadata_get_timeout_s: float = setting(5.0, minimum=0.0)
     put_timeout_s: float = setting(10.0, minimum=0.0)
     delivery_timeout_s: float = setting(30.0, minimum=0.001)
