@@ -30,6 +30,7 @@ READ_BY_DECLARATION: list[tuple[type, Any]] = [
     (SharedMemoryConfig, lambda: SharedMemoryConfig.from_dict({})),
     (RetryPolicy, lambda: RetryPolicy.from_dict({})),
     (KVTransferConfig, lambda: KVTransferConfig.from_dict({"from_stage": "0", "to_stage": "1"})),
+    (ChunkManagerConfig, lambda: ChunkManagerConfig.from_dict({"stage_id": "s"})),  # no numeric neighbours
     (
         PipelineConfig,
         lambda: load_pipeline_config({"pipeline": {"stages": [{"name": "a", "stage_id": 0, "function": "m:f"}]}}),
@@ -52,11 +53,31 @@ def test_what_an_empty_dict_gives_is_the_declared_default_of_every_key(cls: type
         assert getattr(built, name) == default, name
 
 
-@pytest.mark.parametrize("cls", [ZmqConnectorConfig, SharedMemoryConfig, RetryPolicy, KVTransferConfig])
+@pytest.mark.parametrize(
+    "cls", [ZmqConnectorConfig, SharedMemoryConfig, RetryPolicy, KVTransferConfig, ChunkManagerConfig]
+)
 def test_from_dict_writes_no_default_of_its_own(cls: type) -> None:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls.from_dict.__func__)))  # type: ignore[attr-defined]
     called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     assert called & TYPED_READERS == set()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "missing required config key 'chunk_manager.stage_id'"),
+        ({"stage_id": 1, "shutdown_grace_s": -1}, "config key 'chunk_manager.shutdown_grace_s' must be >= 0, got -1"),
+        ({"stage_id": 1, "concat_axis": 0.5}, "config key 'chunk_manager.concat_axis' must be an integer, got 0.5"),
+        ({"stage_id": 1, "retry": {"attempts": 0}}, "config key 'chunk_manager.retry.attempts' must be >= 1, got 0"),
+        ({"stage_id": 1, "connector": 3}, "chunk_manager.connector: expected a mapping, got int"),
+        ({"stage_id": 1, "stall_timeout_s": 0}, "'stall_timeout_s' and 'recv_wait_s' must be > 0"),
+        ({"stage_id": 1, "max_queued_chunks": 0}, "'max_queued_chunks' must be >= 1, got 0"),
+    ],
+)
+def test_the_chunk_managers_messages_name_the_key(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ChunkManagerConfig.from_dict(data)
+    assert str(caught.value) == message
 
 
 # -- the reader ---------------------------------------------------------------------------------
