@@ -17,7 +17,7 @@ from zmq_omni.adapters import RetryPolicy
 from zmq_omni.adapters.chunk import ChunkManagerConfig
 from zmq_omni.adapters.kv import KVTransferConfig
 from zmq_omni.config import ZmqConnectorConfig
-from zmq_omni.config.reader import declared_defaults, read_fields, setting
+from zmq_omni.config.reader import declared_defaults, read_config, read_fields, setting
 from zmq_omni.connectors.shm import SharedMemoryConfig
 from zmq_omni.errors import ConfigError
 from zmq_omni.stages import PipelineConfig, load_pipeline_config
@@ -123,6 +123,13 @@ def test_a_type_without_a_reader_is_a_programming_error_when_it_is_read() -> Non
     assert read_fields(_Sample, {"name": "n"}, "s")["anything"] is None  # absent: its default
     with pytest.raises(TypeError, match=r"_Sample\.anything: no reader"):
         read_fields(_Sample, {"name": "n", "anything": 1}, "s")
+
+
+def test_read_config_refuses_unknown_keys_and_leaves_unread_fields_at_their_default() -> None:
+    assert read_config(_Sample, {"name": "n", "count": 4}, "s", unread=["anything"]) == _Sample(name="n", count=4)
+    for data in ({"name": "n", "nope": 1}, {"name": "n", "anything": 1}):
+        with pytest.raises(ConfigError, match=r"unknown config key 's\.(nope|anything)' \(known: count, level, mode,"):
+            read_config(_Sample, data, "s", unread=["anything"])
 
 
 # -- the docs list every key with its default -----------------------------------------------------

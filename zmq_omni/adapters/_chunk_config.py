@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConnectorSpec
-from ..config.fields import check_known_keys
 from ..config.pipeline import read_connector_spec
-from ..config.reader import read_fields, setting
+from ..config.reader import read_config, setting
 from ..errors import ConfigError
 from .retry import RetryPolicy
 
@@ -104,5 +103,4 @@ class ChunkManagerConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
-        check_known_keys(data, cls.__dataclass_fields__, path)
-        return cls(**read_fields(cls, data, path))
+        return read_config(cls, data, path)
