@@ -85,7 +85,7 @@ class LockCheckingConnector(FlakyConnector):
         return super().flush(timeout_s)
 
 
-def _wait(condition: Any, what: str, timeout_s: float = 5.0) -> None:
+def _wait(condition: Any, what: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, what
@@ -96,9 +96,10 @@ def test_no_connector_call_runs_under_the_managers_lock() -> None:
     namespace = f"lock-{uuid.uuid4().hex}"
     conn0 = LockCheckingConnector({"namespace": namespace, "stage_id": "0"})
     conn1 = LockCheckingConnector({"namespace": namespace, "stage_id": "1"})
-    common: dict[str, Any] = {"retry": FAST_RETRY, "recv_wait_s": 0.005, "idle_state_timeout_s": 0.3}
-    sender = OmniChunkManager(ChunkManagerConfig(stage_id="0", **common), conn0)
-    receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", stall_timeout_s=0.3, **common), conn1)
+    common: dict[str, Any] = {"retry": FAST_RETRY, "recv_wait_s": 0.005}
+    # Short enough to see a stall and an age-out, long enough for a busy machine's streams to go through.
+    sender = OmniChunkManager(ChunkManagerConfig(stage_id="0", idle_state_timeout_s=0.5, **common), conn0)
+    receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", stall_timeout_s=2.0, **common), conn1)
     conn0.manager, conn1.manager = sender, receiver
     try:
         # A whole stream, taken as it arrives (gets, the final chunk's cleanup).
