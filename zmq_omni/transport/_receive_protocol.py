@@ -6,14 +6,13 @@ item to deliver (:attr:`ReceiveProtocol.arrivals`), what each sender must hear
 (:class:`Reply` objects to send, each reported back with :meth:`sent`), and
 when the batched acknowledgements are due (:meth:`ReceiveProtocol.schedule`,
 :attr:`ReceiveProtocol.flush_due`: decided here alone; the driver keeps the
-time). It touches no socket, takes no lock and starts no thread. What needs
-I/O it leaves to the driver as a request: a PING or a HEALTH waits in
-:attr:`ReceiveProtocol.asked` until the driver has handed over what left the
-mailbox (:meth:`ReceiveProtocol.taken`), attached the probe segments it names
-(:meth:`ReceiveProtocol.probes`) and computed the health answer, then calls
-:meth:`ReceiveProtocol.answer`. (Its one read outside: a shared-memory DATA's
-slot header, to size it before it is accepted.) It belongs to the receiver's
-driver (see :mod:`~zmq_omni.transport._receiver`), who calls it one message at a time.
+time). It touches no socket, takes no lock and starts no thread: a PING or a
+HEALTH waits in :attr:`ReceiveProtocol.asked` until the driver hands over what
+left the mailbox (:meth:`ReceiveProtocol.taken`), attaches the probe segments
+(:meth:`ReceiveProtocol.probes`), computes the health and calls
+:meth:`ReceiveProtocol.answer` (its one read outside: a shared-memory DATA's slot
+header, sized before it is accepted). It belongs to the receiver's driver (see
+:mod:`~zmq_omni.transport._receiver`), who calls it one message at a time.
 
 What each sender is told (dedupe window, acknowledgements, pongs) is the
 per-sender :class:`~zmq_omni.transport._dedupe.SourceState`; the socket layout
@@ -54,9 +53,8 @@ _PING_TYPES = (str, int, int)
 _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
-# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong
-# names the consumptions not yet told, at most MAX_PONG_RECENT told once and at most MAX_PONG_REPEATS told
-# twice: several REPLYs).
+# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong names
+# the consumptions not yet told, at most MAX_PONG_RECENT told once and MAX_PONG_REPEATS twice: several REPLYs).
 _MAX_REPLY_SEQS = 1024
 
 
@@ -84,6 +82,9 @@ class Reply(NamedTuple):
     ping: int  # the PING answered; -1 a plain ack; DROPPED_* a drop report
     arrived: list[int]
     consumed: list[int]
+
+
+Verdicts = dict[tuple[str, bytes], bool]  # a probe segment's (name, nonce) -> readable here
 
 
 class Ask(NamedTuple):
@@ -117,9 +118,8 @@ class ReceiveProtocol:
         counters: where rejections and duplicates are counted.
         shm: the shared-memory reader, None without the fast path (it sizes handles).
         ack_delay_s: longest an acknowledgement owed waits to be batched (see :meth:`schedule`).
-        max_key_bytes: the longest key accepted (UTF-8 bytes); a DATA with a longer one is
-            refused, a BATCH entry with one is rejected alone (both counted in ``rejected_keys``
-            and ``rejected_frames``).
+        max_key_bytes: the longest key accepted (UTF-8 bytes); a longer one's DATA, or BATCH
+            entry alone, is refused (counted in ``rejected_keys`` and ``rejected_frames``).
     """
 
     def __init__(
@@ -231,19 +231,16 @@ class ReceiveProtocol:
 
     def probes(self) -> list[list[Any]]:
         """Probe segments of the waiting PINGs that their senders' verdicts do not cover (the driver attaches each)."""
-        seen: dict[tuple[str, bytes], list[Any]] = {}
-        for ask in self.asked:
-            if ask.probe is not None and ask.source is not None and ask.probe != ask.source.probe:
-                seen.setdefault((ask.probe[0], ask.probe[1]), ask.probe)
-        return list(seen.values())
+        new = {
+            (a.probe[0], a.probe[1]): a.probe for a in self.asked if a.probe and a.source and a.probe != a.source.probe
+        }
+        return list(new.values())
 
     def wants_health(self) -> bool:
         """True when a HEALTH request waits (the driver computes the answer for :meth:`answer`)."""
         return any(ask.source is None for ask in self.asked)
 
-    def answer(
-        self, verdicts: dict[tuple[str, bytes], bool] | None = None, health: dict[str, Any] | None = None
-    ) -> None:
+    def answer(self, verdicts: Verdicts | None = None, health: dict[str, Any] | None = None) -> None:
         """Answer every request in :attr:`asked`, into :attr:`replies`.
 
         Call it after handing over what left the mailbox (:meth:`taken`): a pong tells every
