@@ -107,7 +107,7 @@ class PullServer:
         self._bytes_sent = 0
         self._max_key = max_key_bytes
         self._lot = ParkingLot(_MAX_PARKED, _MAX_PARKED_BYTES)  # parked FETCHes (long polls)
-        for name in ("fetches_evicted", "fetches_of_gone_peers"):
+        for name in ("fetches_evicted", "fetches_of_gone_peers", "parked", "parked_bytes"):
             counters.add(name, 0)
         self._probed_at = 0.0
         self._closed = False
@@ -428,6 +428,8 @@ class PullServer:
                 self._cv.notify_all()
             unanswered = self._lot.expire(now)  # parked fetches whose wait ended
             probe = self._lot.peers() if now - self._probed_at >= _PROBE_S else []
+            self._counters.set("parked", self._lot.count)  # gauges, as of this beat
+            self._counters.set("parked_bytes", self._lot.nbytes)
         for waiter in unanswered:
             self._not_found(waiter.identity, waiter.req_id, waiter.local)
         if probe:
