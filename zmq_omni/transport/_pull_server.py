@@ -2,6 +2,11 @@
 
 The FETCH/FETCH_REPLY exchange is described in :mod:`zmq_omni.transport._pull_protocol`.
 
+Bounds on what fetchers make it hold (see docs/limits.md): parked FETCHes in
+a :class:`~zmq_omni.transport._pull_lot.ParkingLot` shared per connection,
+keys of at most ``max_key_bytes``, and the ROUTER's reading bounded per turn
+(:mod:`~zmq_omni.transport._pull_socket`).
+
 Threads: put threads call :meth:`PullServer.store`, :meth:`~PullServer.forget`,
 :meth:`~PullServer.wait_fetched` and :meth:`~PullServer.close`; the driver (the
 endpoint's I/O thread, or the event loop of a connector it drives) runs the
