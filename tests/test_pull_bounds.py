@@ -40,14 +40,26 @@ _GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"
 _READY_BODY = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
 
 
-def zmtp_flood(path: str, frames: int) -> None:
+def zmtp_flood(path: str, frames: int, hold_s: float = 5.0) -> None:
     """Send one message of ``frames`` empty frames to the ipc socket ``path``, as a ZMTP 3.0 DEALER (no ZeroMQ)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
         conn.sendall(_GREETING + b"\x04" + bytes([len(_READY_BODY)]) + _READY_BODY)
         conn.recv(64)
         conn.sendall(b"\x01\x00" * (frames - 1) + b"\x00\x00")
-        time.sleep(0.5)  # complete once sent: the server holds it whatever we do now
+        _hold(conn, hold_s)
+
+
+def _hold(conn: socket.socket, hold_s: float) -> None:
+    """Keep the connection until the server closes it or ``hold_s`` passed (closed earlier, libzmq drops a
+    message it has not finished taking in)."""
+    conn.settimeout(hold_s)
+    end = time.monotonic() + hold_s
+    try:
+        while time.monotonic() < end and conn.recv(65536):
+            pass
+    except OSError:  # timed out, or reset by the server
+        pass
 
 
 def rss_mb() -> float:
