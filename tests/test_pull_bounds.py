@@ -273,3 +273,55 @@ async def test_an_event_loop_pull_server_never_stalls_whatever_a_peer_sends(
             assert health["delivery_failures"] == 0
             assert ticker.worst < 0.1, f"the loop stalled {ticker.worst * 1000:.0f} ms"
             assert rss_mb() - start_rss < 150
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_event_loop_pull_server_shares_its_lot_and_keeps_its_turns_short(
+    short_tmp: Path, zmq_ctx: zmq.Context[Any]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/lot.sock"
+    common = {"mode": "pull", "endpoints": {"0": endpoint}, "shm": "off"}
+    spec = {"name": "ZmqConnector", "extra": {"stage_id": "0", "role": "sender", **common}}
+    async with AsyncConnector.create(spec) as conn:
+        with ZmqConnector({"stage_id": "1", "role": "receiver", **common}) as client:
+            assert (await conn.put("0", "1", "warm", 0))[0]
+
+            def get(key: str, within: float = 10.0) -> Any:
+                return client.get_with_deadline("0", "1", key, deadline=time.monotonic() + within)
+
+            assert await asyncio.to_thread(get, "warm") is not None
+            hog = zmq_ctx.socket(zmq.DEALER)
+            hog.setsockopt(zmq.RCVHWM, 0)
+            hog.connect(endpoint)
+            try:
+                with Ticker() as ticker:
+
+                    def flood() -> None:
+                        for i in range(65_536):
+                            hog.send(fetch(i + 1, f"absent-{i}"))
+
+                    await asyncio.to_thread(flood)
+                    for _ in range(3000):
+                        if conn.health()["parked"] == 65_536:
+                            break
+                        await asyncio.sleep(0.01)
+                    start = time.monotonic()
+                    assert await asyncio.to_thread(get, "not-yet", 1.5) is None
+                    waited = time.monotonic() - start
+                    took = []
+                    for i in range(30):
+                        begin = time.perf_counter()
+                        assert (await conn.put("0", "1", f"k{i}", {"i": i}))[0]
+                        got = await asyncio.to_thread(get, f"k{i}")
+                        took.append(time.perf_counter() - begin)
+                        assert got is not None and got[0] == {"i": i}
+            finally:
+                hog.close(linger=0)
+            health = conn.health()
+            print(
+                f"\nbeside a peer holding the lot: {p50_p99(took)}; absent get waited {waited:.2f} s of 1.5; "
+                f"loop's worst stall {ticker.worst * 1000:.0f} ms"
+            )
+            assert waited > 1.3 and health["fetches_evicted"] >= 1
+            assert ticker.worst < 0.1, f"the loop stalled {ticker.worst * 1000:.0f} ms"
