@@ -30,8 +30,10 @@ from tests.test_hostile_input import Ticker
 from zmq_omni.aio import AsyncConnector
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.transport import _pull_server
-from zmq_omni.transport._envelope import Kind, pack
+from zmq_omni.transport._envelope import Kind, pack, unpack
+from zmq_omni.transport._pull_client import ASK_PARK_S, SILENT_S
 from zmq_omni.transport._router import trim_malloc
+from zmq_omni.wire import encode
 
 from .conftest import wait_until
 
@@ -325,3 +327,42 @@ async def test_an_event_loop_pull_server_shares_its_lot_and_keeps_its_turns_shor
             )
             assert waited > 1.3 and health["fetches_evicted"] >= 1
             assert ticker.worst < 0.1, f"the loop stalled {ticker.worst * 1000:.0f} ms"
+
+
+def test_a_threaded_get_asks_again_when_its_fetch_was_lost(zmq_ctx: zmq.Context[Any]) -> None:
+    """A server that loses the first FETCH (as one bound anew does) and answers the next: the get gets the payload."""
+    fake = zmq_ctx.socket(zmq.ROUTER)
+    fake.bind("tcp://127.0.0.1:*")
+    endpoint = fake.getsockopt(zmq.LAST_ENDPOINT).decode()
+    asked: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not fake.poll(20):
+                continue
+            identity, request_frame = fake.recv_multipart()
+            _, request, _ = unpack(request_frame)
+            asked.append((time.monotonic(), request[4]))
+            if len(asked) > 1:
+                fake.send_multipart([identity, pack(Kind.FETCH_REPLY, (request[0], True), encode({"ok": 1})[0])])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        with ZmqConnector(
+            {"stage_id": "1", "role": "receiver", "mode": "pull", "endpoints": {"0": endpoint}}
+        ) as client:
+            start = time.monotonic()
+            got = client.get_with_deadline("0", "1", "k", deadline=start + 10)
+            took = time.monotonic() - start
+            assert got is not None and got[0] == {"ok": 1}
+            assert client.health()["errors"] == 0
+    finally:
+        stop.set()
+        server.join(5)
+        fake.close(linger=0)
+    # The first ask was parked at most ASK_PARK_S; the second went SILENT_S after that park ended.
+    assert asked[0][1] == int(ASK_PARK_S * 1000)
+    assert ASK_PARK_S + SILENT_S - 0.1 < asked[1][0] - asked[0][0] < ASK_PARK_S + SILENT_S + 1.0
+    assert took < ASK_PARK_S + SILENT_S + 1.0
