@@ -6,6 +6,7 @@ The rules that move them are :mod:`zmq_omni.adapters._streams`; nothing here doe
 from __future__ import annotations
 
 import enum
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
@@ -13,8 +14,10 @@ from typing import Any, NamedTuple, Protocol
 __all__ = [
     "NO_EFFECTS",
     "PROGRESS",
+    "REMEMBERED",
     "RESUME",
     "STOPPED",
+    "CleanUps",
     "Effects",
     "RecvPhase",
     "RecvStream",
@@ -23,7 +26,20 @@ __all__ = [
     "SendStream",
     "Taken",
     "Waiter",
+    "remember",
 ]
+
+#: How many finished requests are remembered (to attribute late failures and to
+#: refuse a second stream under a used id); older ones are forgotten.
+REMEMBERED = 65_536
+
+
+def remember(book: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """Book ``key`` as the newest entry of ``book``, forgetting the oldest beyond :data:`REMEMBERED`."""
+    book[key] = value
+    book.move_to_end(key)
+    while len(book) > REMEMBERED:
+        book.popitem(last=False)
 
 
 class SendPhase(enum.Enum):
@@ -151,7 +167,44 @@ class Effects:
         pairs = ((getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
         return Effects(*(a + b if isinstance(a, tuple) else a or b for a, b in pairs))
 
+    @property
+    def cleaned_prefixes(self) -> tuple[str, ...]:
+        """The key prefixes this effect cleans up in the connector (``give_up`` and ``cleanup``)."""
+        return (*(prefix for _key, prefix in self.give_up), *self.cleanup)
+
 
 NO_EFFECTS = Effects()
 PROGRESS = Effects(changed=True)
 RESUME = Effects(resume=True)
+
+
+class CleanUps:
+    """The key prefixes whose clean-up (``give_up``, ``cleanup``) was decided and not yet reported done.
+
+    The shell does that I/O after releasing its lock; until it reports it done, a
+    stream opened under one of these prefixes would lose its first chunks to it.
+    """
+
+    def __init__(self) -> None:
+        self._pending: Counter[str] = Counter()
+
+    def __contains__(self, prefix: object) -> bool:
+        return prefix in self._pending
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def begin(self, effects: Effects) -> Effects:
+        """Book the clean-ups ``effects`` asks for as in flight; returns ``effects``."""
+        self._pending.update(effects.cleaned_prefixes)
+        return effects
+
+    def done(self, effects: Effects) -> bool:
+        """The clean-ups of ``effects`` were done (or given up); True when a prefix is free again."""
+        freed = False
+        for prefix in effects.cleaned_prefixes:
+            self._pending[prefix] -= 1
+            if self._pending[prefix] <= 0:
+                del self._pending[prefix]
+                freed = True
+        return freed

@@ -27,6 +27,12 @@ A receive stream (this stage reads a request from upstream)::
     ENDED --untaken for idle_state_timeout_s--> forgotten
 
 A PAUSED stream's stall clock stops: on resuming, its last progress moves on by the pause.
+
+A stream given up or ended leaves a clean-up of its key prefix for the shell to do
+(``Effects.give_up`` / ``cleanup``), in flight until the shell reports it with
+:meth:`Streams.cleaned`. A reused id reopens a receive stream under the same prefix,
+so :meth:`Streams.open_receive` defers it until then: the old stream's clean-up cannot
+drop the new stream's chunks (they share their keys).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from ._stream_types import (
     PROGRESS,
     RESUME,
     STOPPED,
+    CleanUps,
     Effects,
     RecvPhase,
     RecvStream,
@@ -51,34 +58,12 @@ from ._stream_types import (
     SendStream,
     Taken,
     Waiter,
+    remember,
 )
 
-__all__ = [
-    "NO_EFFECTS",
-    "REMEMBERED",
-    "Effects",
-    "RecvPhase",
-    "RecvStream",
-    "SaveItem",
-    "SendPhase",
-    "SendStream",
-    "Streams",
-    "Taken",
-    "Waiter",
-]
-
-#: How many finished requests are remembered (to attribute late failures and to
-#: refuse a second stream under a used id); older ones are forgotten.
-REMEMBERED = 65_536
+__all__ = ["Streams"]
 
 _DIGITS = "0123456789"
-
-
-def _remember(book: OrderedDict[str, Any], key: str, value: Any) -> None:
-    book[key] = value
-    book.move_to_end(key)
-    while len(book) > REMEMBERED:
-        book.popitem(last=False)
 
 
 class Streams:
@@ -104,10 +89,15 @@ class Streams:
         self._send_owner: OrderedDict[str, str] = OrderedDict()
         self._recv_owner: OrderedDict[str, str] = OrderedDict()
         self._ended: OrderedDict[str, None] = OrderedDict()
+        self._cleaning = CleanUps()
         self._rotation = 0
         self._last_sweep = now
 
     # -- reads ---------------------------------------------------------------------------------
+    def cleaning(self, prefix: str) -> bool:
+        """True while a clean-up of ``prefix`` was decided and the shell has not reported it done."""
+        return prefix in self._cleaning
+
     def send_phase(self, request_id: str) -> SendPhase | None:
         """The phase of ``request_id``'s send stream (ENDED for a used id), None when it has none."""
         stream = self._send.get(request_id)
@@ -179,7 +169,7 @@ class Streams:
                 raise ValueError(f"request {request_id!r} already ended its stream")
             prefix = f"{external_req_id or request_id}_{self.config.stage_id}_"
             stream = self._send[request_id] = SendStream(request_id, prefix, now)
-            _remember(self._send_owner, prefix, request_id)
+            remember(self._send_owner, prefix, request_id)
         if stream.phase in STOPPED:
             return None
         if stream.phase is not SendPhase.OPEN:
@@ -244,7 +234,7 @@ class Streams:
             return False
         if stream is not None:
             del self._send[item.request_id]
-        _remember(self._ended, item.request_id, None)
+        remember(self._ended, item.request_id, None)
         return True
 
     def drain(self) -> list[SaveItem]:
@@ -277,7 +267,7 @@ class Streams:
             if recv is not None:
                 ext = recv.prefix[: -len(f"_{self.config.upstream_stage_id}_")]
             stream = self._send[request_id] = SendStream(request_id, f"{ext}_{self.config.stage_id}_", now)
-            _remember(self._send_owner, stream.prefix, request_id)
+            remember(self._send_owner, stream.prefix, request_id)
         effects = NO_EFFECTS
         if stream is not None and stream.phase is SendPhase.OPEN:
             dropped = self._drop_queued(request_id)
@@ -304,7 +294,7 @@ class Streams:
             stream.phase is SendPhase.FAILED or not any(item.request_id == request_id for item in self.queue)
         ):
             del self._send[request_id]
-            _remember(self._ended, request_id, None)
+            remember(self._ended, request_id, None)
         return effects
 
     def sweep_due(self, now: float) -> bool:
@@ -339,7 +329,7 @@ class Streams:
                 abandoned.append(request_id)
             else:
                 del self._send[request_id]
-                _remember(self._ended, request_id, None)
+                remember(self._ended, request_id, None)
                 expired.append(request_id)
         untaken: list[str] = []
         resume = False
@@ -354,17 +344,21 @@ class Streams:
         return effects if (expired or untaken or abandoned) else NO_EFFECTS
 
     # -- receive side -----------------------------------------------------------------------------
-    def open_receive(self, request_id: str, external_req_id: str | None, whole: bool, now: float) -> Effects:
+    def open_receive(self, request_id: str, external_req_id: str | None, whole: bool, now: float) -> Effects | None:
         """Start (or find) the receive stream of ``request_id``; ``whole`` keeps every chunk for ``load()``.
 
         A whole stream's chunks do not count against ``max_ready_bytes`` (``load()`` returns them at once).
+        None, and nothing started, while a clean-up of the new stream's key prefix is in flight:
+        ask again once :meth:`cleaned` frees it.
         """
         stream = self._recv.get(request_id)
         resume = False
         if stream is None:
             prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"
+            if prefix in self._cleaning:
+                return None
             stream = self._recv[request_id] = RecvStream(request_id, prefix, now)
-            _remember(self._recv_owner, prefix, request_id)
+            remember(self._recv_owner, prefix, request_id)
             resume = True
         if whole and stream.all_chunks is None:
             stream.all_chunks = list(stream.ready)
@@ -458,7 +452,7 @@ class Streams:
         stream.phase = RecvPhase.ENDED
         stream.cancelled_upstream = bool(meta.get("cancelled"))
         loaded = (stream.request_id,) if stream.all_chunks is None else ()
-        return False, Effects(cleanup=(stream.prefix,), finished_loaded=loaded, changed=True)
+        return False, self._cleaning.begin(Effects(cleanup=(stream.prefix,), finished_loaded=loaded, changed=True))
 
     def after_get(self, key: str) -> Effects:
         """After every get of ``key``: bury its stream again when it was given up while the get ran.
@@ -472,7 +466,7 @@ class Streams:
         stream = self._recv.get(request_id) if request_id is not None else None
         if stream is not None and stream.prefix == prefix:
             return NO_EFFECTS  # still receiving (or ended normally: its final chunk's cleanup buried it)
-        return Effects(give_up=((key, prefix),))
+        return self._cleaning.begin(Effects(give_up=((key, prefix),)))
 
     def take(self, request_id: str) -> tuple[Taken | None, bool]:
         """``(the chunks received since the last take or None, wake the receive worker)``.
@@ -510,7 +504,11 @@ class Streams:
         if stream is None:
             return NO_EFFECTS
         resume = self._forget_receiving(request_id)
-        return Effects(give_up=((stream.next_key, stream.prefix),), resume=resume, changed=True)
+        return self._cleaning.begin(Effects(give_up=((stream.next_key, stream.prefix),), resume=resume, changed=True))
+
+    def cleaned(self, effects: Effects) -> bool:
+        """The shell did (or gave up) the clean-ups of ``effects``; True when a stream may open under a prefix again."""
+        return self._cleaning.done(effects)
 
     def _forget_receiving(self, request_id: str) -> bool:
         """Drop a receive stream and its untaken bytes; True when that frees room at the byte bound."""
