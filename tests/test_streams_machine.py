@@ -130,6 +130,8 @@ class StreamsMachine(RuleBasedStateMachine):
         if effects is None:  # a reused id: the shell waits until its old stream's clean-up is done
             assert self.streams.receiving(request) is None and self.streams.cleaning(f"{request}_0_")
             return
+        stream = self.streams.receiving(request)
+        assert stream is not None and stream.prefix == f"{request}_0_"
         self.apply(effects)
 
     @precondition(lambda self: self.cleaning)
@@ -150,6 +152,7 @@ class StreamsMachine(RuleBasedStateMachine):
         stream = self.streams.receiving(request)
         if stream is None or stream.phase is not RecvPhase.READING or stream not in self.streams.readable(self.now):
             return  # the worker reads only readable streams
+        assert self.streams.begin_get(stream)
         key = stream.next_key
         before = stream.next_chunk_id
         go_on, effects = self.streams.commit(key, chunk(before + 7 if bad else before, nbytes, final=final), self.now)
@@ -190,6 +193,17 @@ class StreamsMachine(RuleBasedStateMachine):
         effects = self.streams.after_get(key)
         assert effects.give_up == ((key, stream.prefix),)
         self.apply(effects)
+
+    @precondition(lambda self: self.streams.receiving("b") is not None)
+    @rule()
+    def cancel_while_a_get_is_out(self) -> None:
+        stream = self.streams.receiving("b")
+        assert stream is not None
+        if not self.streams.begin_get(stream):
+            return  # ended or at a bound: the worker does not read it
+        self.apply(self.streams.cancel("b", None, self.now))
+        assert self.streams.open_receive("b", None, False, self.now) is None  # the get is still out
+        self.apply(self.streams.after_get(stream.next_key))
 
     # -- invariants ---------------------------------------------------------------------------
     @invariant()
@@ -379,6 +393,27 @@ def test_a_reused_id_waits_for_its_old_streams_clean_up() -> None:
     assert streams.open_receive("r", None, False, 3.0) is None
     assert streams.cleaned(ended)
     assert streams.open_receive("r", None, False, 3.0) is not None
+
+
+def test_a_reused_id_waits_for_the_get_of_its_old_stream() -> None:
+    """The worker's get of a stream given up may still be out: the new stream (same keys) opens after it."""
+    streams = Streams(config(), 0.0)
+    streams.open_receive("r", None, False, 0.0)
+    old = streams.receiving("r")
+    assert old is not None and streams.begin_get(old)  # the worker's get of r_0_0 is out ...
+    cancelled = streams.cancel("r", None, 1.0)
+    assert streams.cleaned(cancelled) and not streams.cleaning("r_0_")  # ... its clean-up is done, the get is not
+    assert streams.open_receive("r", None, False, 1.0) is None
+    assert not streams.begin_get(old)  # the worker reads a given-up stream no further
+    buried = streams.after_get("r_0_0")  # the get is back: it could have taken a chunk only before the reopen
+    assert streams.open_receive("r", None, False, 1.0) is None and streams.cleaned(buried)
+    assert streams.open_receive("r", None, False, 1.0) is not None
+    new = streams.receiving("r")
+    assert new is not None and new is not old and streams.begin_get(new)
+    # next_target marks its key's get as out the same way.
+    streams.after_get(new.next_key)
+    assert streams.next_target(2.0) == "r_0_0" and streams.begin_get(new)
+    streams.after_get("r_0_0")
 
 
 def test_a_save_waiting_for_room_stops_when_its_request_does() -> None:

@@ -200,6 +200,9 @@ class ChunkShell(OmniTransferAdapterBase):
         upstream = str(self.config.upstream_stage_id)
         for stream in active:
             while not self.stop_event.is_set():
+                with self._lock:
+                    if not self._streams.begin_get(stream):
+                        break  # given up, ended, or at a bound (the rest stays in the connector)
                 # next_key moves only in _recv_commit, on this thread.
                 target = RecvTarget(upstream, self.stage_id, stream.next_key)
                 got = self.connector.get(upstream, self.stage_id, target.key)
@@ -210,9 +213,6 @@ class ChunkShell(OmniTransferAdapterBase):
                 progressed = True
                 if not self._recv_commit(target, got[0], stream):
                     break
-                with self._lock:
-                    if self._streams.at_bound(stream):
-                        break  # the rest stays in the connector until the scheduler takes these
         return progressed
 
     def _recv_target(self) -> RecvTarget | None:
@@ -237,6 +237,7 @@ class ChunkShell(OmniTransferAdapterBase):
         """
         with self._lock:
             effects = self._streams.after_get(target.key)
+            self._cleaned_cond.notify_all()  # a load of a reused id waits for the get to be back
         self._perform(effects)
 
     def _request_id_for_key(self, key: str, op: str) -> str | None:

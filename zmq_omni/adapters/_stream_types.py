@@ -43,7 +43,20 @@ def remember(book: OrderedDict[str, Any], key: str, value: Any) -> None:
 
 
 class SendPhase(enum.Enum):
-    """Where a request's send stream is (see the module docstring)."""
+    """Where a request's send stream is (this stage streams the request downstream).
+
+    Transitions::
+
+        OPEN --save(final)--> ENDING --final chunk put--> ENDED
+        OPEN --cancel--> CANCELLING (its cancelled end-of-stream marker queued) --marker put--> ENDED
+        OPEN --cancel(notify_downstream=False)--> CANCELLED
+        any  --a put gave up / a chunk refused--> FAILED
+        OPEN --idle for idle_state_timeout_s--> CANCELLING, reported as abandoned
+        not OPEN --idle for idle_state_timeout_s, or release--> ENDED
+
+    A cancel in ENDING leaves the final chunk and the chunks before it to go through.
+    ENDED streams are forgotten; their ids stay used (a second stream under one is refused).
+    """
 
     OPEN = "open"
     ENDING = "ending"
@@ -58,7 +71,17 @@ STOPPED = (SendPhase.CANCELLING, SendPhase.CANCELLED, SendPhase.FAILED)
 
 
 class RecvPhase(enum.Enum):
-    """Where a request's receive stream is (see the module docstring)."""
+    """Where a request's receive stream is (this stage reads the request from upstream).
+
+    Transitions::
+
+        READING --at max_ready_chunks / max_ready_bytes--> PAUSED --inputs taken--> READING
+        READING --final chunk--> ENDED --final inputs taken--> forgotten
+        READING --stall, bad chunk, cancel, release--> forgotten; the connector is told to give the stream up
+        ENDED --untaken for idle_state_timeout_s--> forgotten
+
+    A PAUSED stream's stall clock stops: on resuming, its last progress moves on by the pause.
+    """
 
     READING = "reading"
     PAUSED = "paused"

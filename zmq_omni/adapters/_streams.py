@@ -7,32 +7,15 @@ between them. It has no thread, lock, connector or clock: the caller passes the
 time in, serializes the calls (the manager holds its lock) and performs the I/O a
 transition answers with, an :class:`Effects`, after releasing its lock.
 
-A send stream (this stage streams a request downstream)::
-
-    OPEN --save(final)--> ENDING --final chunk put--> ENDED
-    OPEN --cancel--> CANCELLING (its cancelled end-of-stream marker queued) --marker put--> ENDED
-    OPEN --cancel(notify_downstream=False)--> CANCELLED
-    any  --a put gave up / a chunk refused--> FAILED
-    OPEN --idle for idle_state_timeout_s--> CANCELLING, reported as abandoned
-    not OPEN --idle for idle_state_timeout_s, or release--> ENDED
-
-A cancel in ENDING leaves the final chunk and the chunks before it to go through.
-ENDED streams are forgotten; their ids stay used (a second stream under one is refused).
-
-A receive stream (this stage reads a request from upstream)::
-
-    READING --at max_ready_chunks / max_ready_bytes--> PAUSED --inputs taken--> READING
-    READING --final chunk--> ENDED --final inputs taken--> forgotten
-    READING --stall, bad chunk, cancel, release--> forgotten; the connector is told to give the stream up
-    ENDED --untaken for idle_state_timeout_s--> forgotten
-
-A PAUSED stream's stall clock stops: on resuming, its last progress moves on by the pause.
+The phases and their transitions are drawn on :class:`SendPhase` (a send stream: this
+stage streams a request downstream) and :class:`RecvPhase` (a receive stream: this
+stage reads a request from upstream).
 
 A stream given up or ended leaves a clean-up of its key prefix for the shell to do
 (``Effects.give_up`` / ``cleanup``), in flight until the shell reports it with
 :meth:`Streams.cleaned`. A reused id reopens a receive stream under the same prefix,
-so :meth:`Streams.open_receive` defers it until then: the old stream's clean-up cannot
-drop the new stream's chunks (they share their keys).
+so :meth:`Streams.open_receive` defers it until then, and while the receive worker's
+get of the old stream is out: neither can take the new stream's chunks (same keys).
 """
 
 from __future__ import annotations
@@ -90,6 +73,7 @@ class Streams:
         self._recv_owner: OrderedDict[str, str] = OrderedDict()
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._cleaning = CleanUps()
+        self._getting: str | None = None  # the key prefix of the receive worker's get out, if any
         self._rotation = 0
         self._last_sweep = now
 
@@ -355,7 +339,7 @@ class Streams:
         resume = False
         if stream is None:
             prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"
-            if prefix in self._cleaning:
+            if prefix in self._cleaning or prefix == self._getting:
                 return None
             stream = self._recv[request_id] = RecvStream(request_id, prefix, now)
             remember(self._recv_owner, prefix, request_id)
@@ -410,7 +394,19 @@ class Streams:
         if not readable:
             return None
         self._rotation = (self._rotation + 1) % len(readable)
-        return readable[self._rotation].next_key
+        stream = readable[self._rotation]
+        self._getting = stream.prefix  # until after_get
+        return stream.next_key
+
+    def begin_get(self, stream: RecvStream) -> bool:
+        """True when the receive worker may get ``stream``'s next key (out until :meth:`after_get`).
+
+        False once the stream was forgotten, ENDED, or is at a ready bound.
+        """
+        if self._recv.get(stream.request_id) is not stream or stream.phase is RecvPhase.ENDED or self.at_bound(stream):
+            return False
+        self._getting = stream.prefix
+        return True
 
     def commit(self, key: str, obj: Any, now: float, stream: RecvStream | None = None) -> tuple[bool, Effects]:
         """Apply the object got under ``key``; ``(read on, effects)``.
@@ -462,6 +458,7 @@ class Streams:
         the worker choosing the key and its get returning laid them first.
         """
         prefix = key.rstrip(_DIGITS)
+        self._getting = None
         request_id = self._recv_owner.get(prefix)
         stream = self._recv.get(request_id) if request_id is not None else None
         if stream is not None and stream.prefix == prefix:
