@@ -110,10 +110,10 @@ class StreamsMachine(RuleBasedStateMachine):
     # -- the save worker -------------------------------------------------------------------------
     @rule(ok=st.booleans())
     def put_next(self, ok: bool) -> None:
-        item = self.streams.next_item()
+        item = self.streams.queue.take_next()
         if item is None:
             return
-        assert self.streams.in_flight is item
+        assert self.streams.queue.in_flight is item
         if self.streams.begin_put(item) and ok:
             self.delivered[item.key.rstrip("0123456789")].append((item.chunk_id, item.final))
             self.streams.put_done(item, True, self.now)
@@ -121,7 +121,7 @@ class StreamsMachine(RuleBasedStateMachine):
             self.streams.put_done(item, False, self.now)
             if not ok:
                 self.apply(self.streams.send_failed(item.request_id))
-        assert self.streams.in_flight is None
+        assert self.streams.queue.in_flight is None
 
     # -- the receive side ------------------------------------------------------------------------
     @rule(request=st.sampled_from(REQUESTS), whole=st.booleans())
@@ -312,7 +312,7 @@ def test_idle_state_ages_out() -> None:
     open_stream = streams.open_send("open", None, 0.0)
     assert open_stream is not None
     streams.queue_chunk(open_stream, {"n": 0}, False, None, 0.0)
-    item = streams.next_item()
+    item = streams.queue.take_next()
     assert item is not None and streams.put_done(item, True, 0.0) is False
     failed = streams.open_send("failed", None, 0.0)
     assert failed is not None
@@ -343,7 +343,7 @@ def test_a_reused_id_is_refused() -> None:
     assert streams.refusal("r") == "request 'r' is ending its stream"
     with pytest.raises(ValueError, match="chunk after the final one"):
         streams.open_send("r", None, 0.0)
-    item = streams.next_item()
+    item = streams.queue.take_next()
     assert item is not None and streams.begin_put(item)
     assert streams.put_done(item, True, 1.0) is True
     assert streams.send_phase("r") is SendPhase.ENDED

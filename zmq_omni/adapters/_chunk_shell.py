@@ -135,13 +135,13 @@ class ChunkShell(OmniTransferAdapterBase):
 
     # -- the save worker -------------------------------------------------------------------
     def _next_save_item(self) -> SaveItem | None:
-        item = self._streams.next_item()
+        item = self._streams.queue.take_next()
         if item is not None:
             self._room_cond.notify_all()
         return item
 
     def _drain_save_queue(self) -> list[Any]:
-        unsent = self._streams.drain()
+        unsent = self._streams.queue.take_all()
         self._room_cond.notify_all()
         return unsent
 

@@ -6,7 +6,7 @@ The rules that move them are :mod:`zmq_omni.adapters._streams`; nothing here doe
 from __future__ import annotations
 
 import enum
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
@@ -22,6 +22,7 @@ __all__ = [
     "RecvPhase",
     "RecvStream",
     "SaveItem",
+    "SaveQueue",
     "SendPhase",
     "SendStream",
     "Taken",
@@ -105,6 +106,12 @@ class SendStream:
     phase: SendPhase = SendPhase.OPEN
     next_chunk_id: int = 0
 
+    def next_item(self, data: Mapping[str, Any], final: bool) -> SaveItem:
+        """The next chunk of this stream, under the next key (the stream's chunk id steps)."""
+        item = SaveItem(self.request_id, f"{self.prefix}{self.next_chunk_id}", self.next_chunk_id, data, final)
+        self.next_chunk_id += 1
+        return item
+
 
 @dataclass(eq=False)
 class SaveItem:
@@ -118,6 +125,43 @@ class SaveItem:
     cancelled: bool = False
     done: Waiter | None = None
     ok: bool = False
+
+
+class SaveQueue(deque[SaveItem]):
+    """The chunks waiting for the save worker, in send order, and the one it took (``in_flight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: SaveItem | None = None
+
+    def take_next(self) -> SaveItem | None:
+        """Pop the next chunk to put; it is ``in_flight`` until the caller clears it."""
+        if not self:
+            return None
+        item = self.in_flight = self.popleft()
+        return item
+
+    def take_all(self) -> list[SaveItem]:
+        """Remove and return every queued chunk."""
+        items = list(self)
+        self.clear()
+        return items
+
+    def drop(self, request_id: str) -> list[SaveItem]:
+        """Remove and return the queued chunks of ``request_id``."""
+        dropped = [item for item in self if item.request_id == request_id]
+        if dropped:
+            kept = [item for item in self if item.request_id != request_id]
+            self.clear()
+            self.extend(kept)
+        return dropped
+
+    def busy(self) -> set[str]:
+        """The requests with a chunk queued or in flight."""
+        busy = {item.request_id for item in self}
+        if self.in_flight is not None:
+            busy.add(self.in_flight.request_id)
+        return busy
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ get of the old stream is out: neither can take the new stream's chunks (same key
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -37,6 +37,7 @@ from ._stream_types import (
     RecvPhase,
     RecvStream,
     SaveItem,
+    SaveQueue,
     SendPhase,
     SendStream,
     Taken,
@@ -56,15 +57,14 @@ class Streams:
     (any clock that only moves forward).
 
     Attributes:
-        queue: the chunks waiting for the save worker, in send order.
-        in_flight: the item the save worker took and has not finished.
+        queue: the chunks waiting for the save worker, in send order, and the one it took
+            (``queue.take_next()``; in flight until :meth:`put_done`).
         ready_bytes: payload bytes received for all streams and not taken yet.
     """
 
     def __init__(self, config: ChunkManagerConfig, now: float) -> None:
         self.config = config
-        self.queue: deque[SaveItem] = deque()
-        self.in_flight: SaveItem | None = None
+        self.queue = SaveQueue()
         self.ready_bytes = 0
         self._send: dict[str, SendStream] = {}
         self._recv: dict[str, RecvStream] = {}
@@ -172,9 +172,8 @@ class Streams:
         self, stream: SendStream, data: Mapping[str, Any], final: bool, done: Waiter | None, now: float
     ) -> SaveItem:
         """Queue the next chunk of ``stream`` (OPEN -> ENDING with the final one); the caller wakes the saver."""
-        item = SaveItem(stream.request_id, f"{stream.prefix}{stream.next_chunk_id}", stream.next_chunk_id, data, final)
+        item = stream.next_item(data, final)
         item.done = done
-        stream.next_chunk_id += 1
         stream.last_activity = now
         if final:
             stream.phase = SendPhase.ENDING
@@ -193,14 +192,7 @@ class Streams:
         if stream is None:
             return NO_EFFECTS
         stream.phase = SendPhase.FAILED
-        return Effects(released=tuple(self._drop_queued(request_id)), room=True)
-
-    def next_item(self) -> SaveItem | None:
-        """Pop the next chunk to put; it is in flight until :meth:`put_done`."""
-        if not self.queue:
-            return None
-        item = self.in_flight = self.queue.popleft()
-        return item
+        return Effects(released=tuple(self.queue.drop(request_id)), room=True)
 
     def begin_put(self, item: SaveItem) -> bool:
         """True when ``item`` should be put (its stream neither failed nor was forgotten)."""
@@ -209,8 +201,8 @@ class Streams:
 
     def put_done(self, item: SaveItem, ok: bool, now: float) -> bool:
         """``item`` left the save worker (put or not); True when it ended its stream (-> ENDED)."""
-        if self.in_flight is item:
-            self.in_flight = None
+        if self.queue.in_flight is item:
+            self.queue.in_flight = None
         stream = self._send.get(item.request_id)
         if stream is not None:
             stream.last_activity = now
@@ -220,17 +212,6 @@ class Streams:
             del self._send[item.request_id]
         remember(self._ended, item.request_id, None)
         return True
-
-    def drain(self) -> list[SaveItem]:
-        """Remove and return every queued item (shutdown)."""
-        items, self.queue = list(self.queue), deque()
-        return items
-
-    def _drop_queued(self, request_id: str) -> list[SaveItem]:
-        dropped = [item for item in self.queue if item.request_id == request_id]
-        if dropped:
-            self.queue = deque(item for item in self.queue if item.request_id != request_id)
-        return dropped
 
     # -- both sides -------------------------------------------------------------------------------
     def cancel(self, request_id: str, notify_downstream: bool | None, now: float) -> Effects:
@@ -254,14 +235,13 @@ class Streams:
             remember(self._send_owner, stream.prefix, request_id)
         effects = NO_EFFECTS
         if stream is not None and stream.phase is SendPhase.OPEN:
-            dropped = self._drop_queued(request_id)
+            dropped = self.queue.drop(request_id)
             if dropped:
                 stream.next_chunk_id = min(item.chunk_id for item in dropped)
             queued = notify_downstream is not False
             if queued:
-                marker = SaveItem(request_id, f"{stream.prefix}{stream.next_chunk_id}", stream.next_chunk_id, {}, True)
+                marker = stream.next_item({}, True)
                 marker.cancelled = True
-                stream.next_chunk_id += 1
                 self.queue.append(marker)
             stream.phase = SendPhase.CANCELLING if queued else SendPhase.CANCELLED
             effects = Effects(released=tuple(dropped), room=True, queued=queued)
@@ -296,9 +276,7 @@ class Streams:
         """
         self._last_sweep = now
         ttl = self.config.idle_state_timeout_s
-        busy = {item.request_id for item in self.queue}
-        if self.in_flight is not None:
-            busy.add(self.in_flight.request_id)
+        busy = self.queue.busy()
         expired: list[str] = []
         abandoned: list[str] = []
         for request_id, stream in list(self._send.items()):
