@@ -152,7 +152,6 @@ class StreamsMachine(RuleBasedStateMachine):
         stream = self.streams.receiving(request)
         if stream is None or stream.phase is not RecvPhase.READING or stream not in self.streams.readable(self.now):
             return  # the worker reads only readable streams
-        assert self.streams.begin_get(stream)
         key = stream.next_key
         before = stream.next_chunk_id
         go_on, effects = self.streams.commit(key, chunk(before + 7 if bad else before, nbytes, final=final), self.now)
@@ -164,6 +163,7 @@ class StreamsMachine(RuleBasedStateMachine):
         else:
             assert go_on and stream.next_chunk_id == before + 1 and stream.last_progress == self.now
         self.apply(self.streams.after_get(key))
+        assert self.streams.reads_on(stream) == (go_on and not self.streams.at_bound(stream))
 
     @rule(request=st.sampled_from(REQUESTS))
     def take(self, request: str) -> None:
@@ -194,16 +194,23 @@ class StreamsMachine(RuleBasedStateMachine):
         assert effects.give_up == ((key, stream.prefix),)
         self.apply(effects)
 
-    @precondition(lambda self: self.streams.receiving("b") is not None)
-    @rule()
-    def cancel_while_a_get_is_out(self) -> None:
-        stream = self.streams.receiving("b")
-        assert stream is not None
-        if not self.streams.begin_get(stream):
-            return  # ended or at a bound: the worker does not read it
-        self.apply(self.streams.cancel("b", None, self.now))
-        assert self.streams.open_receive("b", None, False, self.now) is None  # the get is still out
-        self.apply(self.streams.after_get(stream.next_key))
+    @rule(blocking=st.booleans())
+    def cancel_while_the_worker_reads(self, blocking: bool) -> None:
+        if blocking:
+            key = self.streams.next_target(self.now)
+            reading = [] if key is None else [key.rstrip("0123456789")]
+        else:
+            readable, effects = self.streams.scan(self.now)
+            self.apply(effects)
+            reading = [stream.prefix for stream in readable]
+        for prefix in reading:
+            request = prefix.split("_")[0]
+            self.apply(self.streams.cancel(request, None, self.now))
+            assert self.streams.open_receive(request, None, False, self.now) is None  # its keys may be read
+        if blocking and key is not None:
+            self.apply(self.streams.after_get(key))
+        else:
+            self.streams.end_pass()
 
     # -- invariants ---------------------------------------------------------------------------
     @invariant()
@@ -395,25 +402,27 @@ def test_a_reused_id_waits_for_its_old_streams_clean_up() -> None:
     assert streams.open_receive("r", None, False, 3.0) is not None
 
 
-def test_a_reused_id_waits_for_the_get_of_its_old_stream() -> None:
-    """The worker's get of a stream given up may still be out: the new stream (same keys) opens after it."""
+def test_a_reused_id_waits_for_the_receive_worker_to_leave_its_old_keys() -> None:
+    """The worker may still get a given-up stream's keys (its pass, its blocking get): a reopen waits for it."""
     streams = Streams(config(), 0.0)
     streams.open_receive("r", None, False, 0.0)
     old = streams.receiving("r")
-    assert old is not None and streams.begin_get(old)  # the worker's get of r_0_0 is out ...
+    readable, _ = streams.scan(0.0)  # the worker's pass reads r_0_0 without the lock ...
+    assert readable == [old] and old is not None and streams.reads_on(old)
     cancelled = streams.cancel("r", None, 1.0)
-    assert streams.cleaned(cancelled) and not streams.cleaning("r_0_")  # ... its clean-up is done, the get is not
+    assert streams.cleaned(cancelled) and not streams.cleaning("r_0_")  # ... its clean-up is done, the pass is not
+    assert not streams.reads_on(old)  # the worker reads a given-up stream no further
     assert streams.open_receive("r", None, False, 1.0) is None
-    assert not streams.begin_get(old)  # the worker reads a given-up stream no further
-    buried = streams.after_get("r_0_0")  # the get is back: it could have taken a chunk only before the reopen
-    assert streams.open_receive("r", None, False, 1.0) is None and streams.cleaned(buried)
+    streams.end_pass()  # anything it took meanwhile was put before the reopen
     assert streams.open_receive("r", None, False, 1.0) is not None
     new = streams.receiving("r")
-    assert new is not None and new is not old and streams.begin_get(new)
-    # next_target marks its key's get as out the same way.
-    streams.after_get(new.next_key)
-    assert streams.next_target(2.0) == "r_0_0" and streams.begin_get(new)
-    streams.after_get("r_0_0")
+    assert new is not None and new is not old
+    # The blocking get after a pass without progress holds the keys the same way, until after_get.
+    assert streams.next_target(2.0) == "r_0_0"
+    assert streams.cleaned(streams.cancel("r", None, 2.0))
+    assert streams.open_receive("r", None, False, 2.0) is None  # the get is still out
+    assert streams.cleaned(streams.after_get("r_0_0"))  # back, and the given-up stream buried again
+    assert streams.open_receive("r", None, False, 2.0) is not None
 
 
 def test_a_save_waiting_for_room_stops_when_its_request_does() -> None:

@@ -11,7 +11,8 @@ Who touches what:
   books, waiters of dropped saves, and every connector call. No connector call
   runs under the lock. A clean-up of a stream's keys stays booked in the
   streams until :meth:`ChunkShell._perform` reports it done (under the lock
-  again); a load of a reused id waits for it on ``self._cleaned_cond``.
+  again); a load of a reused id waits for it, and for the receive worker to be
+  done with the old stream's keys, on ``self._cleaned_cond``.
 * the save worker (``save_loop``) pops an item under the lock and puts it
   without it; the receive worker (``recv_loop``) reads the streams' next keys
   without it (only it moves them, in :meth:`ChunkShell._recv_commit`).
@@ -62,6 +63,7 @@ class ChunkShell(OmniTransferAdapterBase):
         self._room_cond = threading.Condition(self._lock)
         # Signalled (under self._lock) when a clean-up of a key prefix is done, or the manager stops.
         self._cleaned_cond = threading.Condition(self._lock)
+        self._reopens_waiting = 0  # loads of a reused id waiting on it (guarded by self._lock)
         self.counters.add("expired_states", 0)
 
     # -- deciding under the lock, doing after it -------------------------------------------
@@ -99,7 +101,7 @@ class ChunkShell(OmniTransferAdapterBase):
             if effects.cleaned_prefixes:
                 with self._lock:
                     if self._streams.cleaned(effects):
-                        self._cleaned_cond.notify_all()
+                        self._wake_reopens()
 
     def _perform_io(self, effects: Effects) -> None:
         for item in effects.released:
@@ -200,9 +202,6 @@ class ChunkShell(OmniTransferAdapterBase):
         upstream = str(self.config.upstream_stage_id)
         for stream in active:
             while not self.stop_event.is_set():
-                with self._lock:
-                    if not self._streams.begin_get(stream):
-                        break  # given up, ended, or at a bound (the rest stays in the connector)
                 # next_key moves only in _recv_commit, on this thread.
                 target = RecvTarget(upstream, self.stage_id, stream.next_key)
                 got = self.connector.get(upstream, self.stage_id, target.key)
@@ -213,6 +212,12 @@ class ChunkShell(OmniTransferAdapterBase):
                 progressed = True
                 if not self._recv_commit(target, got[0], stream):
                     break
+                with self._lock:
+                    if not self._streams.reads_on(stream):
+                        break  # given up, or at a bound: the rest stays in the connector until these are taken
+        with self._lock:
+            self._streams.end_pass()
+            self._wake_reopens()
         return progressed
 
     def _recv_target(self) -> RecvTarget | None:
@@ -237,8 +242,13 @@ class ChunkShell(OmniTransferAdapterBase):
         """
         with self._lock:
             effects = self._streams.after_get(target.key)
-            self._cleaned_cond.notify_all()  # a load of a reused id waits for the get to be back
+            self._wake_reopens()
         self._perform(effects)
+
+    def _wake_reopens(self) -> None:
+        """Wake the loads of reused ids waiting for the receive worker (call with ``self._lock`` held)."""
+        if self._reopens_waiting:
+            self._cleaned_cond.notify_all()
 
     def _request_id_for_key(self, key: str, op: str) -> str | None:
         with self._lock:

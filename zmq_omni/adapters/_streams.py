@@ -14,8 +14,9 @@ stage reads a request from upstream).
 A stream given up or ended leaves a clean-up of its key prefix for the shell to do
 (``Effects.give_up`` / ``cleanup``), in flight until the shell reports it with
 :meth:`Streams.cleaned`. A reused id reopens a receive stream under the same prefix,
-so :meth:`Streams.open_receive` defers it until then, and while the receive worker's
-get of the old stream is out: neither can take the new stream's chunks (same keys).
+so :meth:`Streams.open_receive` defers it until then, and while the receive worker
+may still get the old stream's keys (its pass, its blocking get): neither can take
+the chunks of a stream opened after them (same keys).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Streams:
         self._recv_owner: OrderedDict[str, str] = OrderedDict()
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._cleaning = CleanUps()
-        self._getting: str | None = None  # the key prefix of the receive worker's get out, if any
+        self._passing: list[RecvStream] = []  # the streams of the receive worker's pass (scan to end_pass)
+        self._getting: str | None = None  # the key prefix of its blocking get (next_target to after_get)
         self._rotation = 0
         self._last_sweep = now
 
@@ -317,7 +319,7 @@ class Streams:
         resume = False
         if stream is None:
             prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"
-            if prefix in self._cleaning or prefix == self._getting:
+            if prefix in self._cleaning or prefix == self._getting or any(s.prefix == prefix for s in self._passing):
                 return None
             stream = self._recv[request_id] = RecvStream(request_id, prefix, now)
             remember(self._recv_owner, prefix, request_id)
@@ -351,7 +353,7 @@ class Streams:
         return readable
 
     def scan(self, now: float) -> tuple[list[RecvStream], Effects]:
-        """The receive worker's pass: the readable streams, and the failures of those stalled."""
+        """The receive worker's pass: the streams to read (until :meth:`end_pass`), the failures of those stalled."""
         readable: list[RecvStream] = []
         effects = NO_EFFECTS
         limit = self.config.stall_timeout_s
@@ -364,7 +366,12 @@ class Streams:
                 )
             else:
                 readable.append(stream)
+        self._passing = readable
         return readable, effects
+
+    def end_pass(self) -> None:
+        """The receive worker's pass is over: its streams' keys are free for a reused id."""
+        self._passing = []
 
     def next_target(self, now: float) -> str | None:
         """The key the receive worker blocks on after a pass without progress (round robin)."""
@@ -376,15 +383,10 @@ class Streams:
         self._getting = stream.prefix  # until after_get
         return stream.next_key
 
-    def begin_get(self, stream: RecvStream) -> bool:
-        """True when the receive worker may get ``stream``'s next key (out until :meth:`after_get`).
-
-        False once the stream was forgotten, ENDED, or is at a ready bound.
-        """
-        if self._recv.get(stream.request_id) is not stream or stream.phase is RecvPhase.ENDED or self.at_bound(stream):
-            return False
-        self._getting = stream.prefix
-        return True
+    def reads_on(self, stream: RecvStream) -> bool:
+        """True while the receive worker may get ``stream``'s next key: not forgotten, ENDED nor at a bound."""
+        live = self._recv.get(stream.request_id) is stream
+        return live and stream.phase is not RecvPhase.ENDED and not self.at_bound(stream)
 
     def commit(self, key: str, obj: Any, now: float, stream: RecvStream | None = None) -> tuple[bool, Effects]:
         """Apply the object got under ``key``; ``(read on, effects)``.

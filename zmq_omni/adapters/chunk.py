@@ -212,8 +212,12 @@ class OmniChunkManager(ChunkShell):
                 effects = self._streams.open_receive(request_id, external_req_id, whole, now)
                 if effects is not None:
                     break
-                # A reused id: the clean-up of its previous stream's keys runs on another thread.
-                self._cleaned_cond.wait()
+                # A reused id: its previous stream's keys are still being cleaned up or read on another thread.
+                self._reopens_waiting += 1
+                try:
+                    self._cleaned_cond.wait()
+                finally:
+                    self._reopens_waiting -= 1
             sweep = self._streams.sweep_due(now)
             self._settle_locked(effects)
             stream = self._streams.receiving(request_id)
