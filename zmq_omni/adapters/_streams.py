@@ -11,11 +11,10 @@ The phases and their transitions are drawn on :class:`SendPhase` (a send stream:
 stage streams a request downstream) and :class:`RecvPhase` (a receive stream: this
 stage reads a request from upstream).
 
-A stream given up or ended leaves a clean-up of its key prefix for the shell to do
-(``Effects.give_up`` / ``cleanup``), in flight until the shell reports it with
-:meth:`Streams.cleaned`. A reused id reopens a receive stream under the same prefix,
-so :meth:`Streams.open_receive` defers it until then, and while the receive worker
-may still get the old stream's keys (its pass, its blocking get): neither can take
+A stream given up or ended leaves a clean-up of its key prefix for the shell to do (``Effects.give_up``
+/ ``cleanup``), in flight until the shell reports it with :meth:`Streams.cleaned`. A reused id reopens a
+receive stream under the same prefix, so :meth:`Streams.open_receive` defers it until then, and while
+the receive worker may still get the old stream's keys (its pass, its blocking get): neither can take
 the chunks of a stream opened after them (same keys).
 """
 
@@ -319,7 +318,9 @@ class Streams:
         resume = False
         if stream is None:
             prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"
-            if prefix in self._cleaning or prefix == self._getting or any(s.prefix == prefix for s in self._passing):
+            if prefix in self._recv_owner and (  # a reused prefix: its old stream's keys may still be in use
+                prefix in self._cleaning or prefix == self._getting or any(s.prefix == prefix for s in self._passing)
+            ):
                 return None
             stream = self._recv[request_id] = RecvStream(request_id, prefix, now)
             remember(self._recv_owner, prefix, request_id)
