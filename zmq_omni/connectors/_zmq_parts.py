@@ -39,8 +39,8 @@ from ..transport import (
     require_curve,
 )
 from ..wire import DecodeLimits
-from ._early_puts import take_early
-from ._shared_endpoint import SharedEndpoint, acquire, has_served, served
+from ._expected_puts import settle, take_cancels
+from ._shared_endpoint import SharedEndpoint, acquire
 from ._zmq_bind import BOUND_SETTINGS, open_endpoint, shm_pool
 from .base import OmniConnectorBase, key_matches_prefix
 
@@ -245,9 +245,9 @@ class ZmqParts(OmniConnectorBase):
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
-            # This process's puts on their way here since before the bind are expected now; what was
-            # cleaned up meanwhile is dropped (already in, or as it comes, from anyone), whatever gets ask.
-            for key, prefix in take_early(advertised, shared) if advertised is not None else ():
+            # What was cleaned up here before the bind is dropped (already in, or as it comes, from anyone),
+            # whatever gets ask. (This process's puts on their way here are expected in the record it adopted.)
+            for key, prefix in take_cancels(advertised) if advertised is not None else ():
                 if prefix is None:
                     part.forget(functools.partial(operator.eq, key), key=key, firm=True)
                 else:
@@ -335,10 +335,8 @@ class ZmqParts(OmniConnectorBase):
         )
 
     def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
-        if op != "get" and has_served():  # a failed put to ourselves is no longer expected
-            local = served(self._endpoints.get(to_stage))
-            if local is not None:
-                local.settle((from_stage, to_stage, key))
+        if op != "get":  # a failed put to ourselves is no longer expected
+            settle(self._endpoints.get(to_stage), (from_stage, to_stage, key))
         self._record_failure("get" if op == "get" else "put", from_stage, to_stage, key, reason, error)
 
     def _hook_watches(self) -> None:
