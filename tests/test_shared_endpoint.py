@@ -376,4 +376,3 @@ def test_two_event_loops_share_an_endpoint(connectors: list[ZmqConnector], short
     for loop in loops:
         loop.join(30)
     assert got == {"a": list(range(100)), "b": list(range(100))}
-
