@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import SimpleNamespace
+from typing import Any, cast
 
 from zmq_omni.connectors._expected_puts import ExpectedPuts, adopt, cancel_early, expect, release, settle
+
+_SHARED = cast(Any, SimpleNamespace(part=None))  # a bound endpoint with no push receiver (nothing to bury)
 
 
 def _endpoint() -> str:
@@ -19,7 +23,7 @@ def test_a_put_before_the_bind_and_one_after_land_in_the_one_record_the_endpoint
     assert early is not None
     woken: list[int] = []
     own = ExpectedPuts(lambda: woken.append(1))
-    record = adopt([alias, endpoint], own)
+    record = adopt([alias, endpoint], own, _SHARED)
     assert record is early  # adopted, not copied: the put before the bind is in it
     assert record.wake is own.wake
     # A put between the registration and its publication as served (under either name) lands in it too.
@@ -41,7 +45,7 @@ def test_two_names_of_one_endpoint_each_with_puts_before_the_bind_become_one_rec
     a = expect(first, ("0", "1", "a"), until, unbound=True)
     b = expect(second, ("0", "1", "b"), until, unbound=True)
     assert a is not None and b is not None and a is not b
-    record = adopt([first, second], ExpectedPuts())
+    record = adopt([first, second], ExpectedPuts(), _SHARED)
     assert set(record.slots) == {("0", "1", "a"), ("0", "1", "b")}
     assert expect(second, ("0", "1", "c"), until, unbound=True) is record
     release([first, second], record)

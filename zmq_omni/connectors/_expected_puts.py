@@ -1,4 +1,4 @@
-"""Push puts this process made to one of its own endpoints and that have not arrived there yet.
+"""Push puts this process made to its own endpoints, not arrived there yet; cleanups made there before the bind.
 
 A put to an endpoint this process binds (or will bind: vllm-omni's bare connectors bind at their first
 ``get``, and its tests put first) is *expected* there: a ``get`` of its key that finds nothing waits for
@@ -9,17 +9,19 @@ close of the :class:`~zmq_omni.connectors._shared_endpoint.SharedEndpoint` bound
 ``_records`` maps each endpoint name to it, bound or not, and the endpoint adopts it as it registers
 (:func:`adopt`), so a put before the bind, during it or after it lands in the same record.
 
-A cleanup on a push connector that has not bound yet is kept here too, per endpoint, for
-``tombstone_ttl_s``: its key or prefix, and the keys of the expected puts it cancelled. A put of this
-process under it is not expected, and the binding connector buries them all firmly (no get lifts them),
-so whatever arrives under them, from this process or another, is dropped. A cleanup when another
-connector of the process already serves the endpoint applies there at once (:func:`cancel_early` hands
-it back).
+A cleanup on a push connector that has not bound yet is kept in the same record, as firm tombstones
+(``ExpectedPuts.cancelled``), for ``tombstone_ttl_s``: its key or prefix, and the keys of the expected
+puts it cancelled. A put of this process under it is not expected. As the endpoint binds, its receiver
+takes them over (:meth:`~zmq_omni.transport.PushReceiver.bury_all`) and the record keeps none: from then
+on the receiver's tombstones are the only ones, so whatever arrives under them, from this process or
+another, is dropped. A cleanup at an endpoint already bound applies there at once (:func:`cancel_early`
+hands it back).
 
-Threads and locks: one lock, the module's ``_lock``, guards the table, every record's slots and the
-early cancels. A put or a cleanup looks up "is it bound now?" and stores under it, and a bind adopts
-the record under it before the endpoint is published as served, so nothing falls between the two.
-Gets test ``record.slots`` for "anything expected at all" without it (a dict's truth is atomic).
+Threads and locks: one lock, the module's ``_lock``, guards the table and every record (its slots, its
+cancels and whether it is bound). A put or a cleanup reads "is it bound?" from the record and stores
+under it, and a bind marks the record bound and hands its cancels over under it, before the endpoint is
+published as served, so nothing falls between the two. Gets test ``record.slots`` for "anything
+expected at all" without it (a dict's truth is atomic).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..transport import PushReceiver, Tombstones
 if TYPE_CHECKING:
     from ._shared_endpoint import SharedEndpoint
 
-__all__ = ["ExpectedPuts", "adopt", "cancel_early", "expect", "release", "settle", "take_cancels"]
+__all__ = ["ExpectedPuts", "adopt", "cancel_early", "expect", "release", "settle"]
 
 Slot = tuple[str, str, str]
 
@@ -44,7 +46,6 @@ MAX_EXPECTED_PUTS = 65536
 
 _lock = threading.Lock()
 _records: dict[str, ExpectedPuts] = {}  # endpoint name -> its record (several names of one bound endpoint: one record)
-_cancelled: dict[str, Tombstones] = {}  # endpoint -> what was cleaned up there before the bind
 
 
 class ExpectedPuts:
@@ -53,14 +54,21 @@ class ExpectedPuts:
     Args:
         wake: wakes the gets waiting at the endpoint (set once it is bound); called when a slot is
             settled, outside the lock.
+
+    Attributes:
+        slots: slot -> until when a get may wait for it, in put order. Read without the lock only
+            as ``if record.slots:`` and ``slot in record.slots``.
+        bound: the endpoint bound here (set as it registers, under ``_lock``), else None.
+        cancelled: the cleanups made here before the bind (None once bound, or if none).
     """
 
-    __slots__ = ("slots", "wake")
+    __slots__ = ("bound", "cancelled", "slots", "wake")
 
     def __init__(self, wake: Callable[[], None] | None = None) -> None:
-        # In put order. Public for reads only: ``if record.slots:`` and ``slot in record.slots`` without the lock.
         self.slots: OrderedDict[Slot, float] = OrderedDict()
         self.wake = wake
+        self.bound: SharedEndpoint | None = None
+        self.cancelled: Tombstones | None = None
 
     def add(self, slot: Slot, until: float, now: float) -> None:
         """Expect ``slot`` until ``until``; the oldest whose wait is over (or past the bound) go (under ``_lock``)."""
@@ -113,22 +121,20 @@ def expect(endpoint: str, slot: Slot, until: float, *, unbound: bool) -> Expecte
         not kept (nobody here binds there and ``unbound`` is false, the endpoint buries the key,
         or the wait is already over).
     """
-    from ._shared_endpoint import served
-
     now = time.monotonic()
     if until <= now:
         return None
     with _lock:
-        local = served(endpoint)
-        if local is not None:
-            if isinstance(local.part, PushReceiver) and local.part.buries(slot[2]):  # dropped on arrival
+        found = _records.get(endpoint)
+        if found is not None and found.bound is not None:
+            part = found.bound.part
+            if isinstance(part, PushReceiver) and part.buries(slot[2]):  # dropped on arrival
                 return None
-            record = local.expected
+            record = found
         else:
-            cancelled = _cancelled.get(endpoint)
+            cancelled = None if found is None else found.cancelled
             if not unbound or (cancelled is not None and cancelled.covers(slot[2], now)):
                 return None
-            found = _records.get(endpoint)
             record = found if found is not None else _records.setdefault(endpoint, ExpectedPuts())
         record.add(slot, until, now)
     return record
@@ -141,14 +147,16 @@ def settle(endpoint: str | None, slot: Slot) -> None:
         record.settle(slot)
 
 
-def adopt(names: Iterable[str], own: ExpectedPuts) -> ExpectedPuts:
-    """The endpoint holding ``own`` is registered under ``names``: its one record from now on.
+def adopt(names: Iterable[str], own: ExpectedPuts, shared: SharedEndpoint) -> ExpectedPuts:
+    """``shared``, holding ``own``, is registered under ``names``: its one record from now on.
 
     Called before the endpoint is published as served. The record kept under one of ``names``
     before the bind becomes the endpoint's (with ``own``'s waker); a second record under another
     of its names (one endpoint reached under two addresses before its bind) is moved into it.
+    The cleanups kept in them go to ``shared``'s receiver (none is kept here once it is bound).
     """
     names = list(names)
+    part = shared.part
     with _lock:
         found: list[ExpectedPuts] = []
         for name in names:
@@ -162,7 +170,12 @@ def adopt(names: Iterable[str], own: ExpectedPuts) -> ExpectedPuts:
                 for slot, until in record.slots.items():
                     base.slots.setdefault(slot, until)
                 record.slots.clear()
+            if record.cancelled is not None:
+                if isinstance(part, PushReceiver):
+                    part.bury_all(record.cancelled)
+                record.cancelled = None
         base.wake = own.wake
+        base.bound = shared
         for name in names:
             _records[name] = base
     return base
@@ -176,6 +189,7 @@ def release(names: Iterable[str], record: ExpectedPuts) -> None:
                 del _records[name]
         record.slots.clear()
         record.wake = None
+        record.bound = None
 
 
 def cancel_early(
@@ -195,34 +209,22 @@ def cancel_early(
         The push endpoints of this process already bound at some of ``endpoints``: the caller
         cleans up there at once.
     """
-    from ._shared_endpoint import served
-
     now = time.monotonic()
     bound: list[SharedEndpoint] = []
     with _lock:
         for endpoint in endpoints:
-            local = served(endpoint)
+            found = _records.get(endpoint)
+            record = found if found is not None else _records.setdefault(endpoint, ExpectedPuts())
+            local = record.bound
             if local is not None:
                 if isinstance(local.part, PushReceiver) and local not in bound:
                     bound.append(local)
                 continue
-            cancelled = _cancelled.get(endpoint)
+            cancelled = record.cancelled
             if cancelled is None:
-                cancelled = _cancelled[endpoint] = Tombstones(ttl_s, MAX_EXPECTED_PUTS)
+                cancelled = record.cancelled = Tombstones(ttl_s, MAX_EXPECTED_PUTS)
             cancelled.lapse(now)
-            cancelled.bury(now, key=key, prefix=prefix)
-            record = _records.get(endpoint)
-            for dropped in record._drop_where(match) if record is not None else ():
-                cancelled.bury(now, key=dropped)
+            cancelled.bury(now, key=key, prefix=prefix, firm=True)
+            for dropped in record._drop_where(match):
+                cancelled.bury(now, key=dropped, firm=True)
     return bound
-
-
-def take_cancels(endpoint: str) -> list[tuple[str | None, str | None]]:
-    """At the bind of ``endpoint`` (already registered as served): what was cleaned up there before it.
-
-    Returns:
-        What is still in force, as ``(key, None)`` or ``(None, prefix)``, for the binder to bury.
-    """
-    with _lock:
-        cancelled = _cancelled.pop(endpoint, None)
-    return [] if cancelled is None else cancelled.buried(time.monotonic())

@@ -383,7 +383,7 @@ def _hold(shared: SharedEndpoint, address: str, holder: Holder, advertised: str 
     new = tuple(endpoint for endpoint in served if endpoint not in shared._served)
     shared._served = (*shared._served, *new)
     # Before it is published as served: a put meanwhile finds the same record under its name.
-    shared.expected = _expected_puts.adopt(shared._served, shared.expected)
+    shared.expected = _expected_puts.adopt(shared._served, shared.expected, shared)
     for endpoint in new:
         _by_endpoint.setdefault(endpoint, shared)
     return shared

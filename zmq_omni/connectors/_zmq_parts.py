@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -39,10 +38,10 @@ from ..transport import (
     require_curve,
 )
 from ..wire import DecodeLimits
-from ._expected_puts import settle, take_cancels
+from ._expected_puts import settle
 from ._shared_endpoint import SharedEndpoint, acquire
 from ._zmq_bind import BOUND_SETTINGS, open_endpoint, shm_pool
-from .base import OmniConnectorBase, key_matches_prefix
+from .base import OmniConnectorBase
 
 log = logging.getLogger("zmq_omni.connectors")
 
@@ -245,13 +244,8 @@ class ZmqParts(OmniConnectorBase):
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
-            # What was cleaned up here before the bind is dropped (already in, or as it comes, from anyone),
-            # whatever gets ask. (This process's puts on their way here are expected in the record it adopted.)
-            for key, prefix in take_cancels(advertised) if advertised is not None else ():
-                if prefix is None:
-                    part.forget(functools.partial(operator.eq, key), key=key, firm=True)
-                else:
-                    part.forget(functools.partial(_under_prefix, prefix), prefix=prefix, firm=True)
+            # What was cleaned up here before the bind is in its tombstones already (handed over as it
+            # registered: see _expected_puts), as this process's puts on their way here are in its record.
             self._receiver = part
         else:
             assert part is not None
@@ -352,8 +346,3 @@ class ZmqParts(OmniConnectorBase):
                 shared.hook_room(self._notify_room)
         if self._sender is not None:
             self._sender.on_window_change(self._notify_room)
-
-
-def _under_prefix(prefix: str, key: str) -> bool:
-    """``key_matches_prefix`` with the prefix first (bound by ``functools.partial``)."""
-    return key_matches_prefix(key, prefix)
