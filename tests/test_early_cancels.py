@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 from zmq_omni.connectors._expected_puts import ExpectedPuts, adopt, cancel_early, expect, release
+from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.transport import Tombstones
 from zmq_omni.transport._mailbox import Mailbox
 from zmq_omni.transport._receive_protocol import Item
@@ -71,3 +73,16 @@ def test_cleanups_before_the_bind_live_in_the_record_and_leave_it_at_the_bind() 
     assert expect(endpoint, ("0", "1", "r1"), now + 30, unbound=False) is record  # bound: expected there
     release([endpoint], record)
     assert record.bound is None
+
+
+def test_a_binding_receiver_takes_the_cleanups_over_and_the_record_keeps_none(
+    made: list[ZmqConnector], short_tmp: Path
+) -> None:
+    conn = ZmqConnector({"endpoints": {"0": f"ipc://{short_tmp}/s0", "1": f"ipc://{short_tmp}/s1"}})
+    made.append(conn)
+    assert conn.cleanup_prefix("req_") == 0  # not bound yet: kept in the endpoint's record
+    assert conn.get("0", "1", "other") is None  # its first get binds
+    shared, receiver = conn._shared, conn._receiver
+    assert shared is not None and receiver is not None
+    assert shared.expected.cancelled is None and shared.expected.bound is shared
+    assert receiver.buries("req_7") and not receiver.buries("other")

@@ -21,7 +21,9 @@ Threads and locks: one lock, the module's ``_lock``, guards the table and every 
 cancels and whether it is bound). A put or a cleanup reads "is it bound?" from the record and stores
 under it, and a bind marks the record bound and hands its cancels over under it, before the endpoint is
 published as served, so nothing falls between the two. Gets test ``record.slots`` for "anything
-expected at all" without it (a dict's truth is atomic).
+expected at all" without it (a dict's truth is atomic). Lock order: the shared endpoints' registry
+lock, then ``_lock``, then a receiver's mailbox lock (``buries``, ``bury_all``); a record's waker is
+called with none of them held.
 """
 
 from __future__ import annotations
