@@ -16,6 +16,14 @@ from ..connectors import Lingering, OmniConnectorBase
 from ..transport import listening
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread; None outside one."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def close_without_linger(connector: OmniConnectorBase) -> None:
     """Close a connector whose acknowledgements were already waited for (on the loop)."""
     if isinstance(connector, Lingering):
