@@ -25,6 +25,7 @@ dropped, with a code saying why, so its sender hears of it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -226,13 +227,27 @@ class Mailbox:
         """Drop the items whose key matches, burying ``key`` and/or ``prefix`` (``firm``: no get lifts it); how many."""
         with self.lock:
             self._tombs.bury(time.monotonic(), key=key, prefix=prefix, firm=firm)
-            items = [self._box.pop(slot) for slot in [s for s in self._box if match(s[2])]]
-            self._dropped.extend((item.sid, item.seq, DROPPED_CANCELLED) for item in items)
-            self.drops["cleanup"] += len(items)
-            if items:
-                self._left()
+            items = self._cancel_where(match)
         self._discard(items)
         return len(items)
+
+    def bury_all(self, tombs: Tombstones) -> int:
+        """Take over ``tombs`` (cleanups made before the bind) and drop the items they cover; how many."""
+        with self.lock:
+            now = time.monotonic()
+            self._tombs.absorb(tombs, now)
+            items = self._cancel_where(functools.partial(self._tombs.covers, now=now))
+        self._discard(items)
+        return len(items)
+
+    def _cancel_where(self, match: Callable[[str], bool]) -> list[Item]:
+        """Take out the items whose key matches, handed over as cancelled (under the lock); the caller discards them."""
+        items = [self._box.pop(slot) for slot in [s for s in self._box if match(s[2])]]
+        self._dropped.extend((item.sid, item.seq, DROPPED_CANCELLED) for item in items)
+        self.drops["cleanup"] += len(items)
+        if items:
+            self._left()
+        return items
 
     def expire(self, now: float, unclaimed_ttl_s: float) -> int:
         """Drop the items no get took within ``unclaimed_ttl_s``, and the lapsed tombstones; how many items."""

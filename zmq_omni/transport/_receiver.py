@@ -50,6 +50,7 @@ from ._receive_protocol import DEFAULT_ACK_DELAY_S, Slot
 from ._receive_socket import ReceiveSocket
 from ._security import Curve
 from ._shm import ShmReceive
+from ._tombstones import Tombstones
 
 __all__ = ["DEFAULT_ACK_DELAY_S", "PushReceiver"]
 
@@ -235,6 +236,13 @@ class PushReceiver:
         of a key under it lifts it unless it is ``firm`` (a cleanup's).
         """
         return self._mailbox.forget(match, key=key, prefix=prefix, firm=firm)
+
+    def bury_all(self, tombs: Tombstones) -> int:
+        """Take over ``tombs``, the cleanups made here before the bind (firm ones stay firm); how many items dropped.
+
+        Each keeps its own lapse time; the items already in that they cover are dropped as by :meth:`forget`.
+        """
+        return self._mailbox.bury_all(tombs)
 
     def stats(self) -> dict[str, Any]:
         """The mailbox's counters (see :meth:`Mailbox.stats`) and the BATCH messages taken in."""
