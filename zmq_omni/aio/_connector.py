@@ -404,7 +404,7 @@ class AsyncConnector:
         acknowledgements of its puts first, awaited (the loop runs on), and then closes here,
         on the loop; each put still unconfirmed is reported as a threaded close reports it (a
         WARNING naming the keys, ``drain_failures()``), and its address is awaited free. A connector
-        driven by threads closes in a one-shot thread (its close may wait for its I/O thread).
+        driven by threads closes in a one-shot thread (it may wait for its I/O thread); what it raises, this raises.
         Cancelled in its linger, it still closes the connector (without the linger's rest).
 
         Raises:
