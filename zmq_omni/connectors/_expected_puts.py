@@ -157,9 +157,10 @@ def adopt(names: Iterable[str], own: ExpectedPuts, shared: SharedEndpoint) -> Ex
     of its names (one endpoint reached under two addresses before its bind) is moved into it.
     The cleanups kept in them go to ``shared``'s receiver (none is kept here once it is bound).
     """
-    names = list(names)
     part = shared.part
     with _lock:
+        # A name another endpoint of this process is bound under stays its (as the registry's first claim does).
+        names = [n for n in names if (had := _records.get(n)) is None or had.bound is None or had.bound is shared]
         found: list[ExpectedPuts] = []
         for name in names:
             record = _records.get(name)
