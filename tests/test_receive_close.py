@@ -13,12 +13,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from zmq_omni.connectors import _shared_endpoint
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.transport import _sockets
 from zmq_omni.transport._mailbox import Mailbox
@@ -199,3 +204,70 @@ def test_each_put_is_taken_once_across_restarts_of_the_receiver_while_gets_race_
     assert not outstanding
     assert sorted(taken) == sorted(f"r{r}-{i}" for r in range(rounds) for i in range(per_round))
     assert {count for count in taken.values()} == {1}, {key: n for key, n in taken.items() if n != 1}
+
+
+def _taken_unmapped(mailbox: Mailbox) -> None:
+    """A shared-memory item taken and not yet mapped (its get stalls between the take and the open)."""
+    slot = ("0", "1", "shm")
+    mailbox.store([(slot, Item(None, 7, "s", 1, b"handle", 0.0))], 0.0)
+    assert mailbox.pop(slot) is not None  # (its result(), which maps it, never runs here)
+
+
+def test_a_seal_that_gives_up_on_an_unmapped_item_warns(caplog: pytest.LogCaptureFixture) -> None:
+    mailbox = _mailbox()
+    _taken_unmapped(mailbox)
+    with caplog.at_level(logging.WARNING, logger="zmq_omni.transport"):
+        mailbox.close(timeout=0.05)
+    assert mailbox.closed and "sealed with 1 shared-memory item(s) still being mapped after 0.1 s" in caplog.text
+
+
+def test_a_seal_on_an_event_loop_does_not_wait_for_unmapped_items(caplog: pytest.LogCaptureFixture) -> None:
+    mailbox = _mailbox()
+    _taken_unmapped(mailbox)
+
+    async def seal() -> None:
+        mailbox.close(timeout=60.0)  # (the test's timeout fails it if this waited)
+
+    with caplog.at_level(logging.WARNING, logger="zmq_omni.transport"):
+        asyncio.run(seal())
+    assert "sealed with 1 shared-memory item(s) still being mapped after 0.0 s" in caplog.text
+
+
+class Stall:
+    """A payload whose decode, on the receiver's I/O thread as it arrives, outlasts the close's wait."""
+
+    decoding = threading.Event()
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _stalling_decode(value: int) -> Stall:
+    Stall.decoding.set()
+    time.sleep(1.0)
+    return Stall(value)
+
+
+def test_a_rebind_after_a_close_that_stops_late_waits_for_the_old_socket(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_shared_endpoint, "_CLOSE_WAIT_S", 0.2)  # the I/O thread stops after close returns
+    endpoint = f"ipc://{short_tmp}/stall.sock"
+    name = register_type(Stall, name="tests.Stall", encode=lambda s: s.value, decode=_stalling_decode)
+    Stall.decoding.clear()
+    users = _sockets._shared_users
+    spec = {"role": "receiver", "from_stage": 0, "to_stage": 1, "endpoints": {"1": endpoint}, "shm": "off"}
+    try:
+        with ZmqConnector({"role": "sender", "from_stage": 0, "to_stage": 1, "endpoints": {"1": endpoint}}) as up:
+            receiver = ZmqConnector(spec)
+            try:
+                assert up.put("0", "1", "s", Stall(7))[0]
+                assert Stall.decoding.wait(10)
+            finally:
+                receiver.close()
+            # Not "another process is listening": this process's own receiver, still closing, is waited for.
+            with ZmqConnector(spec) as again:
+                assert again.endpoint == endpoint
+        assert _sockets._shared_users == users
+    finally:
+        unregister_type(name)

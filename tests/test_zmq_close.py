@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -302,3 +303,19 @@ def test_calls_on_a_closed_connector_write_to_no_file_that_reuses_its_descriptor
     finally:
         for f in files:
             f.close()
+
+
+def test_last_acknowledgements_refused_at_close_are_logged(
+    connectors: list[ZmqConnector], short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    endpoint = f"ipc://{short_tmp}/refused.sock"
+    receiver = make(connectors, stage_id="1", role="receiver", endpoints={"1": endpoint})
+    sender = make(connectors, stage_id="0", role="sender", endpoints={"1": endpoint}, close_timeout_s=5)
+    assert sender.put("0", "1", "k", {"v": 1})[0]
+    assert sender.flush(5)  # arrived (the receiver confirmed it)
+    sender.close()
+    time.sleep(0.2)  # libzmq's I/O thread drops the sender's route: its consumption can no longer be told
+    assert receiver.get("0", "1", "k") is not None
+    with caplog.at_level(logging.WARNING, logger="zmq_omni.transport"):
+        receiver.close()
+    assert re.search(rf"{endpoint} closed: ZeroMQ refused [1-9]\d* of its last acknowledgement", caplog.text)

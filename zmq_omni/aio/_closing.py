@@ -8,12 +8,22 @@ thread, since its close may wait for its I/O thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import threading
 import time
 
 from ..connectors import Lingering, OmniConnectorBase
 from ..transport import listening
+
+log = logging.getLogger("zmq_omni.aio")
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread; None outside one."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def close_without_linger(connector: OmniConnectorBase) -> None:
@@ -25,20 +35,33 @@ def close_without_linger(connector: OmniConnectorBase) -> None:
 
 
 async def close_in_thread(connector: OmniConnectorBase) -> None:
-    """Close ``connector`` in a one-shot thread; the loop runs on until it is closed."""
+    """Close ``connector`` in a one-shot thread; the loop runs on until it is closed.
+
+    Raises:
+        Exception: what the connector's ``close`` raised.
+    """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
-    def finish() -> None:
-        if not done.done():
+    def finish(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
             done.set_result(None)
+        else:
+            done.set_exception(error)
 
     def close() -> None:
+        error: BaseException | None = None
         try:
             connector.close()
-        finally:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(finish)
+        except BaseException as exc:  # raised by the awaiting aclose, on the loop
+            error = exc
+        try:
+            loop.call_soon_threadsafe(finish, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody awaits the close any more
+            if error is not None:
+                log.error("closing %r failed", connector, exc_info=error)
 
     threading.Thread(target=close, name="zmq-omni-aio-close", daemon=True).start()
     await done
@@ -47,11 +70,16 @@ async def close_in_thread(connector: OmniConnectorBase) -> None:
 async def address_freed(endpoint: str | None, wait_s: float = 1.0) -> None:
     """Wait, suspended, until nothing listens on ``endpoint`` any more (at most ``wait_s``; None: nothing to wait for).
 
+    Something still listening after ``wait_s`` is logged as a WARNING naming the endpoint.
+
     A closed socket's listener is closed by libzmq's I/O thread a moment after ``zmq_close``: an
     event loop waits for that here rather than in the close, which runs on the loop.
     """
     if endpoint is None:
         return
     deadline = time.monotonic() + wait_s
-    while listening(endpoint) and time.monotonic() < deadline:
+    while listening(endpoint):
+        if time.monotonic() >= deadline:
+            log.warning("closed, but something still listens on %s after %.1f s: a bind there fails", endpoint, wait_s)
+            return
         await asyncio.sleep(0.001)

@@ -15,27 +15,21 @@ Two ways a ZeroMQ connector's sockets are driven (see ``docs/asyncio.md``):
 
 How a waiting call wakes (nothing polls, no thread waits for it):
 
-* **get, push mode / in-process / shared memory** -- the watch (an eventfd,
-  plus an inotify descriptor for shared memory) is registered with the event
-  loop once. Its notifications name the addresses that arrived; the loop
-  callback retries the non-blocking get for the waiters of those addresses
-  only, and resolves their futures. Thousands of waiting gets are thousands of
-  futures in a dict, and one file descriptor.
-* **get, ZeroMQ pull mode** -- items never arrive by themselves there: each get
-  sends a FETCH that the sender parks until the put (a long poll), on a
-  channel whose ZeroMQ descriptor is registered with the loop (``_fetches``).
-* **put** -- ``connector.try_put`` admits the put without waiting; when the
-  window is full the put queues (first come, first served) and is retried
-  when the watch reports that room freed.
+* **get, push mode / in-process / shared memory** -- the watch's descriptors (an eventfd, plus
+  inotify for shared memory) are registered with the loop once; its notifications name the
+  addresses that arrived, and the callback retries the non-blocking get for their waiters only.
+  Thousands of waiting gets are thousands of futures in a dict, and one file descriptor.
+* **get, ZeroMQ pull mode** -- each get sends a FETCH that the sender parks until the put (a
+  long poll), on a channel whose ZeroMQ descriptor is registered with the loop (``_fetches``).
+* **put** -- ``connector.try_put`` admits the put without waiting; with the window full the put
+  queues (first come, first served), retried when the watch reports room.
 
-Cancellation: a get cancelled while it waits takes nothing (the item stays
-for a later get). A get whose item was taken for it and that is cancelled
-before it resumes hands the item back to this ``AsyncConnector``: the next
-get of the same address here returns it (not the wrapped connector's own
-``get``); one no get took by :meth:`AsyncConnector.aclose` is reported
-(:meth:`AsyncConnector.drain_failures`, a WARNING). In pull mode a FETCH cannot
-be called back, so an item served after its get was gone is handed back the same
-way. A put cancelled while it waits for room is not made.
+Cancellation: a get cancelled while it waits takes nothing. A get whose item was taken for it
+and that is cancelled before it resumes hands the item back to this ``AsyncConnector``: the next
+get of the address here returns it (not the wrapped connector's ``get``); one no get took by
+:meth:`AsyncConnector.aclose`, or handed back after it, is reported (:meth:`AsyncConnector.drain_failures`,
+a WARNING). In pull mode an item served after its get was gone is handed back the same way (a
+FETCH cannot be called back). A put cancelled while it waits for room is not made.
 
 Who owns what: every field is touched on the event loop's thread only (the
 watch's own lock covers its notifications from other threads). The waiting
@@ -56,7 +50,7 @@ from typing import Any
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, OmniConnectorFactory, create_connector
 from ..connectors.base import MAX_WAIT_S, ArrivalWatch, Slot, TransferFailure, bounded_timeout
-from ._closing import address_freed, close_in_thread, close_without_linger
+from ._closing import address_freed, close_in_thread, close_without_linger, running_loop
 from ._driver import LoopDriver
 from ._expiry import Deadlines
 from ._fetches import Fetches
@@ -66,8 +60,7 @@ __all__ = ["AsyncConnector"]
 
 log = logging.getLogger("zmq_omni.aio")
 
-# An awaited flush looks again this often between the acknowledgements' wake-ups (a pull server's
-# replies that finished leaving wake nobody).
+# An awaited flush looks again this often between wake-ups (a pull server's replies leaving wake nobody).
 _FLUSH_SLICE_S = 0.01
 
 
@@ -106,9 +99,8 @@ class AsyncConnector:
         self._fetches = Fetches(connector, per_channel, self._hand_back) if self._pull else None
         # A ZmqConnector's get by key that never waits (its get would, for a put of this process on its
         # way there): the look of every awaited get. None: the backend's get never waits by key.
-        self._nowait: Callable[[str, str, str], tuple[Any, int] | None] | None = (
-            None if self._pull else getattr(connector, "get_nowait", None)
-        )
+        self._nowait: Callable[..., tuple[Any, int] | None] | None = getattr(connector, "get_nowait", None)
+        self._nowait = None if self._pull else self._nowait
         self._gets = GetWaiters(self._look)
         # The connector's sockets belong to this loop (a ZmqConnector built with a LoopDriver).
         driver = getattr(connector, "driver", None)
@@ -318,7 +310,7 @@ class AsyncConnector:
     def _hand_back(self, slot: Slot, got: tuple[Any, int]) -> None:
         """Keep an item taken for a get that is gone; a waiting get of its address takes it at once."""
         if not self._gets.deliver(slot, got):
-            self._handed_back.keep(slot, got)
+            self._lost += self._handed_back.keep(slot, got)  # (after aclose, or over the limit: reported)
 
     # -- wake-ups (loop thread) --------------------------------------------------------------
     def _on_wake(self) -> None:
@@ -353,8 +345,7 @@ class AsyncConnector:
     def _look(self, slot: Slot, metadata: Metadata) -> tuple[Any, int] | None:
         """The connector's non-blocking get, as this wrapper's looks make it (``slot`` is of strings).
 
-        A ZeroMQ push receiver finds items by key alone, and the metadata of one of its puts would
-        make its ``get`` wait for that put (blocking the loop): its never-waiting get looks there.
+        A ZeroMQ push receiver's ``get`` would wait for the metadata's put (blocking the loop): ``get_nowait`` looks.
         """
         nowait = self._nowait
         if nowait is not None:
@@ -413,28 +404,37 @@ class AsyncConnector:
         acknowledgements of its puts first, awaited (the loop runs on), and then closes here,
         on the loop; each put still unconfirmed is reported as a threaded close reports it (a
         WARNING naming the keys, ``drain_failures()``), and its address is awaited free. A connector
-        driven by threads closes in a one-shot thread (its close may wait for its I/O thread).
+        driven by threads closes in a one-shot thread (it may wait for its I/O thread); what it raises, this raises.
+        Cancelled in its linger, it still closes the connector (without the linger's rest).
+
+        Raises:
+            RuntimeError: awaited on a loop other than the running loop this wrapper is bound to.
         """
+        owner = self._loop
+        if not self._closed and owner is not None and owner.is_running() and owner is not running_loop():
+            raise RuntimeError("aclose() of an AsyncConnector bound to another running event loop: await it there")
         if self._closed:
             return
         self._closed = True
         self._wake_all()
+        linger = 0.0
         if self._driver is not None and self._close_connector and not self.connector.closed:
             linger = float(getattr(getattr(self.connector, "config", None), "close_timeout_s", 0.0))
             try:
                 self._bind()  # a connector never awaited before: its loop drives the last acknowledgements
-            except RuntimeError:  # bound to another loop, which alone can do them: no linger
+            except RuntimeError:  # bound to another loop, stopped, which alone could do them: no linger
                 linger = 0.0
+        try:
             if linger > 0:
                 await self._flush(bounded_timeout(linger))
-        connector = self._release()
-        if connector is None:
-            return
-        if self._driver is not None:
-            close_without_linger(connector)  # here: the driver stops on this loop's thread
+        finally:  # (cancelled in its linger too: the connector closes, without the rest of it)
+            connector = self._release()
+            if connector is not None and self._driver is not None:
+                close_without_linger(connector)  # here: the driver stops on this loop's thread
+        if connector is not None and self._driver is not None:
             await address_freed(getattr(connector, "endpoint", None))  # (its listener closes a moment later)
-            return
-        await close_in_thread(connector)
+        elif connector is not None:
+            await close_in_thread(connector)
 
     def close(self) -> None:
         """Synchronous :meth:`aclose` (for code outside the loop, after it ended); blocks while the connector closes.

@@ -203,7 +203,9 @@ class LoopDriver(Driver):
 
         On the loop's thread (or where no loop runs it any more) it all happens here, and the
         context is terminated in a short-lived thread, so the loop never waits for a linger. From
-        another thread while the loop runs, the stop is handed to the loop and waited for.
+        another thread while the loop runs, the stop is handed to the loop and waited for; a loop
+        still busy after ``timeout`` is logged (an ERROR: the sockets stay open, the address bound),
+        and the stop runs when the loop next runs, or, should it stop first, on a watching thread.
 
         Returns:
             True when it stopped within ``timeout``.
@@ -229,8 +231,23 @@ class LoopDriver(Driver):
                 self._stop_here()
                 return True
             if time.monotonic() >= deadline:
+                log.error(
+                    "%s: its event loop is busy %.1f s after a close: its sockets stay open (the address bound) "
+                    "until the loop runs again or stops",
+                    self._name,
+                    timeout,
+                )
+                watcher = threading.Thread(target=self._stop_once_idle, args=(loop, done), daemon=True)
+                watcher.start()
                 return False
         return True
+
+    def _stop_once_idle(self, loop: asyncio.AbstractEventLoop, done: threading.Event) -> None:
+        """After a stop that timed out: stop here if the loop ends before it runs the stop handed to it."""
+        while not done.wait(_STOP_SLICE_S):
+            if not loop.is_running():
+                self._stop_here()
+                return
 
     def _stop_here(self) -> None:
         with self._stop_lock:

@@ -207,11 +207,16 @@ class PutLine:
 
 
 class HandedBack:
-    """Items taken for gets that were gone by then, by address; the oldest go beyond ``_HANDED_BACK_MAX``."""
+    """Items taken for gets that were gone by then, by address; the oldest go beyond ``_HANDED_BACK_MAX``.
+
+    An item that cannot be kept (dropped over the limit, or handed back after :meth:`abandon`)
+    comes back from :meth:`keep` as a :class:`TransferFailure`, logged: it was acknowledged consumed.
+    """
 
     def __init__(self) -> None:
         self._items: dict[Slot, deque[tuple[Any, int]]] = {}
         self.count = 0  # items kept, all addresses
+        self._abandoned = False  # the wrapper closed: nothing is kept any more
 
     def __bool__(self) -> bool:
         return bool(self._items)
@@ -227,33 +232,38 @@ class HandedBack:
             del self._items[slot]
         return got
 
-    def keep(self, slot: Slot, got: tuple[Any, int]) -> None:
-        """Keep ``got`` for the next get of ``slot`` (dropping the oldest item kept when at the limit)."""
+    def keep(self, slot: Slot, got: tuple[Any, int]) -> list[TransferFailure]:
+        """Keep ``got`` for the next get of ``slot``; the items that could not be kept, as failures (logged).
+
+        At the limit the oldest item kept is dropped; after :meth:`abandon` ``got`` itself is.
+        """
+        if self._abandoned:
+            log.warning("an item of %s was handed back by a cancelled get after the AsyncConnector closed", slot)
+            return [_lost(slot, "taken for a get that was cancelled after the AsyncConnector closed")]
+        dropped = []
         if self.count >= _HANDED_BACK_MAX:
             oldest = next(iter(self._items))
             self.take(oldest)
             log.warning("dropped an item of %s handed back by a cancelled get: %d are kept", oldest, _HANDED_BACK_MAX)
+            dropped.append(_lost(oldest, f"taken for a get that was cancelled, dropped: {_HANDED_BACK_MAX} are kept"))
         self._items.setdefault(slot, deque()).append(got)
         self.count += 1
+        return dropped
 
     def abandon(self) -> list[TransferFailure]:
         """The wrapper closes: every item kept, as a failure each (they were acknowledged consumed); logged."""
-        lost = [
-            TransferFailure(
-                slot[2],
-                slot[0],
-                slot[1],
-                "get",
-                "taken for a get that was cancelled, and no get took it before the AsyncConnector closed",
-                ClosedResourceError("AsyncConnector closed"),
-                time.time(),
-            )
-            for slot, kept in self._items.items()
-            for _ in kept
-        ]
+        self._abandoned = True
+        why = "taken for a get that was cancelled, and no get took it before the AsyncConnector closed"
+        lost = [_lost(slot, why) for slot, kept in self._items.items() for _ in kept]
         self._items.clear()
         self.count = 0
         if lost:
             shown = ", ".join(repr(failure.key) for failure in lost[:10])
             log.warning("closed with %d item(s) taken for cancelled gets and never taken again: %s", len(lost), shown)
         return lost
+
+
+def _lost(slot: Slot, why: str) -> TransferFailure:
+    """The failure of an item taken for a get of ``slot`` that no get will return."""
+    closed = ClosedResourceError("AsyncConnector closed")
+    return TransferFailure(slot[2], slot[0], slot[1], "get", why, closed, time.time())

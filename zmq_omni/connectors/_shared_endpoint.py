@@ -42,7 +42,8 @@ Binding and closing happen outside that lock (a bind can take a while: the
 ZAP thread, the ipc liveness probe), with a per-address marker in ``_busy``
 meanwhile: a connector acquiring that address waits for the marker (bounded)
 and looks again, so it never binds while the old socket is still open, and
-binds at other addresses are not held up.
+binds at other addresses are not held up. A close whose I/O thread stops late
+(busy in a handler) leaves the marker until that thread closed the socket.
 A :class:`SharedEndpoint`'s holders and hooks change under its ``_lock``; its
 expected puts under :mod:`~zmq_omni.connectors._expected_puts`'s lock; its part is driven by its own I/O thread (see
 :mod:`zmq_omni.transport._receiver`, :mod:`zmq_omni.transport._pull_server`),
@@ -51,6 +52,7 @@ or, for an exclusive endpoint, by its one connector's driver.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -196,7 +198,8 @@ class SharedEndpoint:
     def release(self, holder: Holder, hooks: tuple[Callable[..., Any], ...] = ()) -> list[str]:
         """``holder`` closes: drop it and its ``hooks``; the last holder's release closes the part.
 
-        Waits at most about a second for the I/O thread to end (as a connector's ``close``).
+        Waits up to ``_CLOSE_WAIT_S`` (10 s) for the I/O thread to end; one that ends later closes
+        the socket then, and the address stays marked busy until it has.
         A pull server's payloads that ``holder`` stored and nobody fetched are taken out of the
         store and reported failed to it, whether or not it is the last holder.
 
@@ -227,12 +230,18 @@ class SharedEndpoint:
             if isinstance(part, PushReceiver):
                 part.wake_gets()  # the holder's waiting gets see its close now (the part stays open)
             return lost
+        if busy is not None and not self.exclusive:
+            # The I/O thread closes the socket before its on-term hooks, also when it stops late (busy in
+            # a handler past _CLOSE_WAIT_S): an acquire of this address waits for that, not for this close.
+            self.loop.on_term(functools.partial(_end_busy, self.address, busy))
+        closes_late = False
         try:
             lost += self._close()
+            closes_late = busy is not None and not self.exclusive and not busy.is_set()
         finally:
             with self._lock:
                 self._holders = []
-            if busy is not None:
+            if busy is not None and not closes_late:
                 _end_busy(self.address, busy)
         return lost
 
@@ -246,7 +255,7 @@ class SharedEndpoint:
         if not self.loop.stop(timeout=_CLOSE_WAIT_S):
             log.error(
                 "the I/O thread of %s is still busy %ss after close (a handler that does not return): the socket "
-                "stays bound until it does, then closes with the context released",
+                "stays bound until it does, then closes with the context released (a bind there here waits for that)",
                 self.address,
                 _CLOSE_WAIT_S,
             )
@@ -285,7 +294,7 @@ def acquire(
     """The endpoint bound at ``address`` in this process, held by ``holder``: the one there, or a new one.
 
     A bind or close of the same address in progress (another thread's) is waited for, up to
-    about two seconds, then the registry is looked at again.
+    ``_BUSY_WAIT_S`` (12 s), then the registry is looked at again.
 
     Args:
         address: the resolved bind address (registry key).

@@ -111,7 +111,7 @@ def open_endpoint(
         )
         if cfg.mode == "push":
             shared.part = PushReceiver(
-                loop,  # type: ignore[arg-type]  # (PushReceiver's annotation names IoLoop; any Driver drives it)
+                loop,
                 bind_at,
                 incarnation=uuid.uuid4().hex[:16],
                 decode=decode,

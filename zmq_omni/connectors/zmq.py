@@ -306,7 +306,9 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         unconfirmed then is reported three ways: a WARNING log line naming the
         keys, a :class:`~zmq_omni.errors.DeliveryError` in :meth:`drain_failures`,
         and (through the adapters) its request among the failed sends. Beyond that
-        wait it returns in well under a second, peer or no peer.
+        wait it returns as its I/O threads end, peer or no peer: in well under a second,
+        unless a handler there is busy (then at most about 11 s: ``_CLOSE_WAIT_S`` for the
+        endpoint's thread, 1 s for the driver, each logged when it stops late).
 
         Driven by an event loop, on the loop's thread (or once no loop runs it) there
         is no linger: the loop would have to do the I/O it waits for. Await

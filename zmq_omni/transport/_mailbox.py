@@ -2,11 +2,12 @@
 
 One lock (:attr:`Mailbox.lock`, under the condition threads wait on) guards
 everything here: the items by address, the tombstones, the consumptions and
-drops not yet handed to the protocol, the flush deadline, the counters and the
-closed flag. The receiver's driver stores arrivals; any thread takes, waiting
-on the condition (:meth:`Mailbox.take`) until an arrival, the seal or its
-deadline. An event loop is woken by :attr:`Mailbox.on_arrivals`, which is
-called outside the lock with the addresses that arrived.
+drops not yet handed to the protocol, the counters and the closed flag (when
+acknowledgements are due is the protocol's, not the mailbox's). The receiver's
+driver stores arrivals; any thread takes, waiting on the condition
+(:meth:`Mailbox.take`) until an arrival, the seal or its deadline. An event
+loop is woken by :attr:`Mailbox.on_arrivals`, which is called outside the lock
+with the addresses that arrived.
 
 **Close seals.** :meth:`Mailbox.close` sets ``closed`` under the lock and wakes
 every waiting thread; every take after it returns ``None`` and records nothing,
@@ -23,7 +24,9 @@ dropped, with a code saying why, so its sender hears of it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +40,8 @@ from ._shm import ShmReceive
 from ._tombstones import Tombstones
 
 __all__ = ["Mailbox"]
+
+log = logging.getLogger("zmq_omni.transport")
 
 
 class Mailbox:
@@ -94,7 +99,8 @@ class Mailbox:
     def store(self, arrivals: list[tuple[Slot, Item]], now: float) -> None:
         """Put one drain's arrivals in: one lock, one notify (the items they replace or that are buried go).
 
-        The driver arms the acknowledgement of their arrival (:meth:`arm`) once its drain is done.
+        The driver has the protocol schedule the acknowledgement of their arrival
+        (``ReceiveProtocol.schedule``) once its drain is done.
         """
         gone: list[Item] = []
         with self.lock:
@@ -317,8 +323,12 @@ class Mailbox:
 
         Returns once the shared-memory items taken before the seal are mapped and their consumptions
         noted (they are mapped in microseconds; at most ``timeout``), so the last acknowledgements,
-        sent after this, name them.
+        sent after this, name them. On an event loop's thread it does not wait (the loop would stall).
+        Items still being mapped when it returns are logged (a WARNING): their consumptions may miss
+        the last acknowledgements, and their senders may put them again.
         """
+        if _on_a_loop():
+            timeout = 0.0
         deadline = time.monotonic() + timeout
         with self.lock:
             self.closed = True
@@ -328,6 +338,14 @@ class Mailbox:
                 if remaining <= 0:
                     break
                 self._cv.wait(remaining)
+            opening = self._opening
+        if opening:
+            log.warning(
+                "sealed with %d shared-memory item(s) still being mapped after %.1f s: their consumptions may "
+                "miss the last acknowledgements",
+                opening,
+                timeout,
+            )
 
     def stats(self) -> dict[str, Any]:
         """Gets, bytes taken, items waiting, the oldest one's age, tombstones and what was dropped."""
@@ -343,3 +361,12 @@ class Mailbox:
                 "tombstones_evicted": self._tombs.evicted,
                 **{f"dropped_{k}": v for k, v in self.drops.items()},
             }
+
+
+def _on_a_loop() -> bool:
+    """True on the thread of a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -10,8 +10,9 @@ time). It touches no socket, takes no lock and starts no thread: a PING or a
 HEALTH waits in :attr:`ReceiveProtocol.asked` until the driver hands over what
 left the mailbox (:meth:`ReceiveProtocol.taken`), attaches the probe segments
 (:meth:`ReceiveProtocol.probes`), computes the health and calls
-:meth:`ReceiveProtocol.answer` (its one read outside: a shared-memory DATA's slot
-header, sized before it is accepted). It belongs to the receiver's driver (see
+:meth:`ReceiveProtocol.answer` (it reads nothing outside: a shared-memory DATA's
+size comes from its slot handle, parsed by ``ShmReceive.size`` before it is
+accepted). It belongs to the receiver's driver (see
 :mod:`~zmq_omni.transport._receiver`), who calls it one message at a time.
 
 What each sender is told (dedupe window, acknowledgements, pongs) is the

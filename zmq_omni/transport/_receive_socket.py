@@ -3,13 +3,16 @@
 :class:`ReceiveSocket` reads messages into the
 :class:`~zmq_omni.transport._receive_protocol.ReceiveProtocol`, stores what
 arrived in the :class:`~zmq_omni.transport._mailbox.Mailbox`, sends the
-protocol's replies and the acknowledgements due, and closes the socket. Every
-method but the constructor runs on the driver alone (the endpoint's I/O thread,
-or the event loop that owns it), and asserts it: ``Driver.owns_sockets_here``.
+protocol's replies and the acknowledgements due, and closes the socket. It runs
+on the driver alone (the endpoint's I/O thread, or the event loop that owns it):
+its two entries, :meth:`ReceiveSocket.settle` and :meth:`ReceiveSocket.close`,
+assert it (``Driver.owns_sockets_here``); ``read``, ``flush`` and ``send`` are
+reached only through them, and ``hand_over`` touches no socket.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +30,8 @@ from ._shm import ShmReceive
 from ._sockets import bind, close_bound, close_socket, make_socket
 
 __all__ = ["ReceiveSocket"]
+
+log = logging.getLogger("zmq_omni.transport")
 
 # Whether the socket holds messages: a zero-timeout ``zmq_poll``, which reads ``ZMQ_EVENTS`` as
 # ``sock.get(zmq.EVENTS)`` does (resetting the descriptor alike), without pyzmq's option-enum lookup
@@ -171,23 +176,34 @@ class ReceiveSocket:
         """Give the protocol what left the mailbox since the last hand-over."""
         self.protocol.taken(*self._mailbox.handover())
 
-    def send(self, replies: Iterable[Reply]) -> None:
+    def send(self, replies: Iterable[Reply]) -> int:
+        """Send ``replies`` without waiting; how many ZeroMQ refused (each told to the protocol)."""
         sock, sent = self.socket, self.protocol.sent
+        refused = 0
         for reply in replies:
             try:
                 sock.send_multipart([reply.identity, reply.frame], zmq.NOBLOCK)
                 routed = True
             except zmq.ZMQError:  # unroutable (a sender whose control socket is not connected yet, or gone) or full
                 routed = False
+                refused += 1
             sent(reply, routed)
+        return refused
 
     def close(self) -> None:
         """The last acknowledgements (every consumption not yet confirmed), then the socket."""
         assert self._loop.owns_sockets_here(), "the receiving socket closed off its driver"
         if self._stop_refusals is not None:
             self._stop_refusals()
-        self.flush()
-        self.send(self.protocol.last_words())
+        self.hand_over()
+        refused = self.send(self.protocol.flush()) + self.send(self.protocol.last_words())
+        if refused:  # (the protocol's counters close with it)
+            log.warning(
+                "%s closed: ZeroMQ refused %d of its last acknowledgement(s) (sender gone or full); those "
+                "senders are not told of the arrivals and consumptions they carried",
+                self.endpoint,
+                refused,
+            )
         # A running event loop does not wait here for the listener to go: its aclose awaits that (aio._closing).
         on_a_loop = not self._loop.threaded and self._loop.in_loop()
         close_bound(self.socket, self.endpoint, linger_ms=200, wait_s=0.0 if on_a_loop else 1.0)

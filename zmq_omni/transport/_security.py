@@ -230,6 +230,7 @@ def watch_refusals(loop: Driver, sock: Any, counters: Counters, *, stop_on_stop:
     monitor = sock.get_monitor_socket(_REFUSALS)
 
     def drain() -> None:
+        assert loop.owns_sockets_here(), "the CURVE monitor read off its driver"
         while True:
             try:
                 frames = monitor.recv_multipart(zmq.NOBLOCK)

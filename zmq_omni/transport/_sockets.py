@@ -239,13 +239,17 @@ def close_bound(sock: Any, endpoint: str | None, *, linger_ms: int = 0, wait_s: 
     listener a moment later. On the shared context nothing else waits for that
     (terminating a context of one's own would), so a stage that
     closes its receiver and opens a new one on the same endpoint would find its
-    old listener still there.
+    old listener still there. Something still listening after ``wait_s`` (> 0) is logged as a
+    WARNING naming the endpoint.
     """
     close_socket(sock, linger_ms=linger_ms)
-    if endpoint is None:
+    if endpoint is None or wait_s <= 0:
         return
     deadline = time.monotonic() + wait_s
-    while _listened(endpoint, timeout_s=0.1) and time.monotonic() < deadline:
+    while _listened(endpoint, timeout_s=0.1):
+        if time.monotonic() >= deadline:
+            log.warning("closed, but something still listens on %s after %.1f s: a bind there fails", endpoint, wait_s)
+            return
         time.sleep(0.001)
 
 
