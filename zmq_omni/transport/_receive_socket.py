@@ -245,7 +245,7 @@ class ReceiveSocket:
                 return self._rebinding or not _zmq_poll(self._poll_in, 0)
             drained = self.read()
             drains += 1
-            if self._reader.reading:  # a long message: its rest on the driver's next turn, not in this one
+            if self._reader.reading and not self._rebinding:  # a long message: its rest on the driver's next turn
                 return False
         return True
 
