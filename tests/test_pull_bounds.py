@@ -366,3 +366,41 @@ def test_a_threaded_get_asks_again_when_its_fetch_was_lost(zmq_ctx: zmq.Context[
     assert asked[0][1] == int(ASK_PARK_S * 1000)
     assert ASK_PARK_S + SILENT_S - 0.1 < asked[1][0] - asked[0][0] < ASK_PARK_S + SILENT_S + 1.0
     assert took < ASK_PARK_S + SILENT_S + 1.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_event_loop_get_asks_again_when_its_fetch_was_lost(zmq_ctx: zmq.Context[Any]) -> None:
+    """As the threaded get: the first FETCH lost (as to a server bound anew), the next is asked past its park."""
+    fake = zmq_ctx.socket(zmq.ROUTER)
+    fake.bind("tcp://127.0.0.1:*")
+    endpoint = fake.getsockopt(zmq.LAST_ENDPOINT).decode()
+    asked: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not fake.poll(20):
+                continue
+            identity, request_frame = fake.recv_multipart()
+            _, request, _ = unpack(request_frame)
+            asked.append((time.monotonic(), request[4]))
+            if len(asked) > 1:
+                fake.send_multipart([identity, pack(Kind.FETCH_REPLY, (request[0], True), encode({"ok": 1})[0])])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    within = 6.0
+    try:
+        spec = {"name": "ZmqConnector", "extra": {"stage_id": "1", "role": "receiver", "mode": "pull"}}
+        async with AsyncConnector.create({**spec, "extra": {**spec["extra"], "endpoints": {"0": endpoint}}}) as conn:
+            got = await conn.get("0", "1", "k", timeout=within)
+            assert got is not None and got[0] == {"ok": 1}
+    finally:
+        stop.set()
+        server.join(5)
+        fake.close(linger=0)
+    # The first ask was parked 80 % of the get's timeout; the second went SILENT_S after that park ended.
+    park = asked[0][1] / 1000
+    assert park == pytest.approx(0.8 * within, abs=0.1)
+    assert park + SILENT_S - 0.1 < asked[1][0] - asked[0][0] < park + SILENT_S + 1.0

@@ -6,7 +6,9 @@ endpoint (a :class:`~zmq_omni.transport.FetchChannel`, opened through the
 connector's ``open_fetch_channel`` on a ZeroMQ context of our own), whose
 ZeroMQ descriptor is registered with the loop; replies are matched to waiters
 by request id. A reply whose get is gone is handed back to the
-``AsyncConnector`` (a FETCH cannot be called back).
+``AsyncConnector`` (a FETCH cannot be called back). A FETCH unanswered
+:data:`~zmq_omni.transport._pull_client.SILENT_S` past its park is taken as lost
+(the server's socket was bound anew, which drops what it held) and asked again.
 
 Who owns what: a :class:`Fetches` belongs to one ``AsyncConnector`` and is
 touched on its event loop's thread only; its channels and context are its own.
@@ -20,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..connectors.base import Slot
+from ..transport import MAX_PARK_S, SILENT_S
 from ._waiters import GetWaiter
 
-_LONG_POLL_S = 3600.0  # what a pull-mode FETCH asks the sender to park at most (its own cap)
+_LONG_POLL_S = MAX_PARK_S  # what a pull-mode FETCH asks the sender to park at most (the server's own cap)
 _REFETCH_S = 0.05  # a FETCH the sender would not park is asked again after this
 
 
@@ -35,6 +38,7 @@ class _Fetch:
     waiter: GetWaiter | None
     deadline: float | None  # the waiter's (loop time); None: wait as long as it takes
     parked_until: float  # an "absent" answer before this time means the sender did not park the FETCH
+    lost: asyncio.TimerHandle | None = None  # asks again if no answer came SILENT_S past the park
 
 
 @dataclass(eq=False)
@@ -72,13 +76,14 @@ class Fetches:
         endpoint, server_key = route
         chan = self._channel(loop, endpoint, server_key)
         # The server answers "not found" a little before the deadline, so the reply is in by then.
-        wait_s = _LONG_POLL_S if deadline is None else max(0.0, (deadline - loop.time()) * 0.8)
+        wait_s = _LONG_POLL_S if deadline is None else min(_LONG_POLL_S, max(0.0, (deadline - loop.time()) * 0.8))
         try:
             req_id = chan.channel.send(from_stage, to_stage, key, wait_s)
         except Exception as exc:
             waiter.fut.set_result(self._fetcher.fetch_done(from_stage, to_stage, key, endpoint, exc))
             return
-        chan.fetches[req_id] = _Fetch(waiter.slot, endpoint, waiter, deadline, loop.time() + wait_s / 2)
+        fetch = chan.fetches[req_id] = _Fetch(waiter.slot, endpoint, waiter, deadline, loop.time() + wait_s / 2)
+        fetch.lost = loop.call_later(wait_s + SILENT_S, self._lost, loop, chan, req_id)
         self._on_channel(loop, chan)  # ZeroMQ's descriptor is edge-triggered: look once after each send
 
     def _channel(self, loop: asyncio.AbstractEventLoop, endpoint: str, server_key: bytes | None) -> _Channel:
@@ -101,7 +106,9 @@ class Fetches:
         for req_id, result in chan.channel.replies():
             fetch = chan.fetches.pop(req_id, None)
             if fetch is None:
-                continue  # an answer to a FETCH of a channel reopened since
+                continue  # an answer to a FETCH of a channel reopened since, or taken as lost
+            if fetch.lost is not None:
+                fetch.lost.cancel()
             got = self._fetcher.fetch_done(*fetch.slot, fetch.endpoint, result)
             waiter = fetch.waiter
             if got is not None:
@@ -120,10 +127,23 @@ class Fetches:
                 else:
                     waiter.fut.set_result(None)
 
+    def _lost(self, loop: asyncio.AbstractEventLoop, chan: _Channel, req_id: int) -> None:
+        """No answer ``SILENT_S`` past the FETCH's park: the server dropped it (bound anew). Ask again."""
+        fetch = chan.fetches.pop(req_id, None)
+        if fetch is None or fetch.waiter is None or fetch.waiter.fut.done():
+            return
+        if fetch.deadline is not None and fetch.deadline <= loop.time():
+            fetch.waiter.fut.set_result(None)
+        else:
+            self.fetch(loop, fetch.waiter, fetch.deadline)
+
     def close(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Close every channel (unregistered from ``loop``, unless None: closed) and the context."""
         for chans in self._channels.values():
             for chan in chans:
+                for fetch in chan.fetches.values():
+                    if fetch.lost is not None:
+                        fetch.lost.cancel()
                 if loop is not None:
                     loop.remove_reader(chan.fd)
                 chan.channel.close()

@@ -142,6 +142,7 @@ def open_endpoint(
                 max_unacked_bytes=cfg.max_unacked_bytes,
                 hwm=cfg.hwm,
                 max_frames=MAX_FRAMES,
+                max_key_bytes=cfg.max_key_bytes,
                 counters=shared.counters,
                 on_failure=shared.on_owned_failure,
                 health=shared.health,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoint, env_name
 from ._loop import Driver, IoLoop
 from ._probe import probe
-from ._pull_client import FetchChannel, PullClient
+from ._pull_client import SILENT_S, FetchChannel, PullClient
+from ._pull_lot import MAX_PARK_S
 from ._pull_server import PullServer
 from ._push_protocol import FailureCallback
 from ._receiver import PushReceiver
@@ -28,10 +29,12 @@ __all__ = [
     "Driver",
     "EndpointMap",
     "FetchChannel",
+    "MAX_PARK_S",
     "FailureCallback",
     "IoLoop",
     "NotifyingCondition",
     "PullClient",
+    "SILENT_S",
     "PullServer",
     "PushReceiver",
     "PushSender",

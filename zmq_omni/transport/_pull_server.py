@@ -32,12 +32,12 @@ from ..errors import (
 )
 from ..metrics import Counters
 from ..wire import brief
-from ._envelope import Kind, check_types, pack, unpack
+from ._envelope import DEFAULT_MAX_KEY_BYTES, Kind, check_key, check_types, pack, unpack
 from ._loop import Driver
 from ._pull_lot import MAX_PARK_S, Parked, ParkingLot
 from ._pull_protocol import Slot
 from ._pull_socket import PullRouter
-from ._pull_store import GONE, Leaving, Stored, check_key
+from ._pull_store import GONE, Leaving, Stored
 from ._security import Curve
 from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
@@ -53,8 +53,6 @@ _CLOSE_GRACE_S = 0.5  # close() lets replies still leaving finish this long, the
 # the most gives way (see ``_pull_lot``). Bounds on what fetchers (buggy or hostile) make the server hold.
 _MAX_PARKED = 65536
 _MAX_PARKED_BYTES = 64 << 20
-#: The longest key (UTF-8 bytes) a FETCH may name; a longer one is refused and counted (``rejected_frames``).
-DEFAULT_MAX_KEY_BYTES = 4096
 _PROBE_S = 5.0  # a peer whose FETCHes are parked is checked this often (a gone peer's are dropped)
 _PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
 

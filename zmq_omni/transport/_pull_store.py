@@ -8,17 +8,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..errors import DecodeError
 from ._pull_protocol import Slot
 
-__all__ = ["GONE", "Leaving", "Stored", "check_key"]
-
-
-def check_key(key: str, max_key_bytes: int) -> None:
-    """Raise ``DecodeError`` when ``key`` is longer than ``max_key_bytes`` in UTF-8."""
-    size = len(key)
-    if size > max_key_bytes or (size * 4 > max_key_bytes and len(key.encode("utf-8", "surrogatepass")) > max_key_bytes):
-        raise DecodeError(f"key of {size} characters is longer than max_key_bytes {max_key_bytes}")
+__all__ = ["GONE", "Leaving", "Stored"]
 
 
 #: The owner of a reply still leaving once that owner was garbage-collected: its loss is counted, reported to none.

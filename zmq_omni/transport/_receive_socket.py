@@ -7,24 +7,34 @@ protocol's replies and the acknowledgements due, and closes the socket. It runs
 on the driver alone (the endpoint's I/O thread, or the event loop that owns it):
 its two entries, :meth:`ReceiveSocket.settle` and :meth:`ReceiveSocket.close`,
 assert it (``Driver.owns_sockets_here``); ``read``, ``flush`` and ``send`` are
-reached only through them, and ``hand_over`` touches no socket.
+reached only through them, ``hand_over`` touches no socket, and ``watch`` and
+``unwatch`` register its descriptor with the driver.
+
+A message is read across turns (:class:`~zmq_omni.transport._router.RoutedReader`)
+within a time budget a turn. A message past ``max_frames`` closes the ROUTER,
+the only way to make libzmq let go of the rest of it (it queues a multipart
+message whole before its first frame can be read), and a new one is bound on the
+same endpoint: the protocol's state stays, senders reconnect by themselves and
+resend what no REPLY acknowledged (``rebinds`` in health, a logged warning).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
 
+from ..errors import ZmqOmniError
 from ..metrics import Counters
 from ._loop import Driver
 from ._mailbox import Mailbox
 from ._push_protocol import _MAX_DRAIN
 from ._receive_protocol import ReceiveProtocol, Reply
-from ._router import recv_routed
+from ._router import RoutedReader, trim_malloc
 from ._security import Curve, watch_refusals
 from ._shm import ShmReceive
 from ._sockets import bind, close_bound, close_socket, make_socket
@@ -41,6 +51,10 @@ _zmq_poll = zmq.zmq_poll
 # frame by frame, ~2.5 us a frame) must not hold an event loop's turn for its 512 messages (1.2 s).
 _DRAIN_BUDGET_S = 0.01
 _SETTLE_ROUNDS = 4  # drains a settle does before it leaves the rest of a flood to the driver's next turn
+_REBIND_LINGER_MS = 500  # replies still leaving when the socket is bound anew go on leaving this long
+_REBIND_S = 5.0  # how long a rebind tries to bind the endpoint again (libzmq closes the old listener a moment later)
+_REBIND_RETRY_S = 0.005
+_TRIM_AFTER_S = 1.0  # a dropped message's memory goes back to the OS this long after its socket closed
 
 
 class ReceiveSocket:
@@ -72,19 +86,13 @@ class ReceiveSocket:
         self._mailbox = mailbox
         self._loop = loop
         self._stop_refusals: Callable[[], None] | None = None
-        #: The ROUTER itself: for the driver only.
-        self.socket = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
-        try:
-            if curve is not None:
-                curve.make_server(self.socket)
-                # Stopped by whoever closes the socket, holding it (the monitor is the socket's too).
-                self._stop_refusals = watch_refusals(loop, self.socket, counters, stop_on_stop=False)
-            self.endpoint = bind(self.socket, bind_endpoint)
-        except BaseException:
-            if self._stop_refusals is not None:
-                self._stop_refusals()
-            close_socket(self.socket)
-            raise
+        self._hwm, self._max_message_bytes, self._curve, self._counters = hwm, max_message_bytes, curve, counters
+        self._handler: Callable[[], None] | None = None  # what the driver calls when the socket is readable
+        self._rebinding = False  # the old ROUTER is closed, the new one not bound yet
+        counters.add("rebinds", 0)
+        #: The ROUTER itself: for the driver only; replaced when bound anew.
+        self.socket = self._open(bind_endpoint)
+        self.endpoint: str = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.protocol = ReceiveProtocol(
             endpoint=self.endpoint,
             incarnation=incarnation,
@@ -102,19 +110,57 @@ class ReceiveSocket:
         #: ZeroMQ's descriptor for the socket: polling it touches no socket (the driver watches it).
         self.fd: int = self.socket.getsockopt(zmq.FD)
         self._poll_in = [(self.socket, zmq.POLLIN)]
+        # A message of up to max_frames frames is kept whole (after its header); past it the socket is bound anew.
+        self._reader = RoutedReader(self.socket, max_frames + 1, max_frames)
+
+    def _open(self, endpoint: str) -> Any:
+        sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=self._max_message_bytes)
+        try:
+            if self._curve is not None:
+                self._curve.make_server(sock)
+                # Stopped by whoever closes the socket, holding it (the monitor is the socket's too).
+                self._stop_refusals = watch_refusals(self._loop, sock, self._counters, stop_on_stop=False)
+            bind(sock, endpoint)
+        except BaseException:
+            self._stop_watching()
+            close_socket(sock)
+            raise
+        return sock
+
+    def _stop_watching(self) -> None:
+        if self._stop_refusals is not None:
+            self._stop_refusals()
+            self._stop_refusals = None
+
+    def watch(self, handler: Callable[[], None]) -> None:
+        """Have the driver call ``handler`` when the socket is readable (the socket bound anew too)."""
+        self._handler = handler
+        self._loop.add_reader(self.fd, handler)
+
+    def unwatch(self) -> None:
+        """Stop the driver watching the socket (before closing it)."""
+        self._handler = None
+        self._loop.remove_reader(self.fd)
 
     def read(self) -> bool:
         """Read what is queued, at most one drain; True when it left ZeroMQ holding nothing for us."""
-        sock, protocol, mailbox, poll_in = self.socket, self.protocol, self._mailbox, self._poll_in
+        if self._rebinding:
+            return True
+        reader, protocol, mailbox, poll_in = self._reader, self.protocol, self._mailbox, self._poll_in
         now = time.monotonic()
-        receive, max_frames = protocol.receive, protocol.max_frames
+        until = now + _DRAIN_BUDGET_S
+        receive = protocol.receive
         drained = False
         for _ in range(_MAX_DRAIN):
             if mailbox.closed:  # close waits for the socket: leave it now
                 break
-            message = recv_routed(sock, max_frames)
+            message = reader.read(until)
             if message is None:
-                drained = True
+                if reader.overflowed:
+                    self._rebind()
+                    drained = True
+                elif not reader.reading:  # (mid-message: the rest of it next turn)
+                    drained = True
                 break
             receive(*message, now)
             if protocol.asked:  # a PING or a HEALTH: answered now
@@ -122,11 +168,48 @@ class ReceiveSocket:
             if not _zmq_poll(poll_in, 0):
                 drained = True
                 break
-            if time.monotonic() - now > _DRAIN_BUDGET_S:  # costly messages (many frames): the rest next turn
+            if time.monotonic() > until:  # costly messages (many frames): the rest next turn
                 break
         self._store(now)
         protocol.schedule(now)  # (a settle sends what is due now; the driver times the rest)
         return drained
+
+    def _rebind(self) -> None:
+        """Close the ROUTER (the message past ``max_frames`` goes with it) and bind a new one on its endpoint."""
+        self._counters.add("rebinds")
+        log.warning(
+            "receiver %s: a peer sent a message of more than %d frames; the socket is bound anew",
+            self.endpoint,
+            self._reader.max_frames,
+        )
+        handler = self._handler
+        self._loop.remove_reader(self.fd)
+        self._stop_watching()
+        close_socket(self.socket, linger_ms=_REBIND_LINGER_MS)
+        self._rebinding = True
+        self._reopen(time.monotonic() + _REBIND_S, handler)
+
+    def _reopen(self, give_up_at: float, handler: Callable[[], None] | None) -> None:
+        """Bind the new ROUTER once the old listener is gone; retried on the driver until ``give_up_at``."""
+        if self._mailbox.closed:  # closing: nothing to bind for
+            return
+        try:
+            sock = self._open(self.endpoint)
+        except ZmqOmniError as exc:
+            if time.monotonic() < give_up_at:
+                self._loop.call_later(_REBIND_RETRY_S, lambda: self._reopen(give_up_at, handler))
+            else:
+                log.error("receiver %s: could not bind again: %s", self.endpoint, exc)
+            return
+        self.socket, self._rebinding = sock, False
+        self.fd = sock.getsockopt(zmq.FD)
+        self._poll_in = [(sock, zmq.POLLIN)]
+        self._reader = RoutedReader(sock, self._reader.keep, self._reader.max_frames)
+        if handler is not None and self._handler is handler:
+            self._loop.add_reader(self.fd, handler)
+            self._loop.call_soon(handler)  # what reconnected senders sent meanwhile (its signal may be spent)
+        # Off the driver's thread: handing ~GBs of pages back takes a while (~0.3 s for 640 MB).
+        self._loop.call_later(_TRIM_AFTER_S, lambda: threading.Thread(target=trim_malloc, daemon=True).start())
 
     def _answer(self, now: float) -> None:
         """Answer the PINGs and HEALTH requests the protocol holds: the I/O they need, then the replies."""
@@ -162,9 +245,11 @@ class ReceiveSocket:
             if drained:
                 return True
             if drains == rounds:
-                return not _zmq_poll(self._poll_in, 0)
+                return self._rebinding or not _zmq_poll(self._poll_in, 0)
             drained = self.read()
             drains += 1
+            if self._reader.reading and not self._rebinding:  # a long message: its rest on the driver's next turn
+                return False
         return True
 
     def flush(self) -> None:
@@ -181,6 +266,9 @@ class ReceiveSocket:
         sock, sent = self.socket, self.protocol.sent
         refused = 0
         for reply in replies:
+            if self._rebinding:  # no socket: as unroutable as a sender reconnecting
+                sent(reply, False)
+                continue
             try:
                 sock.send_multipart([reply.identity, reply.frame], zmq.NOBLOCK)
                 routed = True

@@ -115,8 +115,7 @@ class PushReceiver:
             shm=shm,
         )
         self.endpoint = self._rs.endpoint
-        self._fd = self._rs.fd
-        loop.add_reader(self._fd, self._drive)
+        self._rs.watch(self._drive)
         loop.every(max(1.0, source_ttl_s / 10), self._expire_sources)
         loop.every(min(1.0, unclaimed_ttl_s / 4, tombstone_ttl_s / 4), self._expire_unclaimed)
         loop.on_stop(self._shutdown)
@@ -266,7 +265,7 @@ class PushReceiver:
         if self._shut:
             return
         self._shut = True
-        self._loop.remove_reader(self._fd)
+        self._rs.unwatch()
         self._rs.close()
 
     def __repr__(self) -> str:

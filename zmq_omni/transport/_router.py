@@ -69,6 +69,11 @@ class RoutedReader:
         self._ok = True
         self._count = 0
 
+    @property
+    def reading(self) -> bool:
+        """True while a message read in part waits for its next call."""
+        return self._identity is not None
+
     def read(self, until: float) -> tuple[bytes, list[Any], bool] | None:
         """The next whole message ``(identity, frames, ok)``; None when nothing more is queued, or at ``until``.
 
