@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 
+from tests.ports import reserve_port
 from tests.vllm_main.main_loader import (
     DEPLOY_DIR,
     Spec,
@@ -58,9 +59,11 @@ PROCESS_DEADLINE_S = 30.0
 NEEDS_SHARED = "needs one receive endpoint shared by the stage's processes on a host (issue 46)"
 
 
-def one_configuration(stage_ids: list[str], tmp: Path, mode: str) -> dict[str, Any]:
-    """What the user adds to the connector's extra: the mode and one ``ipc://`` endpoint per stage."""
-    return {"mode": mode, "endpoints": {sid: f"ipc://{tmp}/stage{sid}.sock" for sid in stage_ids}}
+def one_configuration(stage_ids: list[str], tmp: Path, mode: str, transport: str = "ipc") -> dict[str, Any]:
+    """What the user adds to the connector's extra: the mode and one endpoint per stage (``ipc://`` or ``tcp://``)."""
+    if transport == "ipc":
+        return {"mode": mode, "endpoints": {sid: f"ipc://{tmp}/stage{sid}.sock" for sid in stage_ids}}
+    return {"mode": mode, "endpoints": {sid: f"tcp://127.0.0.1:{reserve_port()}" for sid in stage_ids}}
 
 
 @dataclass
@@ -80,12 +83,15 @@ def mover_of(index: int) -> str:
 class Shape:
     """The processes of one row of the issue's table, built from a main deploy YAML switched by the recipe."""
 
-    def __init__(self, yaml_name: str, tmp: Path, mode: str) -> None:
+    def __init__(self, yaml_name: str, tmp: Path, mode: str, hosts: str | None = None) -> None:
         original = load_view(DEPLOY_DIR / yaml_name)
         stage_ids = sorted({str(s["stage_id"]) for s in original["stages"]})
-        self.view = switch_to_zmq(original, one_configuration(stage_ids, tmp, mode))
+        self.view = switch_to_zmq(original, one_configuration(stage_ids, tmp, mode, "ipc" if hosts is None else "tcp"))
         self.edges = edges(self.view)
         self.tmp = tmp
+        #: None: one host. Else a directory: replica ``k`` runs on "host" ``k``, with its own shared-memory
+        #: directory there, so no host-local path (ipc, shared memory) joins processes of different hosts.
+        self.hosts = hosts
         self.procs: list[Proc] = []
 
     def config(self, sid: int) -> dict[str, Any]:
@@ -110,7 +116,11 @@ class Shape:
             "result": str(self.tmp / f"{name}.json"),
             **plan,
         }
-        self.procs.append(Proc(name, full, {"VLLM_OMNI_REPLICA_ID": str(replica)}))
+        env = {"VLLM_OMNI_REPLICA_ID": str(replica)}
+        if self.hosts is not None:
+            env["ZMQ_OMNI_SHM_DIR"] = os.path.join(self.hosts, f"host{replica}")
+            os.makedirs(env["ZMQ_OMNI_SHM_DIR"], exist_ok=True)
+        self.procs.append(Proc(name, full, env))
 
     def tp_stage(
         self, name: str, sid: int, tp: int, engine: dict[str, Any], rank0: dict[str, Any], **each: Any
@@ -255,12 +265,8 @@ def run_shape(shape: Shape) -> tuple[dict[str, dict[str, Any]], dict[str, int], 
     return results, codes, outputs
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(("row_id", "mode"), _cases())
-def test_every_shape_moves_every_chunk_with_one_configuration(row_id: str, mode: str, short_tmp: Path) -> None:
-    row = ROWS[row_id]
-    shape = Shape(row.yaml, short_tmp, mode)
-    row.build(shape)
+def check(shape: Shape) -> None:
+    """Run ``shape``; every process built, got what it asked for exactly once, and exited cleanly."""
     results, codes, outputs = run_shape(shape)
     problems = {name: r["problems"] for name, r in results.items() if r["problems"]}
     assert not problems, f"{problems}\n{outputs}"
@@ -273,3 +279,32 @@ def test_every_shape_moves_every_chunk_with_one_configuration(row_id: str, mode:
         if proc.plan.get("kv_receive"):
             assert results[proc.name]["kv"] == dict.fromkeys(REQUESTS, True), outputs
     assert codes == dict.fromkeys(codes, 0), outputs
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("row_id", "mode"), _cases())
+def test_every_shape_moves_every_chunk_with_one_configuration(row_id: str, mode: str, short_tmp: Path) -> None:
+    row = ROWS[row_id]
+    shape = Shape(row.yaml, short_tmp, mode)
+    row.build(shape)
+    check(shape)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("row_id", "mode"),
+    [
+        # the replicas fetch what each asks for from the one sending process's endpoint
+        pytest.param("replicas-receiving", "pull", id="replicas-on-two-hosts-receiving-pull"),
+        # the replicas push into the one receiving process's endpoint
+        pytest.param("replicas-sending", "push", id="replicas-on-two-hosts-sending-push"),
+    ],
+)
+def test_replicas_on_two_hosts_with_one_endpoint_per_stage(
+    row_id: str, mode: str, short_tmp: Path, shm_dir: str
+) -> None:
+    """Across hosts: replica 1 of stage 1 on a host of its own (tcp, its own shared-memory directory)."""
+    row = ROWS[row_id]
+    shape = Shape(row.yaml, short_tmp, mode, hosts=shm_dir)
+    row.build(shape)
+    check(shape)

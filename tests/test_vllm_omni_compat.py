@@ -587,18 +587,21 @@ def test_the_docs_page_yaml_loads_and_builds_the_edge(short_tmp: Path) -> None:
 
     from zmq_omni.config.zmq import ZmqConnectorConfig
 
-    full, tcp = (yaml.safe_load(block) for block in _blocks("yaml"))
+    full, tcp, replicas = (yaml.safe_load(block) for block in _blocks("yaml"))
+    # section 5's one configuration: one endpoint per stage, no per-process placeholder
+    shared = replicas["connectors"]["connector_of_shared_memory"]["extra"]["endpoints"]
+    assert sorted(shared) == ["0", "1", "2"] and not any("{" in e for e in shared.values())
     cfg = load_omni_transfer_config(config_dict=full)
     assert cfg is not None
     assert cfg.get_connector_for_edge(0, 1).name == "ZmqConnector"
     assert cfg.get_connector_for_edge(1, 2).name == "SharedMemoryConnector"  # filled in, as vllm-omni does
     stage_extra = {**get_connectors_config_for_stage(cfg, 1)["from_stage_0"]["spec"]["extra"], "stage_id": 1}
     resolved = ZmqConnectorConfig.from_dict({**stage_extra, "replica_id": 2, "local_rank": 0})
-    assert resolved.endpoints["1"] == "ipc:///tmp/omni-stage1-r2-t0.sock" and resolved.role == "receiver"
+    assert resolved.endpoints["1"] == "ipc:///tmp/omni-stage1.sock" and resolved.role == "receiver"
     # the same extra, with the socket moved into this test's directory, builds and binds
-    ours = {**stage_extra, "endpoints": {"1": f"ipc://{short_tmp}/s1-r{{replica}}-t{{rank}}.sock"}}
-    with ZmqConnector(ours) as receiver:  # this test's process is no TP worker: {rank} is "engine"
-        assert receiver.stage_id == 1 and receiver.endpoint == f"ipc://{short_tmp}/s1-r0-tengine.sock"
+    ours = {**stage_extra, "endpoints": {"1": f"ipc://{short_tmp}/s1.sock"}}
+    with ZmqConnector(ours) as receiver:
+        assert receiver.stage_id == 1 and receiver.endpoint == f"ipc://{short_tmp}/s1.sock"
     tcp_extra = tcp["runtime"]["connectors"]["zmq_edge"]["extra"]
     assert ZmqConnectorConfig.from_dict(tcp_extra).bind == "tcp://0.0.0.0:5601"
     # the diff's "after" side is the same edge choice as the full config
