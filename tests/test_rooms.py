@@ -11,10 +11,7 @@ share is public in the room that owns it.
 
 Inside a room the modules import each other in one order: the graph of their
 imports (lazy and ``TYPE_CHECKING`` imports included, read from the source with
-``ast``) has no circle. One circle is a named exception, listed in
-:data:`ALLOWED_CIRCLES`: ``adapters/chunk.py <-> adapters/scheduling.py``, which
-the chunk manager's split into a stream state machine removes (issue 45); its
-entry goes with it.
+``ast``) has no circle.
 """
 
 from __future__ import annotations
@@ -41,12 +38,6 @@ RANKS: list[tuple[str, ...]] = [
     ("cli",),
 ]
 RANK = {room: rank for rank, rooms in enumerate(RANKS) for room in rooms}
-
-#: Import circles inside a room that are tolerated, each as the exact set of its modules. Only one:
-#: ``scheduling`` imports ``ChunkInputs`` and the manager from ``chunk`` for typing, and ``chunk`` imports
-#: the scheduler Protocols from ``scheduling``. Issue 45 removes it (the Protocols and ``ChunkInputs``
-#: become a leaf, the reference scheduler a client); delete this entry then.
-ALLOWED_CIRCLES: tuple[frozenset[str], ...] = (frozenset({"zmq_omni.adapters.chunk", "zmq_omni.adapters.scheduling"}),)
 
 
 def _room(module: str) -> str | None:
@@ -188,13 +179,12 @@ def _circle_path(graph: dict[str, set[str]], group: set[str]) -> list[str]:
 
 
 def _circles(package: Path) -> list[str]:
-    """Each import circle inside a room, as ``a -> b -> a``, and whether it is an allowed exception."""
+    """Each import circle inside a room, as ``room: a -> b -> a``."""
     found: list[str] = []
     for room, graph in sorted(_room_graphs(package).items()):
         for group in _strongly_connected(graph):
             path = " -> ".join(_circle_path(graph, group))
-            allowed = frozenset(group) in ALLOWED_CIRCLES
-            found.append(f"{room}: {path}{' (allowed: ALLOWED_CIRCLES)' if allowed else ''}")
+            found.append(f"{room}: {path}")
     return sorted(found)
 
 
@@ -250,7 +240,7 @@ def test_no_room_imports_in_a_circle() -> None:
     circles = _circles(PACKAGE)
     for circle in circles:
         print(circle)
-    assert [circle for circle in circles if "(allowed" not in circle] == []
+    assert circles == []
 
 
 def test_the_circle_check_reads_lazy_typing_and_package_imports(tmp_path: Path) -> None:

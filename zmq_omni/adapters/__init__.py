@@ -13,8 +13,9 @@ from ._assemble import assemble_chunks, merge_metadata
 from .base import FinishedRequests, OmniTransferAdapterBase, RecvTarget, WarningBurst
 from .chunk import ChunkInputs, ChunkManagerConfig, OmniChunkManager
 from .kv import KVLoadResult, KVTransferConfig, KVTransferManager, kv_key
+from .reference import ReferenceScheduler, StepOutput, StepRequest
 from .retry import RetryPolicy, default_retryable
-from .scheduling import ReferenceScheduler, SchedulableRequest, SchedulerOutputLike, StepOutput, StepRequest
+from .scheduling import SchedulableRequest, SchedulerOutputLike
 
 __all__ = [
     "ChunkInputs",

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 __all__ = [
     "NO_EFFECTS",
     "PROGRESS",
+    "RESUME",
     "STOPPED",
     "Effects",
     "RecvPhase",
@@ -153,3 +154,4 @@ class Effects:
 
 NO_EFFECTS = Effects()
 PROGRESS = Effects(changed=True)
+RESUME = Effects(resume=True)

@@ -32,7 +32,7 @@ A PAUSED stream's stall clock stops: on resuming, its last progress moves on by 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import format_seconds
@@ -41,6 +41,7 @@ from ._chunk_config import ChunkManagerConfig
 from ._stream_types import (
     NO_EFFECTS,
     PROGRESS,
+    RESUME,
     STOPPED,
     Effects,
     RecvPhase,
@@ -122,6 +123,11 @@ class Streams:
         """True unless ``request_id`` is receiving and has no new chunk yet."""
         stream = self._recv.get(request_id)
         return stream is None or bool(stream.ready) or stream.phase is RecvPhase.ENDED
+
+    def waiting_for_chunks(self, request_ids: Iterable[str]) -> set[str]:
+        """The ids among ``request_ids`` receiving a stream that has no new chunk yet."""
+        recv, ended = self._recv, RecvPhase.ENDED
+        return {rid for rid in request_ids if (s := recv.get(rid)) is not None and not s.ready and s.phase is not ended}
 
     def refusal(self, request_id: str) -> str | None:
         """Why a stream of ``request_id`` could not start here, or None."""
@@ -365,7 +371,7 @@ class Streams:
             self.ready_bytes -= stream.ready_bytes
             stream.ready_bytes = 0
             resume = True
-        return Effects(resume=True) if resume else NO_EFFECTS
+        return RESUME if resume else NO_EFFECTS
 
     def readable(self, now: float) -> list[RecvStream]:
         """The streams the receive worker may read now; moves each between READING and PAUSED.

@@ -20,13 +20,15 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..config import ConnectorSpec
-from ..config.fields import check_known_keys, read_float, read_int, read_mapping, read_str
+from ..config.fields import check_known_keys
+from ..config.pipeline import read_connector_spec
+from ..config.reader import read_fields, setting
 from ..connectors import FailureSource, OmniConnectorBase, create_connector
 from ..errors import ConfigError, TransportError, format_seconds
 from .retry import RetryPolicy
@@ -60,13 +62,13 @@ class KVTransferConfig:
 
     from_stage: str
     to_stage: str
-    src_tp_size: int = 1
-    dst_tp_size: int = 1
+    src_tp_size: int = setting(1, minimum=1)
+    dst_tp_size: int = setting(1, minimum=1)
     head_axis: int = -2
     block_axis: int = 1
-    recv_timeout_s: float = 30.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    connector: ConnectorSpec | None = None
+    recv_timeout_s: float = 30.0  # > 0, checked by __post_init__
+    retry: RetryPolicy = setting(default_factory=RetryPolicy, read=RetryPolicy.read)
+    connector: ConnectorSpec | None = setting(None, read=read_connector_spec)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "from_stage", str(self.from_stage))
@@ -79,30 +81,8 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "kv_transfer") -> KVTransferConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
-        known = (
-            "from_stage",
-            "to_stage",
-            "src_tp_size",
-            "dst_tp_size",
-            "head_axis",
-            "block_axis",
-            "recv_timeout_s",
-            "retry",
-            "connector",
-        )
-        check_known_keys(data, known, path)
-        spec = data.get("connector")
-        return cls(
-            from_stage=read_str(data, "from_stage", path=path),
-            to_stage=read_str(data, "to_stage", path=path),
-            src_tp_size=read_int(data, "src_tp_size", 1, path, minimum=1),
-            dst_tp_size=read_int(data, "dst_tp_size", 1, path, minimum=1),
-            head_axis=read_int(data, "head_axis", -2, path),
-            block_axis=read_int(data, "block_axis", 1, path),
-            recv_timeout_s=read_float(data, "recv_timeout_s", 30.0, path),
-            retry=RetryPolicy.from_dict(read_mapping(data, "retry", {}, path), f"{path}.retry"),
-            connector=None if spec is None else ConnectorSpec.from_dict(spec, f"{path}.connector"),
-        )
+        check_known_keys(data, cls.__dataclass_fields__, path)
+        return cls(**read_fields(cls, data, path))
 
 
 @dataclass(frozen=True)

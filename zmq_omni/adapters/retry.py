@@ -19,7 +19,8 @@ from typing import Any
 
 import tenacity
 
-from ..config.fields import check_known_keys, read_float, read_int
+from ..config.fields import check_known_keys, read_mapping
+from ..config.reader import read_fields, setting
 from ..errors import (
     ClosedResourceError,
     ConfigError,
@@ -66,12 +67,12 @@ class RetryPolicy:
         retryable: predicate on the attempt's exception; False gives up at once.
     """
 
-    attempts: int = 5
-    deadline_s: float = 5.0
-    backoff_initial_s: float = 0.02
-    backoff_max_s: float = 0.5
-    backoff_multiplier: float = 2.0
-    jitter_s: float = 0.02
+    attempts: int = setting(5, minimum=1)
+    deadline_s: float = setting(5.0, minimum=0)
+    backoff_initial_s: float = setting(0.02, minimum=0)
+    backoff_max_s: float = setting(0.5, minimum=0)
+    backoff_multiplier: float = setting(2.0, minimum=1)
+    jitter_s: float = setting(0.02, minimum=0)
     retryable: Callable[[BaseException], bool] = default_retryable
 
     def __post_init__(self) -> None:
@@ -90,17 +91,16 @@ class RetryPolicy:
         The predicate cannot come from YAML; it stays :func:`default_retryable`.
         """
         data = dict(data or {})
-        fields = ("attempts", "deadline_s", "backoff_initial_s", "backoff_max_s", "backoff_multiplier", "jitter_s")
-        check_known_keys(data, fields, path)
-        defaults = cls()
-        return cls(
-            attempts=read_int(data, "attempts", defaults.attempts, path, minimum=1),
-            deadline_s=read_float(data, "deadline_s", defaults.deadline_s, path, minimum=0),
-            backoff_initial_s=read_float(data, "backoff_initial_s", defaults.backoff_initial_s, path, minimum=0),
-            backoff_max_s=read_float(data, "backoff_max_s", defaults.backoff_max_s, path, minimum=0),
-            backoff_multiplier=read_float(data, "backoff_multiplier", defaults.backoff_multiplier, path, minimum=1),
-            jitter_s=read_float(data, "jitter_s", defaults.jitter_s, path, minimum=0),
-        )
+        check_known_keys(data, [name for name in cls.__dataclass_fields__ if name != "retryable"], path)
+        return cls(**read_fields(cls, data, path, skip=("retryable",)))
+
+    @classmethod
+    def read(cls, data: Mapping[str, Any], key: str, path: str) -> RetryPolicy:
+        """The policy under ``data[key]`` (a mapping), its keys named ``path.key.*`` in errors.
+
+        A :func:`~zmq_omni.config.reader.setting` reader: ``retry: RetryPolicy = setting(..., read=RetryPolicy.read)``.
+        """
+        return cls.from_dict(read_mapping(data, key, path=path), f"{path}.{key}" if path else key)
 
     def single_attempt(self) -> RetryPolicy:
         """The same policy with one attempt (used while a peer is known to be down)."""

@@ -1,4 +1,4 @@
-"""What the chunk scheduler hooks need from a scheduler, and a small reference loop.
+"""What the chunk scheduler hooks need from a scheduler and from a chunk manager, and the hooks themselves.
 
 The hooks of :class:`~zmq_omni.adapters.OmniChunkManager` need very little:
 
@@ -6,10 +6,12 @@ The hooks of :class:`~zmq_omni.adapters.OmniChunkManager` need very little:
 * the scheduler keeps ``waiting`` and ``running`` queues that are mutable
   sequences of requests (a ``list`` or a ``collections.deque``);
 * a scheduler output lists the ids it scheduled and has a dict where the
-  manager attaches each request's assembled inputs (:class:`SchedulerOutputLike`).
+  manager attaches each request's assembled inputs (:class:`SchedulerOutputLike`);
+* the manager answers three public reads (:class:`ChunkSource`).
 
-:class:`ReferenceScheduler` is the smallest scheduler built on the hooks, the
-pattern to follow in a stage worker::
+:class:`ChunkHooks` implements them over those reads; the manager exposes them
+under vllm-omni's names. The pattern to follow in a stage worker (see
+:class:`~zmq_omni.adapters.ReferenceScheduler`)::
 
     manager.process_pending_chunks(waiting, running)   # before scheduling
     output = schedule(waiting, running)                  # the scheduler's own policy
@@ -19,15 +21,36 @@ pattern to follow in a stage worker::
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import MutableMapping, MutableSequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+import logging
+import threading
+from collections.abc import Iterable, MutableMapping, MutableSequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-if TYPE_CHECKING:
-    from .chunk import ChunkInputs, OmniChunkManager
+__all__ = ["ChunkHooks", "ChunkInputs", "ChunkSource", "SchedulableRequest", "SchedulerOutputLike"]
 
-__all__ = ["ReferenceScheduler", "SchedulableRequest", "SchedulerOutputLike", "StepOutput", "StepRequest"]
+logger = logging.getLogger("zmq_omni.adapters")
+
+
+@dataclass(frozen=True)
+class ChunkInputs:
+    """The assembled inputs of one request for one scheduling step.
+
+    Attributes:
+        request_id: the request.
+        data: the chunks received since the last take, assembled.
+        first_chunk_id: id of the oldest chunk in ``data``.
+        num_chunks: how many chunks ``data`` holds (empty keep-alive chunks excluded).
+        is_final: the upstream stream ended with these inputs; nothing more comes.
+        cancelled: the upstream cancelled the request; ``data`` may be incomplete.
+    """
+
+    request_id: str
+    data: dict[str, Any]
+    first_chunk_id: int
+    num_chunks: int
+    is_final: bool
+    cancelled: bool = False
 
 
 @runtime_checkable
@@ -54,85 +77,110 @@ class SchedulerOutputLike(Protocol):
         ...
 
 
-@dataclass
-class StepRequest:
-    """A minimal request for :class:`ReferenceScheduler`."""
+class ChunkSource(Protocol):
+    """The reads of a chunk manager the hooks use (each answers from one consistent state)."""
 
-    request_id: str
-    external_req_id: str | None = None
+    def waiting_for_chunks(self, request_ids: Iterable[str]) -> set[str]:
+        """The ids among ``request_ids`` receiving a stream that has no new chunk yet."""
+        ...
 
+    def is_receiving(self, request_id: str) -> bool:
+        """True while ``request_id`` has a registered, unfinished incoming stream."""
+        ...
 
-@dataclass
-class StepOutput:
-    """One step of :class:`ReferenceScheduler`: what runs, with its inputs."""
-
-    scheduled_request_ids: list[str] = field(default_factory=list)
-    chunk_inputs: dict[str, ChunkInputs] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    """Requests dropped this step because their data can never arrive or leave, with the reason."""
+    def take_inputs(self, request_id: str) -> ChunkInputs | None:
+        """The chunks received for ``request_id`` since the last take, assembled; None when nothing is new."""
+        ...
 
 
-class ReferenceScheduler:
-    """A first-come-first-served scheduler that runs up to ``max_running`` requests.
+R = TypeVar("R", bound=SchedulableRequest)
 
-    Every :meth:`step` schedules each running request that has new chunks (and
-    every request of a stage without an upstream). A stage worker calls
-    :meth:`add_request`, then loops: ``manager.wait_for_progress(timeout)``,
-    ``step()``, run its model on ``output.chunk_inputs``, ``save_async`` the
-    results, and :meth:`finish_request` when a request's stream is done.
 
-    Failed requests (``collect_failed_*``) are removed from the queues and
-    reported in ``StepOutput.failed``, so none waits forever.
+class ChunkHooks:
+    """The scheduler hooks: park requests without a new chunk, put them back, attach inputs.
+
+    Called from the scheduler thread. The parked requests (``_parked``) are
+    guarded by ``_lock``, which is never held while the source is read.
     """
 
-    def __init__(self, manager: OmniChunkManager, *, max_running: int = 64) -> None:
-        self.manager = manager
-        self.max_running = max_running
-        self.waiting: deque[StepRequest] = deque()
-        self.running: deque[StepRequest] = deque()
+    def __init__(self, source: ChunkSource, stage_id: str) -> None:
+        self._source = source
+        self._stage_id = stage_id
+        self._lock = threading.Lock()
+        self._parked: dict[str, tuple[list[str], list[Any]]] = {}
 
-    def add_request(self, request: StepRequest, *, receive: bool = True) -> None:
-        """Queue ``request``; with ``receive`` it waits for chunks from the upstream stage."""
-        if receive and self.manager.config.upstream_stage_id is not None:
-            self.manager.load_async(request.request_id, external_req_id=request.external_req_id)
-        self.waiting.append(request)
+    def parked(self) -> int:
+        """How many requests are parked now (between the two hooks of a step)."""
+        with self._lock:
+            return sum(len(parked) for _, parked in self._parked.values())
 
-    def finish_request(self, request_id: str) -> None:
-        """Take ``request_id`` out of the queues and release its transfer state."""
-        self._drop(request_id)
-        self.manager.release(request_id)
+    def process_pending_chunks(self, waiting: MutableSequence[R], running: MutableSequence[R]) -> None:
+        """Before scheduling: take out of ``waiting`` / ``running`` the requests whose next chunk has not arrived.
 
-    def abort_request(self, request_id: str, *, notify_downstream: bool | None = None) -> None:
-        """Cancel ``request_id`` on both sides and take it out of the queues.
-
-        See :meth:`OmniChunkManager.cancel` for ``notify_downstream``.
+        See :meth:`~zmq_omni.adapters.OmniChunkManager.process_pending_chunks`.
         """
-        self._drop(request_id)
-        self.manager.cancel(request_id, notify_downstream=notify_downstream)
+        if self.parked():
+            # restore_queues was skipped: put the previous step's requests back first.
+            logger.warning("stage %s: process_pending_chunks called twice without restore_queues", self._stage_id)
+            self.restore_queues(waiting, running)
+        ids = [request.request_id for request in waiting]
+        ids.extend(request.request_id for request in running)
+        blocked = self._source.waiting_for_chunks(ids)
+        if not blocked:
+            return
+        for name, queue in (("waiting", waiting), ("running", running)):
+            parked: list[R] = []
+            keep: list[R] = []
+            for request in queue:
+                (parked if request.request_id in blocked else keep).append(request)
+            if parked:
+                order = [request.request_id for request in queue]
+                queue.clear()
+                queue.extend(keep)
+                with self._lock:
+                    self._parked[name] = (order, parked)
 
-    def _drop(self, request_id: str) -> None:
-        for queue in (self.waiting, self.running):
-            for request in list(queue):
-                if request.request_id == request_id:
-                    queue.remove(request)
+    def restore_queues(self, waiting: MutableSequence[R], running: MutableSequence[R]) -> None:
+        """After scheduling: put parked requests back where they were.
 
-    def has_requests(self) -> bool:
-        """True while any request is queued."""
-        return bool(self.waiting or self.running)
+        See :meth:`~zmq_omni.adapters.OmniChunkManager.restore_queues`.
+        """
+        for name, queue in (("waiting", waiting), ("running", running)):
+            with self._lock:
+                entry = self._parked.pop(name, None)
+            if entry is None:
+                continue
+            order, parked = entry
+            result = list(queue)
+            ids = [request.request_id for request in result]
+            present = set(ids)
+            position = {rid: i for i, rid in enumerate(order)}
+            for request in parked:
+                rid = request.request_id
+                if rid in present:
+                    continue
+                at = 0
+                for earlier in reversed(order[: position[rid]]):
+                    if earlier in present:
+                        at = ids.index(earlier) + 1
+                        break
+                result.insert(at, request)
+                ids.insert(at, rid)
+                present.add(rid)
+            queue.clear()
+            queue.extend(result)
 
-    def step(self) -> StepOutput:
-        """One scheduling step around the chunk hooks."""
-        output = StepOutput()
-        failed = self.manager.collect_failed_send_request_ids()
-        failed.update(self.manager.collect_failed_receive_request_ids())
-        for request_id in failed:
-            self._drop(request_id)
-            self.manager.release(request_id)
-        output.failed = failed
-        self.manager.process_pending_chunks(self.waiting, self.running)
-        while self.waiting and len(self.running) < self.max_running:
-            self.running.append(self.waiting.popleft())
-        output.scheduled_request_ids = [request.request_id for request in self.running]
-        self.manager.restore_queues(self.waiting, self.running)
-        self.manager.filter_scheduler_output(output)
-        return output
+    def filter_scheduler_output(self, scheduler_output: SchedulerOutputLike) -> None:
+        """After scheduling: attach assembled inputs, drop scheduled requests that are not ready.
+
+        See :meth:`~zmq_omni.adapters.OmniChunkManager.filter_scheduler_output`.
+        """
+        kept: list[str] = []
+        for request_id in scheduler_output.scheduled_request_ids:
+            inputs = self._source.take_inputs(request_id)
+            if inputs is not None:
+                scheduler_output.chunk_inputs[request_id] = inputs
+                kept.append(request_id)
+            elif not self._source.is_receiving(request_id):
+                kept.append(request_id)
+        scheduler_output.scheduled_request_ids[:] = kept

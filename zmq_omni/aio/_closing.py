@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 from ..connectors import Lingering, OmniConnectorBase
+from ..transport import listening
 
 
 def close_without_linger(connector: OmniConnectorBase) -> None:
@@ -40,3 +42,16 @@ async def close_in_thread(connector: OmniConnectorBase) -> None:
 
     threading.Thread(target=close, name="zmq-omni-aio-close", daemon=True).start()
     await done
+
+
+async def address_freed(endpoint: str | None, wait_s: float = 1.0) -> None:
+    """Wait, suspended, until nothing listens on ``endpoint`` any more (at most ``wait_s``; None: nothing to wait for).
+
+    A closed socket's listener is closed by libzmq's I/O thread a moment after ``zmq_close``: an
+    event loop waits for that here rather than in the close, which runs on the loop.
+    """
+    if endpoint is None:
+        return
+    deadline = time.monotonic() + wait_s
+    while listening(endpoint) and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)

@@ -31,10 +31,11 @@ How a waiting call wakes (nothing polls, no thread waits for it):
 Cancellation: a get cancelled while it waits takes nothing (the item stays
 for a later get). A get whose item was taken for it and that is cancelled
 before it resumes hands the item back to this ``AsyncConnector``: the next
-get of the same address here returns it (it is not visible to the wrapped
-connector's own ``get``). In pull mode a FETCH cannot be called back, so an
-item the sender serves after its get was cancelled or timed out is handed
-back the same way. A put cancelled while it waits for room is not made.
+get of the same address here returns it (not the wrapped connector's own
+``get``); one no get took by :meth:`AsyncConnector.aclose` is reported
+(:meth:`AsyncConnector.drain_failures`, a WARNING). In pull mode a FETCH cannot
+be called back, so an item served after its get was gone is handed back the same
+way. A put cancelled while it waits for room is not made.
 
 Who owns what: every field is touched on the event loop's thread only (the
 watch's own lock covers its notifications from other threads). The waiting
@@ -54,8 +55,8 @@ from typing import Any
 
 from ..config import ConnectorSpec
 from ..connectors import OmniConnectorBase, OmniConnectorFactory, create_connector
-from ..connectors.base import MAX_WAIT_S, ArrivalWatch, Slot, bounded_timeout
-from ._closing import close_in_thread, close_without_linger
+from ..connectors.base import MAX_WAIT_S, ArrivalWatch, Slot, TransferFailure, bounded_timeout
+from ._closing import address_freed, close_in_thread, close_without_linger
 from ._driver import LoopDriver
 from ._expiry import Deadlines
 from ._fetches import Fetches
@@ -95,13 +96,12 @@ class AsyncConnector:
         self.connector = connector
         self._close_connector = close_connector
         self._handed_back = HandedBack()
+        self._lost: list[TransferFailure] = []  # items handed back and never taken again (aclose)
         self._try_put: Callable[..., PutResult | None] | None = getattr(connector, "try_put", None)
         self._puts = PutLine(self._try_put)
         self._pull = bool(getattr(connector, "pull_receiver", False))
-        # A pull-mode ZmqConnector's FETCH channels, per sender endpoint: each holds fewer FETCHes in
-        # flight than half the high-water mark, since the sender's ROUTER cannot queue more replies to
-        # one DEALER than that (it keeps the payload and the FETCH would go unanswered). 5,000 waiting
-        # gets on one sender are ten DEALERs.
+        # Pull mode's FETCH channels, per sender: each holds fewer FETCHes than half the high-water mark, as
+        # the sender's ROUTER queues no more replies to one DEALER (5,000 waiting gets on one sender: ten DEALERs).
         per_channel = max(1, int(getattr(getattr(connector, "config", None), "hwm", 1000)) // 2)
         self._fetches = Fetches(connector, per_channel, self._hand_back) if self._pull else None
         # A ZmqConnector's get by key that never waits (its get would, for a put of this process on its
@@ -412,9 +412,8 @@ class AsyncConnector:
         A connector driven by this loop is given up to its ``close_timeout_s`` for the
         acknowledgements of its puts first, awaited (the loop runs on), and then closes here,
         on the loop; each put still unconfirmed is reported as a threaded close reports it (a
-        WARNING naming the keys, ``drain_failures()``). A connector driven by threads closes in
-        a one-shot thread, since its close may wait for its I/O thread (about a second at
-        most, plus its ``close_timeout_s``); the loop runs on meanwhile.
+        WARNING naming the keys, ``drain_failures()``), and its address is awaited free. A connector
+        driven by threads closes in a one-shot thread (its close may wait for its I/O thread).
         """
         if self._closed:
             return
@@ -433,6 +432,7 @@ class AsyncConnector:
             return
         if self._driver is not None:
             close_without_linger(connector)  # here: the driver stops on this loop's thread
+            await address_freed(getattr(connector, "endpoint", None))  # (its listener closes a moment later)
             return
         await close_in_thread(connector)
 
@@ -461,7 +461,7 @@ class AsyncConnector:
                 for fd in watch.filenos():
                     loop.remove_reader(fd)
             watch.close()
-        self._handed_back.clear()
+        self._lost += self._handed_back.abandon()
         return self.connector if self._close_connector else None
 
     async def __aenter__(self) -> AsyncConnector:
@@ -485,6 +485,11 @@ class AsyncConnector:
 
     def __repr__(self) -> str:
         return f"<AsyncConnector {getattr(self, 'connector', None)!r}>"
+
+    def drain_failures(self) -> list[TransferFailure]:
+        """The connector's failures, and the items taken for cancelled gets that no get took before :meth:`aclose`."""
+        lost, self._lost = self._lost, []
+        return lost + self.connector.drain_failures()
 
     def health(self) -> dict[str, Any]:
         """The connector's ``health()`` plus this wrapper's waiters (``aio_gets_waiting``, ``aio_puts_waiting``)."""

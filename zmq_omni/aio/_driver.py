@@ -194,6 +194,10 @@ class LoopDriver(Driver):
         """True on the loop's thread, or anywhere while no open loop drives it (before attaching, or after)."""
         return threading.get_ident() == self._thread or not self.attached or self._stopped
 
+    def owns_sockets_here(self) -> bool:
+        """True on the loop's thread, or while no open loop drives it (before attaching, or after)."""
+        return self.may_use_sockets_here()
+
     def stop(self, timeout: float = 1.0) -> bool:
         """Run the on-stop hooks (they close the sockets) on the loop's thread, then on-term, then release the context.
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..connectors.base import Slot
+from ..connectors.base import Slot, TransferFailure
+from ..errors import ClosedResourceError
 
 log = logging.getLogger("zmq_omni.aio")
 
@@ -234,7 +236,24 @@ class HandedBack:
         self._items.setdefault(slot, deque()).append(got)
         self.count += 1
 
-    def clear(self) -> None:
-        """Drop every item kept."""
+    def abandon(self) -> list[TransferFailure]:
+        """The wrapper closes: every item kept, as a failure each (they were acknowledged consumed); logged."""
+        lost = [
+            TransferFailure(
+                slot[2],
+                slot[0],
+                slot[1],
+                "get",
+                "taken for a get that was cancelled, and no get took it before the AsyncConnector closed",
+                ClosedResourceError("AsyncConnector closed"),
+                time.time(),
+            )
+            for slot, kept in self._items.items()
+            for _ in kept
+        ]
         self._items.clear()
         self.count = 0
+        if lost:
+            shown = ", ".join(repr(failure.key) for failure in lost[:10])
+            log.warning("closed with %d item(s) taken for cancelled gets and never taken again: %s", len(lost), shown)
+        return lost

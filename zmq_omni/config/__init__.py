@@ -5,7 +5,8 @@ configs), raises :class:`~zmq_omni.errors.ConfigError` naming the key. A
 connector's ``extra`` is the exception: it may carry keys for other components
 (vllm-omni's stage input processors), which are kept and exposed as
 ``connector.config`` (a :class:`ConnectorExtra`); a near-miss of one of our keys
-is logged as a warning.
+is logged as a warning. Each config declares its keys once, on its dataclass
+fields; :mod:`zmq_omni.config.reader` reads them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Every reader raises :class:`~zmq_omni.errors.ConfigError` naming the key
 (with its dotted path) so a user can fix their YAML without reading code.
 Every room that builds a config from a dict (connectors, adapters, stages, and
-connectors of your own) reads its fields with these.
+connectors of your own) reads its fields with these, most often through
+:func:`zmq_omni.config.reader.read_fields`, which picks the reader, default and
+bounds of each key from the dataclass field that declares it.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ __all__ = [
     "get_stage_connector_config",
     "load_omni_transfer_config",
     "read_config_document",
+    "read_connector_spec",
 ]
 
 #: The connector an edge gets when it is declared but names none (vllm-omni's default).
@@ -67,6 +68,17 @@ class ConnectorSpec:
     def to_dict(self) -> dict[str, Any]:
         """The plain-dict form (what :meth:`from_dict` reads)."""
         return {"name": self.name, "extra": dict(self.extra)}
+
+
+def read_connector_spec(data: Mapping[str, Any], key: str, path: str) -> ConnectorSpec:
+    """The spec under ``data[key]``: a :class:`ConnectorSpec`, or its dict form (errors name ``path.key``).
+
+    A :func:`~zmq_omni.config.reader.setting` reader for a config's ``connector`` field.
+    """
+    value = data[key]
+    return (
+        value if isinstance(value, ConnectorSpec) else ConnectorSpec.from_dict(value, f"{path}.{key}" if path else key)
+    )
 
 
 @dataclass(frozen=True)

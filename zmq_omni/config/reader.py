@@ -18,7 +18,8 @@ got -1``)::
 How a field is read, by its declared type (``X | None`` reads as ``X``):
 ``bool``, ``int`` and ``float`` (with ``minimum`` / ``maximum``), ``str``
 (with ``choices``), a ``Literal`` of strings (its values are the choices).
-Any other type needs ``read=``: a function ``(data, key, path) -> value``.
+Any other type needs ``read=``, a function ``(data, key, path) -> value``, or
+the caller reads it (``skip``).
 An absent key, or one whose value is ``None``, takes the declared default
 (a ``default_factory`` is called); a field without a default is required.
 """
@@ -130,7 +131,12 @@ def _reader(owner: type, name: str, kind: Any, rules: _Rules) -> FieldReader:
         return lambda data, key, path: read_float(data, key, path=path, minimum=low, maximum=high)
     if kind is str:
         return lambda data, key, path: read_str(data, key, path=path)
-    raise TypeError(f"{owner.__name__}.{name}: no reader for {kind!r}; declare it with setting(read=...)")
+    problem = f"{owner.__name__}.{name}: no reader for {kind!r}; declare it with setting(read=...) or skip it"
+
+    def unreadable(data: Mapping[str, Any], key: str, path: str) -> Any:
+        raise TypeError(problem)
+
+    return unreadable
 
 
 @functools.cache

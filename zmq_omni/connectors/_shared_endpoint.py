@@ -65,8 +65,11 @@ __all__ = ["Holder", "SharedEndpoint", "acquire", "has_served", "served"]
 
 log = logging.getLogger("zmq_omni.connectors")
 
-#: Longest an acquire waits for the same address's bind or close in progress (each is bounded near a second).
-_BUSY_WAIT_S = 2.0
+#: Longest a close waits for the endpoint's I/O thread to close the socket: it ends the handler it runs
+#: first (one message's decode at most: a first CUDA decode can take seconds).
+_CLOSE_WAIT_S = 10.0
+#: Longest an acquire waits for the same address's bind or close in progress (a close waits up to _CLOSE_WAIT_S).
+_BUSY_WAIT_S = _CLOSE_WAIT_S + 2.0
 
 Slot = tuple[str, str, str]
 
@@ -175,7 +178,6 @@ class SharedEndpoint:
         if isinstance(part, PushReceiver):
             if self._arrival_hooks:
                 part.on_arrivals = self._arrived
-                part.watch_soon()
             else:
                 part.on_arrivals = None
         elif isinstance(part, PullServer):
@@ -219,6 +221,8 @@ class SharedEndpoint:
                     if _by_endpoint.get(endpoint) is self:
                         del _by_endpoint[endpoint]
         if not last:
+            if isinstance(part, PushReceiver):
+                part.wake_gets()  # the holder's waiting gets see its close now (the part stays open)
             return lost
         try:
             lost += self._close()
@@ -236,8 +240,13 @@ class SharedEndpoint:
             for shm in shms:
                 self.loop.on_term(shm.close)
             return lost or []
-        if not self.loop.stop(timeout=1.0):
-            log.warning("I/O thread of the endpoint %s did not stop within 1s", self.address)
+        if not self.loop.stop(timeout=_CLOSE_WAIT_S):
+            log.error(
+                "the I/O thread of %s is still busy %ss after close (a handler that does not return): the socket "
+                "stays bound until it does, then closes with the context released",
+                self.address,
+                _CLOSE_WAIT_S,
+            )
         for shm in shms:
             shm.close()
         return lost or []
@@ -266,9 +275,11 @@ class SharedEndpoint:
             return until
 
     def settle(self, slot: Slot) -> None:
-        """``slot`` was taken, or its put failed: stop expecting it."""
+        """``slot`` was taken, or its put failed: stop expecting it (a get waiting for it wakes)."""
         with self._lock:
-            self.expected.pop(slot, None)
+            settled = self.expected.pop(slot, None) is not None
+        if settled:
+            self._wake_gets()
 
     def settle_where(self, match: Callable[[str], bool]) -> list[str]:
         """Stop expecting every slot whose key matches (``cleanup``); return their keys."""
@@ -276,7 +287,15 @@ class SharedEndpoint:
             slots = [slot for slot in self.expected if match(slot[2])]
             for slot in slots:
                 del self.expected[slot]
+        if slots:
+            self._wake_gets()
         return [slot[2] for slot in slots]
+
+    def _wake_gets(self) -> None:
+        """Gets waiting for a put this process expected here look again (it was settled)."""
+        part = self.part
+        if isinstance(part, PushReceiver):
+            part.wake_gets()
 
 
 _registry_lock = threading.Lock()

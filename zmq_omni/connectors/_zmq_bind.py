@@ -129,7 +129,6 @@ def open_endpoint(
                 health=shared.health,
                 curve=curve,
                 shm=shm_receive,
-                getters_read=threaded,  # a loop's socket is read on the loop only
             )
         else:
             fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None

@@ -2,7 +2,10 @@
 
 Push mode takes from the mailbox of the bound receiver (shared with the other
 connectors of this process bound there), waiting on its condition when the call
-may wait, and for a put of this very key this process has on its way there. Pull
+may wait, and for a put of this very key this process has on its way there. A
+wait ends at its deadline, at an arrival of its key, at the endpoint's seal, or
+when this connector closes (its close wakes the mailbox's waiters, each of which
+checks its own connector): no wait is cut into time slices. Pull
 mode fetches from the sender (see ``_zmq_pull``). Arrivals can also be watched
 (:meth:`ZmqGets.watch_arrivals`) or waited for (:meth:`ZmqGets.wait_for_change`).
 """
@@ -17,13 +20,6 @@ from ._zmq_pull import ZmqPullFetch
 from ._zmq_puts import announces
 from .arrivals import ArrivalWatch
 from .base import bounded_deadline, bounded_timeout
-
-#: A get or wait_for_change on a push receiver re-arms its wait this often, to see its own connector's close
-#: (a receiver other connectors of the process still hold stays open, and so does not wake it).
-_HOLD_CHECK_S = 0.5
-# A get waiting for this process's own put re-checks this often that the put is still expected: another
-# connector of the endpoint taking it, or a cleanup, wakes nothing that wait listens to (an arrival ends it at once).
-_OWN_CHECK_S = 0.05
 
 
 class ZmqGets(ZmqPullFetch):
@@ -63,13 +59,7 @@ class ZmqGets(ZmqPullFetch):
             raise self._refuse_wait("wait_for_change", "the AsyncConnector's awaited get")
         receiver = self._receiver
         if receiver is not None:
-            end = time.monotonic() + timeout
-            while True:
-                # The receiver outlives this connector while others hold it: see our close within a slice.
-                remaining = end - time.monotonic()
-                now_gen = receiver.wait_for_change(gen, min(remaining, _HOLD_CHECK_S))
-                if now_gen != gen or remaining <= _HOLD_CHECK_S or self._closed:
-                    return now_gen
+            return receiver.wait_for_change(gen, timeout, self._is_closed)
         if not self._closed:
             self._idle.wait(timeout)
         return gen
@@ -209,28 +199,30 @@ class ZmqGets(ZmqPullFetch):
                 got = receiver.take(from_stage, to_stage, key)
                 if shared.expected:
                     slot = (from_stage, to_stage, key)
-                    # Our own put of this key is on its way here: wait for it, in slices, since another
-                    # connector of this endpoint may take it (and settle it) meanwhile.
-                    while got is None and wait_for_own and not self._closed:
-                        until = shared.expected_until(slot)
-                        if until is None:
-                            break
-                        got = receiver.take_by(from_stage, to_stage, key, min(until, time.monotonic() + _OWN_CHECK_S))
+                    until = shared.expected_until(slot) if got is None and wait_for_own else None
+                    if until is not None:
+                        # Our own put of this key is on its way here: wait for it while it is expected (another
+                        # connector of this endpoint taking it, or a cleanup, settles it and wakes this wait).
+                        expected = shared.expected
+
+                        def gone() -> bool:
+                            return self._closed or slot not in expected
+
+                        got = receiver.take(from_stage, to_stage, key, until, gone)
                     if got is not None:
                         shared.settle(slot)
                 return got
-            while True:
-                # The receiver outlives this connector while others hold it: see our close within a slice.
-                until = min(deadline, time.monotonic() + _HOLD_CHECK_S)
-                got = receiver.take_by(from_stage, to_stage, key, until)
-                if got is not None or until >= deadline or self._closed:
-                    break
+            got = receiver.take(from_stage, to_stage, key, deadline, self._is_closed)
             if got is not None and shared.expected:
                 shared.settle((from_stage, to_stage, key))
             return got
         except ZmqOmniError as exc:
             self._take_failed(from_stage, to_stage, key, exc)
             return None
+
+    def _is_closed(self) -> bool:
+        """True once this connector closed (a wait on a receiver other connectors still hold ends then)."""
+        return self._closed
 
     def _take_failed(self, from_stage: str, to_stage: str, key: str, exc: ZmqOmniError) -> None:
         """Record a take whose item's shared-memory payload is gone or malformed (the item is gone too)."""

@@ -270,6 +270,8 @@ class ZmqParts(OmniConnectorBase):
         if not self._loop.threaded:
             self._check_sockets_here("building its send side")
             return build()
+        if not self._loop.started:  # a connector that only received had no sockets of its own to drive until now
+            self._loop.start()
         done = threading.Event()
         result: list[_T | BaseException] = []
 

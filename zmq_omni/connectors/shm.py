@@ -35,7 +35,8 @@ from typing import Any
 
 from ..config.device import read_device
 from ..config.extra import ConnectorExtra, foreign_keys
-from ..config.fields import read_float, read_int, read_stage_id, read_str
+from ..config.fields import read_stage_id
+from ..config.reader import read_fields, setting
 from ..errors import ClosedResourceError, ConfigError, DecodeError, ShmError, ShmSpaceError, ZmqOmniError
 from ..shm import (
     DirEvents,
@@ -99,17 +100,17 @@ class SharedMemoryConfig:
     """
 
     namespace: str = "default"
-    stage_id: str | int | None = None
+    stage_id: str | int | None = setting(None, read=read_stage_id)
     role: str | None = None
-    from_stage: str | int | None = None
-    to_stage: str | int | None = None
-    shm_dir: str = ""
-    spill_dir: str = ""
-    inline_max_bytes: int = 64 << 10
-    pool_max_bytes: int = 1 << 30
-    min_free_bytes: int = 16 << 20
-    ttl_s: float = 300.0
-    decode_device: str | None = None
+    from_stage: str | int | None = setting(None, read=read_stage_id)
+    to_stage: str | int | None = setting(None, read=read_stage_id)
+    shm_dir: str = setting(default_factory=default_shm_dir)
+    spill_dir: str = setting(default_factory=tempfile.gettempdir)
+    inline_max_bytes: int = setting(64 << 10, minimum=0)
+    pool_max_bytes: int = setting(1 << 30, minimum=0)
+    min_free_bytes: int = setting(16 << 20, minimum=0)
+    ttl_s: float = setting(300.0, minimum=0.001)
+    decode_device: str | None = setting(None, read=read_device)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> SharedMemoryConfig:
@@ -128,20 +129,9 @@ class SharedMemoryConfig:
                     f"setting and disagree ({data['inline_max_bytes']!r} != {data['shm_threshold_bytes']!r})"
                 )
             data["inline_max_bytes"] = data.pop("shm_threshold_bytes")
-        config = cls(
-            namespace=read_str(data, "namespace", "default", where),
-            stage_id=read_stage_id(data, "stage_id", where),
-            role=read_str(data, "role", None, where),
-            from_stage=read_stage_id(data, "from_stage", where),
-            to_stage=read_stage_id(data, "to_stage", where),
-            shm_dir=read_str(data, "shm_dir", "", where) or default_shm_dir(),
-            spill_dir=read_str(data, "spill_dir", "", where) or tempfile.gettempdir(),
-            inline_max_bytes=read_int(data, "inline_max_bytes", 64 << 10, where, minimum=0),
-            pool_max_bytes=read_int(data, "pool_max_bytes", 1 << 30, where, minimum=0),
-            min_free_bytes=read_int(data, "min_free_bytes", 16 << 20, where, minimum=0),
-            ttl_s=read_float(data, "ttl_s", 300.0, where, minimum=0.001),
-            decode_device=read_device(data, "decode_device", where),
-        )
+        # An empty directory is "not given", as None is.
+        values = read_fields(cls, {k: v for k, v in data.items() if not (k.endswith("_dir") and v == "")}, where)
+        config = cls(**values)
         namespace_dir(config.shm_dir, config.namespace)  # validates the namespace
         return config
 

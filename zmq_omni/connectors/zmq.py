@@ -183,7 +183,10 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
                 self._meet_receivers()
             if cfg.mode == "pull" and receives:
                 self._client = self._build_client()
-            loop.start()
+            # A threaded connector that only receives drives no socket of its own (its bound endpoint has its
+            # I/O thread): its thread starts with its first part that needs one (a put's sender).
+            if not loop.threaded or self._sender is not None:
+                loop.start()
         except BaseException:
             self.close()
             raise

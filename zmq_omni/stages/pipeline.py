@@ -9,15 +9,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from ..adapters import RetryPolicy
 from ..config import ConnectorSpec, OmniTransferConfig, load_omni_transfer_config
-from ..config.fields import check_known_keys, import_callable, read_bool, read_float, read_mapping, read_str
+from ..config.fields import check_known_keys, import_callable, read_mapping, read_str
 from ..config.pipeline import read_config_document
+from ..config.reader import read_fields, setting
 from ..errors import ConfigError
 from ..transport import check_endpoint, env_name
 from .keys import ENV_KEYS_DIR, HEALTH_PROBER, KeyFile, Party
@@ -121,13 +122,13 @@ class PipelineConfig:
             host (``insecure: true`` on each of them; see ``docs/security.md``).
     """
 
-    name: str
+    name: str = "pipeline"
     stages: tuple[StageSpec, ...]
     driver: StageSpec
     transfer: OmniTransferConfig
-    stall_timeout_s: float = 10.0
-    request_timeout_s: float = 120.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    stall_timeout_s: float = setting(10.0, minimum=0.001)
+    request_timeout_s: float = setting(120.0, minimum=0.001)
+    retry: RetryPolicy = setting(default_factory=RetryPolicy, read=RetryPolicy.read)
     keys_dir: str | None = None
     insecure: bool = False
 
@@ -268,7 +269,9 @@ class PipelineConfig:
 
 
 _STAGE_KEYS = ("name", "stage_id", "function", "params", "endpoint", "bind")
-_PIPELINE_KEYS = ("name", "stages", "driver", "stall_timeout_s", "request_timeout_s", "retry", "keys_dir", "insecure")
+_PIPELINE_KEYS = tuple(name for name in PipelineConfig.__dataclass_fields__ if name != "transfer")
+#: The fields of PipelineConfig that load_pipeline_config reads itself (the others are read by their declarations).
+_READ_HERE = ("stages", "driver", "transfer", "keys_dir")
 
 
 def _read_stage(data: Any, path: str, *, driver: bool, environ: Mapping[str, str]) -> StageSpec:
@@ -359,13 +362,9 @@ def load_pipeline_config(
     if keys_dir and not isinstance(source, Mapping) and not env.get(ENV_KEYS_DIR):
         keys_dir = str(Path(source).parent / keys_dir)  # an absolute keys_dir stays as it is
     return PipelineConfig(
-        name=read_str(section, "name", "pipeline", "pipeline"),
         stages=stages,
         driver=driver,
         transfer=transfer,
-        stall_timeout_s=read_float(section, "stall_timeout_s", 10.0, "pipeline", minimum=0.001),
-        request_timeout_s=read_float(section, "request_timeout_s", 120.0, "pipeline", minimum=0.001),
-        retry=RetryPolicy.from_dict(read_mapping(section, "retry", {}, "pipeline"), "pipeline.retry"),
         keys_dir=keys_dir or None,
-        insecure=read_bool(section, "insecure", False, "pipeline"),
+        **read_fields(PipelineConfig, section, "pipeline", skip=_READ_HERE),
     )

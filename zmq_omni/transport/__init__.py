@@ -17,7 +17,7 @@ from ._security import ENV_INSECURE, Curve, insecure_from_env, is_loopback, requ
 from ._sender import PushSender
 from ._shm import ShmReceive, ShmSend
 from ._signal import NotifyingCondition, WouldBlock
-from ._sockets import reserve_loopback_port, tune_malloc
+from ._sockets import listening, reserve_loopback_port, tune_malloc
 from ._tombstones import Tombstones
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "env_name",
     "insecure_from_env",
     "is_loopback",
+    "listening",
     "probe",
     "require_curve",
     "reserve_loopback_port",

@@ -2,10 +2,9 @@
 
 :class:`SourceState` decides whether a put is new or a resend, and what the
 next REPLY to its sender says; :class:`~zmq_omni.transport._receiver.PushReceiver`
-sends it. Every method runs in whichever thread holds the receiver's socket
-(its ``_owner`` lock: the I/O thread, or a get reading the socket itself),
-which alone owns these objects (no lock of their own: other threads hand
-consumed seqs over through the receiver's ``_taken`` list, under its ``_lock``). Nothing here reads a
+sends it. Every method runs on the receiver's driver (its I/O thread or event
+loop), which alone owns these objects (no lock of their own: gets hand their
+consumptions over through the mailbox, under its lock). Nothing here reads a
 clock (``now`` is passed in).
 
 The invariants the tests check after any sequence of calls:

@@ -133,6 +133,13 @@ class Driver(ABC):
         """Whether the calling thread may use the parts' sockets itself (a put's send, a pull get's fetch)."""
         return True
 
+    @abstractmethod
+    def owns_sockets_here(self) -> bool:
+        """True on the driver's own thread, or while nothing drives it (not started yet, or ended).
+
+        A bound socket is used only where this holds (its owner, from bind to close).
+        """
+
     def _release_context(self, *, wait: bool = True) -> None:
         """Let go of the context (every socket of the parts closed); ``wait=False`` terminates it in a thread."""
         release_context(self.ctx, wait=wait)
@@ -160,6 +167,11 @@ class IoLoop(Driver):
         self._on_term: list[Callable[[], None]] = []
         self._stopping = False
         self._started = False
+        # Whoever comes second of the thread's end and a stop() that gave up waiting for it finishes the stop.
+        self._end_lock = threading.Lock()
+        self._ended = False  # the thread ran its on-stop hooks
+        self._orphaned = False  # stop() gave up waiting: the thread finishes the stop as it ends
+        self._finished = False
         self._wake_lock = threading.Lock()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
@@ -193,8 +205,15 @@ class IoLoop(Driver):
         """True when called from the loop thread."""
         return threading.current_thread() is self._thread
 
+    def owns_sockets_here(self) -> bool:
+        """True on the loop thread, or while it does not run (before :meth:`start`, or after it ended)."""
+        return threading.current_thread() is self._thread or not self._thread.is_alive()
+
     def stop(self, timeout: float = 1.0) -> bool:
         """Run the on-stop callbacks on the loop thread, end it, terminate the context.
+
+        A thread still busy after ``timeout`` (a handler that takes long) finishes the stop itself as
+        it ends: the on-term hooks run and the context is released on every path.
 
         Returns:
             True when the thread ended within ``timeout`` (the context is then terminated).
@@ -208,18 +227,28 @@ class IoLoop(Driver):
         if self._thread.is_alive():
             self.wake()
             self._thread.join(timeout)
-        alive = self._thread.is_alive()
+        with self._end_lock:
+            alive = self._thread.is_alive() and not self._ended
+            self._orphaned = alive
         if not alive:
-            with self._wake_lock:
-                if self._wake_fd >= 0:
-                    os.close(self._wake_fd)
-                    self._wake_fd = -1
-            for fn in self._on_term:
-                self._guard(fn)
-            # Every socket of ours is closed by now; the last user's term() waits at most
-            # their linger for last acks to leave.
-            self._release_context()
+            self._finish()
         return not alive
+
+    def _finish(self, *, wait: bool = True) -> None:
+        """After the on-stop hooks: close the wake-up descriptor, run the on-term hooks, release the context."""
+        with self._end_lock:
+            if self._finished:
+                return
+            self._finished = True
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.close(self._wake_fd)
+                self._wake_fd = -1
+        for fn in self._on_term:
+            self._guard(fn)
+        # Every socket of ours is closed by now; the last user's term() waits at most
+        # their linger for last acks to leave.
+        self._release_context(wait=wait)
 
     # -- loop thread (or before start) ---------------------------------------
     def add_reader(self, sock: Any, handler: Callable[[], None]) -> None:
@@ -282,3 +311,9 @@ class IoLoop(Driver):
                 self._guard(self._calls.popleft())
             for fn in self._on_stop:
                 self._guard(fn)
+            with self._end_lock:
+                self._ended = True
+                orphaned = self._orphaned
+            if orphaned:
+                log.warning("%s: its stop ran late (after a long handler); its sockets are closed now", self._name)
+                self._finish(wait=False)

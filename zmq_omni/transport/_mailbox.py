@@ -1,11 +1,12 @@
-"""Push mode, receiving half: the keyed mailbox between the socket's owner and the gets.
+"""Push mode, receiving half: the keyed mailbox between the receiver's driver and the gets.
 
 One lock (:attr:`Mailbox.lock`, under the condition threads wait on) guards
 everything here: the items by address, the tombstones, the consumptions and
 drops not yet handed to the protocol, the flush deadline, the counters and the
-closed flag. Whoever holds the receiver's socket stores arrivals; any thread
-pops. An event loop is woken by :attr:`Mailbox.on_arrivals`, which is called
-outside the lock with the addresses that arrived.
+closed flag. The receiver's driver stores arrivals; any thread takes, waiting
+on the condition (:meth:`Mailbox.take`) until an arrival, the seal or its
+deadline. An event loop is woken by :attr:`Mailbox.on_arrivals`, which is
+called outside the lock with the addresses that arrived.
 
 **Close seals.** :meth:`Mailbox.close` sets ``closed`` under the lock and wakes
 every waiting thread; every take after it returns ``None`` and records nothing,
@@ -45,7 +46,7 @@ class Mailbox:
         tombstone_ttl_s: how long a buried key or prefix keeps dropping arrivals.
         max_tombstones: most tombstones held.
         on_armed: called (under the lock; it must only schedule) when an acknowledgement becomes
-            owed, or due at once: the socket's owner times the flush (:attr:`flush_due`).
+            owed, or due at once: the driver times the flush (:attr:`flush_due`).
         shm: the shared-memory reader: items holding a slot handle are opened by :meth:`result`,
             and the slot of an item dropped unopened is released.
         decode: an opened slot's views to the object.
@@ -88,11 +89,11 @@ class Mailbox:
         self.bytes_taken = 0
         self.drops = {"unclaimed": 0, "late": 0, "cleanup": 0}
 
-    # -- the socket's owner -------------------------------------------------------------
+    # -- the driver --------------------------------------------------------------------
     def store(self, arrivals: list[tuple[Slot, Item]], now: float) -> None:
         """Put one drain's arrivals in: one lock, one notify (the items they replace or that are buried go).
 
-        The socket's holder arms the acknowledgement of their arrival (:meth:`arm`) once its drain is done.
+        The driver arms the acknowledgement of their arrival (:meth:`arm`) once its drain is done.
         """
         gone: list[Item] = []
         with self.lock:
@@ -133,7 +134,7 @@ class Mailbox:
                 self._arm()
 
     def due_now(self) -> None:
-        """The acknowledgements are due at once (the socket's holder sends them before it lets go)."""
+        """The acknowledgements are due at once (the driver sends them at the end of its drain)."""
         with self.lock:
             self.flush_due = 0.0
 
@@ -195,8 +196,26 @@ class Mailbox:
         else:
             self._arm()
 
-    def wait(self, timeout: float) -> None:
-        """Wait on the condition at most ``timeout`` (holds :attr:`lock`): an arrival, a close or a reader leaving."""
+    def take(self, slot: Slot, deadline: float, stop: Callable[[], bool] | None = None) -> Item | None:
+        """:meth:`pop` ``slot``'s item, waiting for it until ``deadline`` (``time.monotonic()``).
+
+        None at the deadline, once sealed, or once ``stop()`` holds (checked at each wake-up:
+        whoever makes it true calls :meth:`wake_waiters`).
+        """
+        with self.lock:
+            while True:
+                if stop is not None and stop():
+                    return None
+                item = self.pop_locked(slot)
+                if item is not None or self.closed:
+                    return item
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._wait(remaining)
+
+    def _wait(self, timeout: float) -> None:
+        """Wait on the condition at most ``timeout`` (holds :attr:`lock`): an arrival, a seal or a wake-up."""
         self.waiting += 1
         try:
             self._cv.wait(timeout)
@@ -204,14 +223,10 @@ class Mailbox:
             self.waiting -= 1
 
     def wake_waiters(self) -> None:
-        """Wake the threads waiting on the condition (a reader left: one of them may read now)."""
+        """Wake the threads waiting on the condition: each checks its ``stop`` again."""
         with self.lock:
-            self.wake_waiters_locked()
-
-    def wake_waiters_locked(self) -> None:
-        """:meth:`wake_waiters` for a caller holding :attr:`lock`."""
-        if self.waiting:
-            self._cv.notify_all()
+            if self.waiting:
+                self._cv.notify_all()
 
     def buries(self, key: str) -> bool:
         """True while a tombstone covers ``key``: an arrival of it now would be dropped."""
@@ -285,15 +300,18 @@ class Mailbox:
                 if item.loc is not None:
                     self._shm.discard(item.loc)
 
-    def wait_for_change(self, generation: int, timeout: float) -> int:
-        """Wait until the generation differs from ``generation``, at most ``timeout``; the generation then."""
+    def wait_for_change(self, generation: int, timeout: float, stop: Callable[[], bool] | None = None) -> int:
+        """Wait until the generation differs from ``generation``, at most ``timeout``; the generation then.
+
+        It also ends once sealed, or once ``stop()`` holds (as :meth:`take`).
+        """
         deadline = time.monotonic() + timeout
         with self.lock:
-            while self.generation == generation and not self.closed:
+            while self.generation == generation and not self.closed and not (stop is not None and stop()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                self.wait(remaining)
+                self._wait(remaining)
             return self.generation
 
     def close(self, timeout: float = 1.0) -> None:

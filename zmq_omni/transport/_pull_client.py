@@ -41,6 +41,12 @@ __all__ = ["FetchChannel", "PullClient"]
 log = logging.getLogger("zmq_omni.transport")
 
 _POLL_SLICE_S = 0.1  # a waiting fetch re-checks close() this often
+#: The longest a threaded fetch asks the server to park one ask; it asks again when the park ends.
+ASK_PARK_S = 2.0
+#: An ask unanswered this long past its park is taken as lost (the server's socket was bound anew).
+SILENT_S = 1.0
+#: An ask answered "absent" at once (the server parks no more now) is asked again after this.
+REASK_S = 0.05
 # Servers come from put metadata: over weeks, restarted servers on fresh ports name new endpoints.
 # Idle sockets and shared-memory verdicts are kept for this many endpoints (least recently used go)...
 MAX_SERVERS = 64
@@ -91,8 +97,13 @@ class PullClient:
     ) -> tuple[Any, int] | None:
         """Ask ``endpoint`` for the payload; ``(obj, nbytes)``, or None when the server has none.
 
-        The server parks the request up to ``wait_s``; the reply is awaited until
-        ``deadline`` (``time.monotonic()``).
+        With ``wait_s`` 0 it asks once, and the reply is awaited until ``deadline``
+        (``time.monotonic()``). With ``wait_s > 0`` it keeps asking until ``deadline``:
+        each ask is parked by the server (a long poll) at most :data:`ASK_PARK_S`; one
+        answered "absent" at once (the server parked no more) is asked again after
+        :data:`REASK_S`; one unanswered :data:`SILENT_S` past its park is taken as lost
+        (the server's socket was bound anew) and asked again. It returns None when the
+        deadline passes after the server answered "absent".
 
         Raises:
             TransportTimeoutError: no reply by ``deadline`` (the server is gone or slow).
@@ -100,32 +111,55 @@ class PullClient:
             DecodeError, MessageTooLargeError: the reply is malformed or too big.
         """
         sock = self._checkout(endpoint, server_key)
-        reusable = False
+        asks: dict[int, float] = {}  # req_id -> until when it is parked at most (an "absent" before: not parked)
+        heard = reusable = False
         try:
-            req_id = next(self._ids)
-            # The shm flag also tells the server we take its probe in the reply (older clients do not).
-            try:
-                sock.send(self.fetch_request(req_id, from_stage, to_stage, key, wait_s, endpoint), zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                raise from_zmq_error(exc, endpoint=endpoint, op="fetch") from exc
+            next_ask: float | None = time.monotonic()
             while True:
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if self._closed:
                     raise ClosedResourceError("connector closed", endpoint=endpoint)
                 if remaining <= 0:
+                    if heard:
+                        return None  # the server answers; the key is just not there yet
                     raise TransportTimeoutError(f"no reply to fetch of {key!r}", endpoint=endpoint)
-                if not sock.poll(int(min(remaining, _POLL_SLICE_S) * 1000) + 1, zmq.POLLIN):
+                if next_ask is not None and now >= next_ask:
+                    park = min(remaining * 0.8, ASK_PARK_S) if wait_s > 0 else 0.0
+                    asks[self._ask(sock, endpoint, from_stage, to_stage, key, park)] = now + park
+                    next_ask = now + park + SILENT_S if wait_s > 0 else None
+                slice_s = min(remaining, _POLL_SLICE_S, max(0.0, next_ask - now) if next_ask is not None else 1.0)
+                if not sock.poll(int(slice_s * 1000) + 1, zmq.POLLIN):
                     continue
                 answered, got = self._answer(endpoint, sock.recv_multipart(copy=False))
-                if answered != req_id:
+                parked_until = asks.pop(answered, None)
+                if parked_until is None:
                     continue  # a late answer to an earlier request on this socket
-                reusable = True
+                heard = True
+                reusable = not asks  # an ask still out may be answered later: the socket goes, not its answer
                 if isinstance(got, BaseException):
                     raise got
-                result: tuple[Any, int] | None = got
-                return result
+                if got is not None or wait_s <= 0:
+                    result: tuple[Any, int] | None = got
+                    return result
+                if asks:
+                    continue  # an ask taken as lost was answered after all: the newer one is out
+                now = time.monotonic()
+                # Answered at once when the server parks no more: ask again a little later, not in a tight loop.
+                next_ask = now + REASK_S if parked_until - now > REASK_S else now
+                if next_ask >= deadline:
+                    return None
         finally:
             self._checkin(endpoint, sock, reusable)
+
+    def _ask(self, sock: Any, endpoint: str, from_stage: str, to_stage: str, key: str, park: float) -> int:
+        req_id = next(self._ids)
+        # The shm flag also tells the server we take its probe in the reply (older clients do not).
+        try:
+            sock.send(self.fetch_request(req_id, from_stage, to_stage, key, park, endpoint), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise from_zmq_error(exc, endpoint=endpoint, op="fetch") from exc
+        return req_id
 
     def _answer(self, endpoint: str, frames: list[Any]) -> tuple[int, Any]:
         """``(req_id, result)`` of a FETCH_REPLY; the result is ``(obj, nbytes)``, None, or the error it makes.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,12 +29,13 @@ from ..metrics import Counters
 from ..wire import brief
 from ._envelope import Kind, check_types, pack, unpack
 from ._loop import Driver
+from ._pull_lot import MAX_PARK_S, Parked, ParkingLot
 from ._pull_protocol import Slot
-from ._router import recv_routed
-from ._security import Curve, watch_refusals
+from ._pull_socket import PullRouter
+from ._pull_store import GONE, Leaving, Stored, check_key
+from ._security import Curve
 from ._shm import ShmSend
 from ._signal import NotifyingCondition, WouldBlock
-from ._sockets import bind, close_bound, close_socket, make_socket
 
 __all__ = ["PullServer"]
 
@@ -44,54 +44,18 @@ log = logging.getLogger("zmq_omni.transport")
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 _SEND_CHECK_S = 0.01  # wait_fetched re-checks replies still leaving this often (ZeroMQ does not notify)
 _CLOSE_GRACE_S = 0.5  # close() lets replies still leaving finish this long, then reports them
-# Long polls parked at once; beyond it a FETCH is answered "not found" at once. A bound on what fetchers
-# (buggy or hostile) can make the server hold, and on the expiry scan's cost, far above real fan-in.
+# Long polls parked at once, and their bytes (each FETCH's request plus its entry): beyond them the peer holding
+# the most gives way (see ``_pull_lot``). Bounds on what fetchers (buggy or hostile) make the server hold.
 _MAX_PARKED = 65536
+_MAX_PARKED_BYTES = 64 << 20
+#: The longest key (UTF-8 bytes) a FETCH may name; a longer one is refused and counted (``rejected_frames``).
+DEFAULT_MAX_KEY_BYTES = 4096
+_PROBE_S = 5.0  # a peer whose FETCHes are parked is checked this often (a gone peer's are dropped)
 _PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
 
 
 #: A failure of a stored payload, with its owner first (the ``owner`` its :meth:`PullServer.store` named).
 OwnedFailureCallback = Callable[[Any, str, str, str, str, str, ZmqOmniError], None]
-
-#: The owner of a reply still leaving once that owner was garbage-collected: its loss is counted, reported to none.
-_GONE = object()
-
-
-class _Stored:
-    __slots__ = ("expires", "frames", "nbytes", "owner")
-
-    def __init__(self, frames: list[Any], nbytes: int, expires: float, owner: Any = None) -> None:
-        self.frames = frames
-        self.nbytes = nbytes
-        self.expires = expires
-        self.owner = owner
-
-
-class _Leaving:
-    """A payload reply handed to ZeroMQ that has not left yet.
-
-    Its frames are still being written (``tracker`` not done), or its
-    shared-memory slot was not opened yet (``loc``, for as long as the pool
-    keeps the slot). Its owner is held weakly: a connector that closed while
-    the server goes on serving others must not be kept alive by a reply.
-    """
-
-    __slots__ = ("_owner", "loc", "nbytes", "slot", "tracker")
-
-    def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None, owner: Any = None) -> None:
-        self.slot = slot
-        self.nbytes = nbytes
-        self.tracker = tracker
-        self.loc = loc
-        self._owner = None if owner is None else weakref.ref(owner)
-
-    @property
-    def owner(self) -> Any:
-        """The payload's owner; None when it had none, ``_GONE`` once it was garbage-collected."""
-        if self._owner is None:
-            return None
-        owner = self._owner()
-        return _GONE if owner is None else owner
 
 
 class PullServer:
@@ -114,11 +78,14 @@ class PullServer:
         health: Callable[[], dict[str, Any]],
         curve: Curve | None = None,
         shm: ShmSend | None = None,
+        max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
     ) -> None:
         """Bind and serve on ``loop``.
 
         Each payload keeps the ``owner`` its :meth:`store` named: ``on_failure`` gets it first,
-        ``wait_fetched`` and ``drop_owned`` select by it.
+        ``wait_fetched`` and ``drop_owned`` select by it. A request (one frame) of more than
+        ``max_frames`` frames closes the ROUTER and binds a new one on the same endpoint: libzmq
+        holds a message whole, and reading it to its end would keep every other peer waiting.
         """
         self._loop = loop
         self._shm = shm
@@ -132,29 +99,29 @@ class PullServer:
         self._on_failure = on_failure
         self._health = health
         self._cv = NotifyingCondition()
-        self._store: dict[Slot, _Stored] = {}
+        self._store: dict[Slot, Stored] = {}
         self._bytes = 0
-        self._leaving: list[_Leaving] = []  # pending like the store: close() before they left loses them
+        self._leaving: list[Leaving] = []  # pending like the store: close() before they left loses them
         self._prune_at = _PRUNE_MIN  # _leaving is pruned when it reaches this length (amortized), and each second
         self._puts = 0
         self._bytes_sent = 0
-        # Parked FETCHes per slot: (identity, req_id, expiry, the fetcher reads our shared memory).
-        self._waiters: dict[Slot, list[tuple[bytes, int, float, bool | None]]] = {}
-        self._parked = 0  # waiters in all the lists of _waiters
+        self._max_key = max_key_bytes
+        self._lot = ParkingLot(_MAX_PARKED, _MAX_PARKED_BYTES)  # parked FETCHes (long polls)
+        for name in ("fetches_evicted", "fetches_of_gone_peers"):
+            counters.add(name, 0)
+        self._probed_at = 0.0
         self._closed = False
-        # FETCH requests are tiny; a peer sending more is hostile.
-        self._sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=1 << 20)
-        if curve is not None:
-            curve.make_server(self._sock)
-            watch_refusals(loop, self._sock, counters)
-        try:
-            bound = bind(self._sock, bind_endpoint)
-        except BaseException:
-            close_socket(self._sock)
-            raise
-        self.endpoint = advertised or bound
-        self._bound = bound
-        loop.add_reader(self._sock, self._on_readable)
+        self._router = PullRouter(
+            loop,
+            bind_endpoint,
+            hwm=hwm,
+            max_frames=max_frames,
+            counters=counters,
+            curve=curve,
+            on_message=self._on_message,
+            on_rebind=self._forget_parked,
+        )
+        self.endpoint = advertised or self._router.bound
         loop.every(min(1.0, ttl_s / 4), self._expire)
         loop.on_stop(self._shutdown)
 
@@ -208,11 +175,11 @@ class PullServer:
             old = self._store.pop(slot, None)
             if old is not None:  # a re-put of an unfetched key replaces it
                 self._bytes -= old.nbytes
-            self._store[slot] = _Stored(frames, nbytes, time.monotonic() + self._ttl, owner)
+            self._store[slot] = Stored(frames, nbytes, time.monotonic() + self._ttl, owner)
             self._bytes += nbytes
             self._puts += 1
             self._bytes_sent += nbytes
-            if slot in self._waiters:
+            if slot in self._lot:
                 self._loop.call_soon(lambda: self._serve_waiter(slot))
         return {"endpoint": self.endpoint, "from_stage": from_stage, "to_stage": to_stage, "key": key, "size": nbytes}
 
@@ -240,7 +207,7 @@ class PullServer:
                 "endpoint": self.endpoint,
             }
 
-    def _still_leaving(self) -> list[_Leaving]:
+    def _still_leaving(self) -> list[Leaving]:
         """Forget replies that left; the rest (caller holds ``_cv``)."""
         shm = self._shm
         self._leaving = [
@@ -317,60 +284,69 @@ class PullServer:
         """Count and report each payload given up on (slot, owner) as a DeliveryError (no lock held)."""
         for (from_stage, to_stage, key), owner in lost:
             self._counters.add(counter)
-            if owner is _GONE:  # nobody is left to tell
+            if owner is GONE:  # nobody is left to tell
                 continue
             reason = why(to_stage)
             error = DeliveryError(reason, key=key, endpoint=self.endpoint)
             self._on_failure(owner, "put", from_stage, to_stage, key, reason, error)
 
     # -- I/O thread ---------------------------------------------------------------
-    def _on_readable(self) -> None:
-        for _ in range(512):
-            message = recv_routed(self._sock, self._max_frames)
-            if message is None:
-                return
-            identity, frames, ok = message
-            try:
-                if not ok or len(frames) != 1:
-                    raise DecodeError("a request must be exactly one frame")
-                kind, header, _ = unpack(frames[0])
-                if kind is Kind.FETCH:
-                    check_types(header[:5], (int, str, str, str, int), "FETCH")
-                    # None: a client of the previous version, which takes replies of two fields only.
-                    local = header[5] if len(header) > 5 else None
-                    if local is not None and type(local) is not bool:
-                        raise DecodeError(f"FETCH shm flag {brief(local)} is not a bool")
-                    self._on_fetch(identity, header[0], (header[1], header[2], header[3]), header[4], local)
-                elif kind is Kind.HEALTH:
-                    self._reply(identity, [pack(Kind.HEALTH_REPLY, (self._health(),))])
-                else:
-                    raise DecodeError(f"unexpected {kind.name} message")
-            except DecodeError as exc:
-                self._counters.add("rejected_frames")
-                log.debug("rejected a request on %s: %s", self.endpoint, exc)
+    def _on_message(self, identity: bytes, frames: list[Any], ok: bool) -> None:
+        try:
+            if not ok:
+                raise DecodeError("a request must be exactly one frame")
+            kind, header, _ = unpack(frames[0])
+            if kind is Kind.FETCH:
+                check_types(header[:5], (int, str, str, str, int), "FETCH")
+                # None: a client of the previous version, which takes replies of two fields only.
+                local = header[5] if len(header) > 5 else None
+                if local is not None and type(local) is not bool:
+                    raise DecodeError(f"FETCH shm flag {brief(local)} is not a bool")
+                check_key(header[3], self._max_key)
+                slot = (header[1], header[2], header[3])
+                self._on_fetch(identity, header[0], slot, header[4], local, len(frames[0]))
+            elif kind is Kind.HEALTH:
+                self._reply(identity, [pack(Kind.HEALTH_REPLY, (self._health(),))])
+            else:
+                raise DecodeError(f"unexpected {kind.name} message")
+        except DecodeError as exc:
+            self._counters.add("rejected_frames")
+            log.debug("rejected a request on %s: %s", self.endpoint, exc)
 
-    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool | None) -> None:
+    def _forget_parked(self) -> None:
+        """The socket was bound anew: the parked FETCHes' peers reconnect with new identities and ask again."""
+        with self._cv:
+            self._lot.clear()
+
+    def _on_fetch(self, identity: bytes, req_id: int, slot: Slot, wait_ms: int, local: bool | None, size: int) -> None:
+        evicted: list[Parked] = []
+        parked = False
         with self._cv:
             taken = self._take(slot)
             if taken is None and wait_ms > 0:
-                if self._parked < _MAX_PARKED:
-                    expiry = time.monotonic() + min(wait_ms, 3_600_000) / 1000.0
-                    self._waiters.setdefault(slot, []).append((identity, req_id, expiry, local))
-                    self._parked += 1
-                    return
-                self._counters.add("fetches_not_parked")
-        if taken is None:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
-        else:
+                expiry = time.monotonic() + min(wait_ms / 1000.0, MAX_PARK_S)
+                parked, evicted = self._lot.park(identity, req_id, slot, expiry, local, size)
+                if evicted:
+                    self._counters.add("fetches_evicted", len(evicted))
+                if not parked:
+                    self._counters.add("fetches_not_parked")
+        for entry in evicted:  # their clients ask again
+            self._not_found(entry.identity, entry.req_id, entry.local)
+        if taken is not None:
             self._deliver(identity, req_id, slot, *taken, local)
+        elif not parked:
+            self._not_found(identity, req_id, local)
 
-    def _take(self, slot: Slot) -> tuple[_Stored, _Leaving] | None:
+    def _not_found(self, identity: bytes, req_id: int, local: bool | None) -> Any:
+        return self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
+
+    def _take(self, slot: Slot) -> tuple[Stored, Leaving] | None:
         """Move a payload from the store to the replies leaving (caller holds ``_cv``): still pending."""
         entry = self._store.pop(slot, None)
         if entry is None:
             return None
         self._bytes -= entry.nbytes
-        leaving = _Leaving(slot, entry.nbytes, None, None, entry.owner)
+        leaving = Leaving(slot, entry.nbytes, None, None, entry.owner)
         self._leaving.append(leaving)
         if len(self._leaving) >= self._prune_at:  # amortized: pruning is linear in what is leaving
             self._prune_at = 2 * len(self._still_leaving()) + _PRUNE_MIN
@@ -378,21 +354,16 @@ class PullServer:
         return entry, leaving
 
     def _serve_waiter(self, slot: Slot) -> None:
-        now = time.monotonic()
         with self._cv:
-            parked = self._waiters.pop(slot, [])
-            waiters = [w for w in parked if w[2] > now]
-            taken = self._take(slot) if waiters else None
-            served = waiters.pop(0) if taken is not None else None
-            if waiters:  # still parked: the next put of the key serves the next one
-                self._waiters[slot] = waiters
-            self._parked += len(waiters) - len(parked)
+            if slot not in self._store:
+                return
+            served = self._lot.pop(slot, time.monotonic())  # the others stay parked for the next put of the key
+            taken = self._take(slot) if served is not None else None
         if taken is not None and served is not None:
-            identity, req_id, _, local = served
-            self._deliver(identity, req_id, slot, *taken, local)
+            self._deliver(served.identity, served.req_id, slot, *taken, served.local)
 
     def _deliver(
-        self, identity: bytes, req_id: int, slot: Slot, entry: _Stored, leaving: _Leaving, local: bool | None
+        self, identity: bytes, req_id: int, slot: Slot, entry: Stored, leaving: Leaving, local: bool | None
     ) -> None:
         loc = self._to_shm(entry) if local else None
         if loc is not None:
@@ -419,7 +390,7 @@ class PullServer:
         """FETCH_REPLY fields: with our probe for a client that sent the shm flag, without for an older one."""
         return (req_id, found) if local is None else (req_id, found, self._probe)
 
-    def _to_shm(self, entry: _Stored) -> bytes | None:
+    def _to_shm(self, entry: Stored) -> bytes | None:
         """Copy a large payload into a slot for a same-host fetcher; the packed handle, or None (frames)."""
         shm = self._shm
         if shm is None or entry.nbytes < shm.threshold:
@@ -432,12 +403,12 @@ class PullServer:
         """Send a reply without blocking; its tracker (or True untracked), or None when ZeroMQ refused it."""
         try:
             if not track:
-                self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+                self._router.sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
                 return True
             # One tracker per part: send_multipart tracks only the last, which may be a small copied one.
             parts = [identity, *frames]
-            trackers = [self._sock.send(part, _MORE, copy=False, track=True) for part in parts[:-1]]
-            trackers.append(self._sock.send(parts[-1], zmq.NOBLOCK, copy=False, track=True))
+            trackers = [self._router.sock.send(part, _MORE, copy=False, track=True) for part in parts[:-1]]
+            trackers.append(self._router.sock.send(parts[-1], zmq.NOBLOCK, copy=False, track=True))
             return zmq.MessageTracker(*trackers)
         except zmq.ZMQError as exc:
             self._counters.add("replies_dropped")
@@ -447,7 +418,6 @@ class PullServer:
     def _expire(self) -> None:
         now = time.monotonic()
         expired: list[tuple[Slot, Any]] = []
-        unanswered: list[tuple[bytes, int, bool | None]] = []  # parked fetches whose wait ended
         with self._cv:
             self._still_leaving()  # replies that left since the last beat are forgotten here, not only at stats()
             for slot, entry in list(self._store.items()):
@@ -456,22 +426,33 @@ class PullServer:
                     expired.append((slot, entry.owner))
             if expired:
                 self._cv.notify_all()
-            for slot, waiters in list(self._waiters.items()):
-                live = [w for w in waiters if w[2] > now]
-                unanswered.extend((w[0], w[1], w[3]) for w in waiters if w[2] <= now)
-                self._parked -= len(waiters) - len(live)
-                if live:
-                    self._waiters[slot] = live
-                else:
-                    del self._waiters[slot]
-        for identity, req_id, local in unanswered:
-            self._reply(identity, [pack(Kind.FETCH_REPLY, self._reply_header(req_id, False, local))])
+            unanswered = self._lot.expire(now)  # parked fetches whose wait ended
+            probe = self._lot.peers() if now - self._probed_at >= _PROBE_S else []
+        for waiter in unanswered:
+            self._not_found(waiter.identity, waiter.req_id, waiter.local)
+        if probe:
+            self._probed_at = now
+            self._drop_gone(probe)
         self._report_lost(
             expired, "expired", lambda to_stage: f"not fetched by stage {to_stage!r} within pull_ttl_s={self._ttl}"
         )
 
+    def _drop_gone(self, peers: list[bytes]) -> None:
+        """Forget the parked FETCHes of peers no longer connected (a FETCH_REPLY to request 0 finds no route)."""
+        probe = pack(Kind.FETCH_REPLY, (0, False))  # request ids start at 1: clients ignore it
+        gone = 0
+        for identity in peers:
+            try:
+                self._router.sock.send_multipart([identity, probe], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    with self._cv:
+                        gone += self._lot.drop_peer(identity)
+        if gone:
+            self._counters.add("fetches_of_gone_peers", gone)
+
     def _shutdown(self) -> None:
-        self._loop.remove_reader(self._sock)
+        self._router.stop_reading()
         # Replies handed to ZeroMQ just before close may still be leaving: give them a bounded moment,
         # then report those that did not make it (closing the socket drops them).
         deadline = time.monotonic() + _CLOSE_GRACE_S
@@ -481,7 +462,7 @@ class PullServer:
             time.sleep(_SEND_CHECK_S)
             with self._cv:
                 leaving = self._still_leaving()
-        close_bound(self._sock, self._bound)
+        self._router.close()
         self._report_lost(
             [(entry.slot, entry.owner) for entry in leaving],
             "delivery_failures",

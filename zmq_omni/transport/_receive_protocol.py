@@ -5,7 +5,7 @@
 item to deliver (:attr:`ReceiveProtocol.arrivals`), what each sender must hear
 (:class:`Reply` objects to send, each reported back with :meth:`sent`), and
 when the batched acknowledgements are due. It touches no socket, takes no lock
-and starts no thread: it belongs to whoever holds the receiver's socket (see
+and starts no thread: it belongs to the receiver's driver (see
 :mod:`~zmq_omni.transport._receiver`), who calls it one message at a time.
 
 What each sender is told (dedupe window, acknowledgements, pongs) is the

@@ -1,11 +1,11 @@
-"""Push mode, receiving half: the bound ROUTER and what its holder does with it.
+"""Push mode, receiving half: the bound ROUTER and what its driver does with it.
 
 :class:`ReceiveSocket` reads messages into the
 :class:`~zmq_omni.transport._receive_protocol.ReceiveProtocol`, stores what
 arrived in the :class:`~zmq_omni.transport._mailbox.Mailbox`, sends the
 protocol's replies and the acknowledgements due, and closes the socket. Every
-method but the constructor is for the socket's holder only (see
-:mod:`~zmq_omni.transport._thread_driver`): nothing here decides who holds it.
+method but the constructor runs on the driver alone (the endpoint's I/O thread,
+or the event loop that owns it), and asserts it: ``Driver.owns_sockets_here``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _zmq_poll = zmq.zmq_poll
 # A drain's time, whatever its messages cost: a peer sending messages of a thousand frames (each read
 # frame by frame, ~2.5 us a frame) must not hold an event loop's turn for its 512 messages (1.2 s).
 _DRAIN_BUDGET_S = 0.01
-_SETTLE_ROUNDS = 4  # drains a holder does before it leaves the rest of a flood to the driver's next turn
+_SETTLE_ROUNDS = 4  # drains a settle does before it leaves the rest of a flood to the driver's next turn
 
 
 class ReceiveSocket:
@@ -64,8 +64,9 @@ class ReceiveSocket:
         shm: ShmReceive | None,
     ) -> None:
         self._mailbox = mailbox
+        self._loop = loop
         self._stop_refusals: Callable[[], None] | None = None
-        #: The ROUTER itself: for its holder only (a reading getter polls it).
+        #: The ROUTER itself: for the driver only.
         self.socket = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
         try:
             if curve is not None:
@@ -95,12 +96,8 @@ class ReceiveSocket:
         self.fd: int = self.socket.getsockopt(zmq.FD)
         self._poll_in = [(self.socket, zmq.POLLIN)]
 
-    def read(self, want_key: str | None) -> bool:
-        """Read what is queued, at most one drain; True when it left ZeroMQ holding nothing for us.
-
-        A reading getter passes its key: the drain stops at a DATA of that key without asking
-        ZeroMQ whether more is queued (about 1 us, on every lone message's critical path).
-        """
+    def read(self) -> bool:
+        """Read what is queued, at most one drain; True when it left ZeroMQ holding nothing for us."""
         sock, protocol, mailbox, poll_in = self.socket, self.protocol, self._mailbox, self._poll_in
         now = time.monotonic()
         receive, max_frames = protocol.receive, protocol.max_frames
@@ -112,13 +109,11 @@ class ReceiveSocket:
             if message is None:
                 drained = True
                 break
-            key = receive(*message, now)
+            receive(*message, now)
             if protocol.replies:  # a pong, or a health answer: what it reports arrived is in the mailbox first
                 self._store(now)
                 replies, protocol.replies = protocol.replies, []
                 self.send(replies)
-            if key is not None and key == want_key:
-                break
             if not _zmq_poll(poll_in, 0):
                 drained = True
                 break
@@ -126,7 +121,7 @@ class ReceiveSocket:
                 break
         self._store(now)
         if protocol.acks_due_now():
-            mailbox.due_now()  # sent by this holder before it lets go, after its get took its item
+            mailbox.due_now()  # sent by the settle that called this
         elif protocol.owes_acks():
             mailbox.arm()
         return drained
@@ -144,6 +139,7 @@ class ReceiveSocket:
         ``rounds`` drains at most: False leaves more queued (the caller hands it to the driver's next turn).
         A drain that found the queue empty is taken at its word unless acks went out after it.
         """
+        assert self._loop.owns_sockets_here(), "the receiving socket used off its driver"
         mailbox = self._mailbox
         drained, drains = False, 0
         while not mailbox.closed:
@@ -155,7 +151,7 @@ class ReceiveSocket:
                 return True
             if drains == rounds:
                 return not _zmq_poll(self._poll_in, 0)
-            drained = self.read(None)
+            drained = self.read()
             drains += 1
         return True
 
@@ -176,8 +172,10 @@ class ReceiveSocket:
 
     def close(self) -> None:
         """The last acknowledgements (every consumption not yet confirmed), then the socket."""
+        assert self._loop.owns_sockets_here(), "the receiving socket closed off its driver"
         if self._stop_refusals is not None:
             self._stop_refusals()
         self.flush()
         self.send(self.protocol.last_words())
-        close_bound(self.socket, self.endpoint, linger_ms=200)
+        # An event loop does not wait here for the listener to go: its aclose awaits that (aio._closing).
+        close_bound(self.socket, self.endpoint, linger_ms=200, wait_s=1.0 if self._loop.threaded else 0.0)

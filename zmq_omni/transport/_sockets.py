@@ -41,6 +41,7 @@ __all__ = [
     "bind",
     "close_bound",
     "close_socket",
+    "listening",
     "make_socket",
     "new_context",
     "refuse_live_ipc",
@@ -246,6 +247,11 @@ def close_bound(sock: Any, endpoint: str | None, *, linger_ms: int = 0, wait_s: 
     deadline = time.monotonic() + wait_s
     while _listened(endpoint, timeout_s=0.1) and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+def listening(endpoint: str) -> bool:
+    """True while something accepts connections on ``endpoint`` (an ipc path or a TCP port); False when unsure."""
+    return _listened(endpoint, timeout_s=0.1)
 
 
 def _listened(endpoint: str, *, timeout_s: float) -> bool:

@@ -1,0 +1,145 @@
+"""The pull server's ROUTER: bound, read within a time budget a turn, and bound anew past ``max_frames``.
+
+A request is one frame. A peer's message of many frames is read across turns
+(:class:`~zmq_omni.transport._router.RoutedReader`), so no turn of the driver
+lasts much past :data:`READ_BUDGET_S`; a message past ``max_frames`` closes the
+socket, which is the only way to make libzmq let go of the rest of it (it queues
+a message whole, and reading a million frames one ``recv`` each would keep every
+other peer waiting), and a new one is bound on the same endpoint. Peers
+reconnect by themselves; what they had in flight is lost (clients ask again).
+
+Used by the server's driver only (the endpoint's I/O thread, or its event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..errors import ZmqOmniError
+from ..metrics import Counters
+from ._loop import Driver
+from ._router import RoutedReader, trim_malloc
+from ._security import Curve, watch_refusals
+from ._sockets import bind, close_bound, close_socket, make_socket
+
+__all__ = ["READ_BUDGET_S", "PullRouter"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+#: A turn of the read loop ends after this long, whatever the messages cost (the rest is read next turn).
+READ_BUDGET_S = 0.01
+_LINGER_MS = 500  # replies still leaving when the socket is bound anew go on leaving this long
+_REBIND_S = 5.0  # how long a rebind tries to bind the endpoint again
+_TRIM_AFTER_S = 0.5  # a dropped message's memory is handed back to the OS this long after its socket closed
+
+#: What the server does with one message: ``(identity, frames, ok)`` (``ok`` False: more than one frame).
+OnMessage = Callable[[bytes, list[Any], bool], None]
+
+
+class PullRouter:
+    """A bound ROUTER whose messages go to ``on_message`` (see the module docstring).
+
+    ``on_rebind`` runs after the old socket closed (its peers' parked requests cannot be answered).
+
+    Raises:
+        TransportError: the bind failed (the endpoint is named).
+    """
+
+    def __init__(
+        self,
+        loop: Driver,
+        endpoint: str,
+        *,
+        hwm: int,
+        max_frames: int,
+        counters: Counters,
+        curve: Curve | None,
+        on_message: OnMessage,
+        on_rebind: Callable[[], None],
+    ) -> None:
+        self._loop, self._hwm, self._curve, self._counters = loop, hwm, curve, counters
+        self._on_message, self._on_rebind = on_message, on_rebind
+        self._stop_refusals: Callable[[], None] | None = None
+        self._closed = False
+        counters.add("rebinds", 0)
+        #: The socket: for the driver only; replaced when bound anew.
+        self.sock = self._open(endpoint)
+        self.bound: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._reader = RoutedReader(self.sock, 1, max_frames)
+        loop.add_reader(self.sock, self._on_readable)
+
+    def _open(self, endpoint: str) -> Any:
+        # FETCH requests are tiny; a peer sending more is hostile.
+        sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=1 << 20)
+        try:
+            if self._curve is not None:
+                self._curve.make_server(sock)
+                self._stop_refusals = watch_refusals(self._loop, sock, self._counters, stop_on_stop=False)
+            bind(sock, endpoint)
+        except BaseException:
+            self._stop_watching()
+            close_socket(sock)
+            raise
+        return sock
+
+    def _stop_watching(self) -> None:
+        if self._stop_refusals is not None:
+            self._stop_refusals()
+            self._stop_refusals = None
+
+    def _on_readable(self) -> None:
+        reader, until, on_message = self._reader, time.monotonic() + READ_BUDGET_S, self._on_message
+        while True:
+            message = reader.read(until)
+            if message is None:
+                if reader.overflowed:
+                    self._rebind()
+                return
+            on_message(*message)
+            if time.monotonic() > until:  # costly requests: the rest next turn
+                return
+
+    def _rebind(self) -> None:
+        self._counters.add("rebinds")
+        log.warning(
+            "pull server %s: a peer sent a message of more than %d frames; the socket is bound anew",
+            self.bound,
+            self._reader.max_frames,
+        )
+        self._loop.remove_reader(self.sock)
+        self._stop_watching()
+        close_socket(self.sock, linger_ms=_LINGER_MS)  # the held message goes with it
+        self._on_rebind()
+        self._reopen(time.monotonic() + _REBIND_S)
+
+    def _reopen(self, give_up_at: float) -> None:
+        """Bind the new ROUTER once the old listener is gone (libzmq closes it a moment after ``close``)."""
+        if self._closed:
+            return
+        try:
+            self.sock = self._open(self.bound)
+        except ZmqOmniError as exc:
+            if time.monotonic() < give_up_at:
+                self._loop.call_later(0.005, lambda: self._reopen(give_up_at))
+                return
+            log.error("pull server %s: could not bind again: %s", self.bound, exc)
+            return
+        self._reader = RoutedReader(self.sock, 1, self._reader.max_frames)
+        self._loop.add_reader(self.sock, self._on_readable)
+        self._loop.call_later(_TRIM_AFTER_S, trim_malloc)
+
+    def stop_reading(self) -> None:
+        """Stop watching the socket (the first step of closing)."""
+        self._closed = True
+        self._loop.remove_reader(self.sock)
+        self._stop_watching()
+
+    def close(self) -> None:
+        """Close the socket and wait (bounded) until nothing listens on its endpoint."""
+        self.stop_reading()
+        close_bound(self.sock, self.bound)

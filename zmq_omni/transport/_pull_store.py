@@ -1,0 +1,62 @@
+"""What a pull server holds: payloads stored until fetched, and replies handed to ZeroMQ that have not left.
+
+Plain records; :class:`~zmq_omni.transport._pull_server.PullServer` guards them with its lock.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from ..errors import DecodeError
+from ._pull_protocol import Slot
+
+__all__ = ["GONE", "Leaving", "Stored", "check_key"]
+
+
+def check_key(key: str, max_key_bytes: int) -> None:
+    """Raise ``DecodeError`` when ``key`` is longer than ``max_key_bytes`` in UTF-8."""
+    size = len(key)
+    if size > max_key_bytes or (size * 4 > max_key_bytes and len(key.encode("utf-8", "surrogatepass")) > max_key_bytes):
+        raise DecodeError(f"key of {size} characters is longer than max_key_bytes {max_key_bytes}")
+
+
+#: The owner of a reply still leaving once that owner was garbage-collected: its loss is counted, reported to none.
+GONE = object()
+
+
+class Stored:
+    __slots__ = ("expires", "frames", "nbytes", "owner")
+
+    def __init__(self, frames: list[Any], nbytes: int, expires: float, owner: Any = None) -> None:
+        self.frames = frames
+        self.nbytes = nbytes
+        self.expires = expires
+        self.owner = owner
+
+
+class Leaving:
+    """A payload reply handed to ZeroMQ that has not left yet.
+
+    Its frames are still being written (``tracker`` not done), or its
+    shared-memory slot was not opened yet (``loc``, for as long as the pool
+    keeps the slot). Its owner is held weakly: a connector that closed while
+    the server goes on serving others must not be kept alive by a reply.
+    """
+
+    __slots__ = ("_owner", "loc", "nbytes", "slot", "tracker")
+
+    def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None, owner: Any = None) -> None:
+        self.slot = slot
+        self.nbytes = nbytes
+        self.tracker = tracker
+        self.loc = loc
+        self._owner = None if owner is None else weakref.ref(owner)
+
+    @property
+    def owner(self) -> Any:
+        """The payload's owner; None when it had none, ``GONE`` once it was garbage-collected."""
+        if self._owner is None:
+            return None
+        owner = self._owner()
+        return GONE if owner is None else owner
