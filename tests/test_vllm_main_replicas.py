@@ -18,10 +18,12 @@ and host** (no ``{replica}``, no ``{rank}``). A shape passes when every request'
 chunks (or KV shards) reach the process that asks for them, exactly once, and
 every process builds, confirms its puts and exits cleanly.
 
-Shapes that need a stage endpoint shared by the stage's processes (the first
-binds, the others become its local clients) are marked ``xfail(strict=True)``:
-they fail today with "another process is listening" or with chunks that went to
-the other replica, and turn into failures the day the shared endpoint lands.
+In push mode the stage endpoint is shared by the stage's processes on a host:
+the holder of the stage lock binds it, the others become its local clients.
+Pull mode has no such sharing yet: shapes whose sending stage has several
+processes on a host are marked ``xfail(strict=True)`` (the second process
+fails with "another process is listening"), and turn into failures the day it
+lands.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ CHUNKS = 4
 RESULT_WAIT_S = 60.0
 EXIT_WAIT_S = 15.0
 PROCESS_DEADLINE_S = 30.0
-NEEDS_SHARED = "needs one receive endpoint shared by the stage's processes on a host (issue 46)"
+NEEDS_SHARED = "pull mode: the sending stage's processes on a host cannot share its pull endpoint yet (issue 46)"
 
 
 def one_configuration(stage_ids: list[str], tmp: Path, mode: str, transport: str = "ipc") -> dict[str, Any]:
@@ -199,13 +201,13 @@ class Row:
 
 
 ROWS = {
-    "replicas-receiving": Row("qwen3_omni_moe.yaml", replicas_receiving, ("pull",)),
+    "replicas-receiving": Row("qwen3_omni_moe.yaml", replicas_receiving, ("push", "pull")),
     "replicas-sending": Row("minicpmo_4_5_3gpu_stage1_replicas.yaml", replicas_sending, ("push",)),
-    "tp2-receiving": Row("qwen3_omni_moe.yaml", tp_receiving, ("pull",)),
+    "tp2-receiving": Row("qwen3_omni_moe.yaml", tp_receiving, ("push", "pull")),
     "tp2-sending": Row("qwen3_omni_moe.yaml", tp_sending, ("push",)),
-    "kv-tp2-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(2, 2), ()),
+    "kv-tp2-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(2, 2), ("push",)),
     "kv-tp2-to-tp1": Row("qwen3_omni_moe.yaml", kv_between(2, 1), ("push",)),
-    "kv-tp1-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(1, 2), ("pull",)),
+    "kv-tp1-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(1, 2), ("push", "pull")),
 }
 
 

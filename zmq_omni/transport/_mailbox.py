@@ -85,6 +85,8 @@ class Mailbox:
         self._opening = 0  # shared-memory items taken and not yet mapped: a seal waits for them (close)
         self.waiting = 0  # threads waiting on the condition
         self.on_arrivals: Callable[[list[Slot]], None] | None = None
+        #: A shared stage endpoint's binder: called by the driver with what arrived, to lend it to local clients.
+        self.on_lendable: Callable[[list[Slot]], None] | None = None
         self.gets = 0
         self.bytes_taken = 0
         self.drops = {"unclaimed": 0, "late": 0, "cleanup": 0}
@@ -111,9 +113,10 @@ class Mailbox:
                 self._cv.notify_all()
         if gone:
             self._discard(gone)
-        hook = self.on_arrivals
-        if hook is not None and arrivals:
-            hook([slot for slot, _ in arrivals])
+        if arrivals:
+            for hook in (self.on_arrivals, self.on_lendable):
+                if hook is not None:
+                    hook([slot for slot, _ in arrivals])
 
     def _drop_buried(self, arrivals: list[tuple[Slot, Item]], gone: list[Item], now: float) -> list[tuple[Slot, Item]]:
         kept = []
@@ -179,6 +182,38 @@ class Mailbox:
             else:
                 self._opening += 1  # its consumption is noted once mapped (result)
         return item
+
+    # -- a shared stage endpoint's binder (its driver) ---------------------------------------
+    def lend(self, slot: Slot) -> Item | None:
+        """Take ``slot``'s item out for a local client, not counted consumed (:meth:`settle`, :meth:`restore`)."""
+        with self.lock:
+            if self.closed:
+                return None
+            if self._tombs.entries:
+                self._tombs.lift(slot[2])
+            return self._box.pop(slot, None)
+
+    def settle(self, item: Item) -> None:
+        """A lent item was taken by the client's get: count it consumed, as a take here does."""
+        with self.lock:
+            self._note_taken(item)
+
+    def restore(self, slot: Slot, item: Item) -> None:
+        """A lent item comes back (given back, or its client gone): a get can take it again."""
+        with self.lock:
+            if self.closed:  # not consumed: its sender resends it to the next binder
+                return
+            if slot in self._box:  # a newer put replaced it, as in store
+                self._consumed.append((item.sid, item.seq))
+                self._arm()
+                return
+            self._box[slot] = item
+            self.generation += 1
+            if self.waiting:
+                self._cv.notify_all()
+        for hook in (self.on_arrivals, self.on_lendable):
+            if hook is not None:
+                hook([slot])
 
     def _note_taken(self, item: Item) -> None:
         """Record a consumption (holds the lock)."""

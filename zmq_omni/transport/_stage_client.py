@@ -1,0 +1,218 @@
+"""A local client of a shared stage endpoint: gets answered by the binder's mailbox, in this process's own mailbox.
+
+A process of a stage that finds the stage lock held by another live process of
+the stage (:mod:`~zmq_omni.transport._stage_lock`) does not bind: its receiving
+part is a :class:`StageClient`, a DEALER to the binder's service
+(:mod:`~zmq_omni.transport._stage_service`). A get that does not find its key
+here tells the binder it *wants* it (once per key and window, not at every
+poll); the binder lends the item when it is there; it lands in this process's
+own :class:`~zmq_omni.transport._mailbox.Mailbox`, where gets take it as from
+a bound receiver's; what gets took goes back to the binder as ``TOOK`` (batched
+by the same acknowledgement delay), so the binder counts it consumed only then.
+A shared-memory item arrives as its slot handle and is mapped here.
+
+It is a :class:`~zmq_omni.transport._receiver.PushReceiver` to the connector
+(the same gets, watches, cleanups and close), with no stage socket of its own.
+
+Threads: the DEALER and ``_leases`` are the driver's (the endpoint's I/O
+thread); the mailbox is under its own lock; ``_asked`` (key -> until when the
+binder has been asked) is written by getting threads and the driver, one dict
+operation at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+from ..metrics import Counters
+from ._loop import Driver
+from ._mailbox import Mailbox
+from ._receive_protocol import Item, Slot
+from ._receiver import DEFAULT_ACK_DELAY_S, PushReceiver
+from ._shm import ShmReceive
+
+__all__ = ["StageClient"]
+
+log = logging.getLogger("zmq_omni.transport")
+
+#: How long a polling get's want stays open at the binder (renewed by a poll once half of it passed).
+POLL_WANT_S = 2.0
+
+
+class StageClient(PushReceiver):
+    """The receiving part of a process that is a local client of its stage's binder (see the module docstring).
+
+    Args:
+        loop: the driver that owns the DEALER.
+        endpoint: the stage endpoint (what health reports).
+        service: the binder's service address.
+        decode: frames (or a mapped slot's views) to the object.
+        counters: the endpoint's counters.
+        heartbeat_s: interval of pings to the binder.
+        peer_timeout_s: silence after which the binder is reported gone.
+        ack_delay_s: most a consumption waits before the binder hears it.
+        unclaimed_ttl_s: a lent item no get took within this long is dropped here.
+        tombstone_ttl_s: how long a cleanup's tombstone drops late lends.
+        max_tombstones: most tombstones held.
+        shm: the shared-memory reader for items lent as slot handles.
+    """
+
+    def __init__(
+        self,
+        loop: Driver,
+        endpoint: str,
+        service: str,
+        *,
+        decode: Callable[[list[Any]], Any],
+        counters: Counters,
+        heartbeat_s: float,
+        peer_timeout_s: float,
+        ack_delay_s: float = DEFAULT_ACK_DELAY_S,
+        unclaimed_ttl_s: float = 300.0,
+        tombstone_ttl_s: float = 60.0,
+        max_tombstones: int = 65536,
+        shm: ShmReceive | None = None,
+    ) -> None:
+        # Not PushReceiver.__init__: no stage socket here; the fields its gets and expiry use are set below.
+        self._loop = loop  # type: ignore[assignment]
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.endpoint = endpoint
+        self.service = service
+        self._counters = counters
+        self._decode = decode
+        self._unclaimed_ttl = unclaimed_ttl_s
+        self._peer_timeout = peer_timeout_s
+        self._mailbox = Mailbox(
+            ack_delay_s=ack_delay_s,
+            tombstone_ttl_s=tombstone_ttl_s,
+            max_tombstones=max_tombstones,
+            on_armed=self._flush_armed,
+            shm=shm,
+            decode=decode,
+            counters=counters,
+        )
+        self._shut = False
+        self._asked: dict[Slot, float] = {}
+        self._leases: dict[tuple[str, int], int] = {}  # (sid, seq) -> lease (driver's)
+        self._heard = time.monotonic()
+        self._gone_reported = False
+        sock = self._sock = loop.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(service)
+        loop.add_reader(sock, self._drive)
+        loop.every(heartbeat_s, self._ping)
+        loop.every(min(1.0, unclaimed_ttl_s / 4, tombstone_ttl_s / 4), self._expire_unclaimed)
+        loop.on_stop(self._shutdown)
+        loop.call_soon(functools.partial(self._send, b"HELLO", []))
+
+    # -- gets (any thread) ------------------------------------------------------------------
+    def take(
+        self,
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        deadline: float | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> tuple[Any, int] | None:
+        """As :meth:`PushReceiver.take`; a key not here is asked of the binder (once per window)."""
+        slot = (from_stage, to_stage, key)
+        item = self._mailbox.pop(slot)
+        if item is None:
+            now = time.monotonic()
+            waits = deadline is not None and deadline > now
+            until = deadline if waits and deadline is not None else now + POLL_WANT_S
+            known = self._asked.get(slot)
+            if known is None or known < min(until, now + POLL_WANT_S / 2):
+                self._asked[slot] = until
+                self._loop.call_soon(functools.partial(self._send, b"WANT", [*slot, until - now]))
+            if waits and deadline is not None:
+                if self._loop.in_loop():
+                    raise RuntimeError("a blocking get on the thread that drives the connector would wait for itself")
+                item = self._mailbox.take(slot, deadline, stop)
+        return None if item is None else self._mailbox.result(item)
+
+    def forget(
+        self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None, firm: bool = False
+    ) -> int:
+        """As :meth:`PushReceiver.forget`, here and at the binder (its tombstones and wants too)."""
+        dropped = self._mailbox.forget(match, key=key, prefix=prefix, firm=firm)
+        if key is not None or prefix is not None:
+            self._loop.call_soon(functools.partial(self._send, b"FORGET", [key, prefix, firm]))
+        return dropped
+
+    def stats(self) -> dict[str, Any]:
+        """The mailbox's counters, and the binder this process gets from."""
+        return {**self._mailbox.stats(), "batches_received": 0, "stage_binder": self.service}
+
+    # -- the driver -------------------------------------------------------------------------
+    def _drive(self) -> None:
+        while not self._shut:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._heard = now = time.monotonic()
+            self._gone_reported = False
+            verb, body = frames[0], msgpack.unpackb(frames[1])
+            if verb == b"LEND":
+                lease, from_stage, to_stage, key, nbytes, sid, seq, loc = body
+                slot = (from_stage, to_stage, key)
+                self._asked.pop(slot, None)
+                obj = None if loc is not None else self._decode(frames[2:])
+                self._leases[(sid, seq)] = lease
+                self._mailbox.store([(slot, Item(obj, nbytes, sid, seq, loc, now))], now)
+            elif verb == b"NONE":
+                self._asked.pop(tuple(body), None)  # type: ignore[call-overload]
+
+    def _flush_due(self) -> None:
+        """Tell the binder what gets took (and what was dropped here), so it counts them consumed."""
+        due = self._mailbox.flush_due
+        if due is None or due > time.monotonic() or self._shut:
+            return
+        self._settle()
+
+    def _settle(self) -> None:
+        consumed, dropped, _ = self._mailbox.handover(flushing=True)
+        for pair in [*consumed, *((sid, seq) for sid, seq, _code in dropped)]:
+            lease = self._leases.pop(pair, None)
+            if lease is not None:
+                self._send(b"TOOK", [lease])
+
+    def _ping(self) -> None:
+        if self._shut:
+            return
+        self._send(b"PING", [])
+        if time.monotonic() - self._heard > self._peer_timeout and not self._gone_reported:
+            self._gone_reported = True
+            log.warning("the binder of %s (%s) does not answer", self.endpoint, self.service)
+
+    def _send(self, verb: bytes, body: list[Any]) -> None:
+        if not self._shut:
+            self._sock.send_multipart([verb, msgpack.packb(body)])
+
+    def _expire_sources(self) -> None:
+        """No senders here (they talk to the binder)."""
+
+    def _shutdown(self) -> None:
+        """The driver's last word: seal, tell the binder what was taken, give the rest back, close the DEALER."""
+        self._mailbox.close()
+        if self._shut:
+            return
+        self._settle()
+        for lease in self._leases.values():
+            self._send(b"BACK", [lease])
+        self._leases.clear()
+        self._shut = True
+        self._loop.remove_reader(self._sock)
+        self._sock.close(linger=100)
+
+    def __repr__(self) -> str:
+        return f"<StageClient {self.endpoint} via {self.service}{' closed' if self._shut else ''}>"
