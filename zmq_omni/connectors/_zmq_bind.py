@@ -129,23 +129,9 @@ def open_endpoint(
         # The stage endpoint is shared by the stage's processes on this host: the holder of its stage lock
         # binds it and serves the others, which become its local clients (transport/_stage_lock.py).
         lock = StageLock(bind_at) if cfg.mode == "push" and threaded and stage_shareable(bind_at) else None
-        if lock is not None and not lock.try_acquire():
-            shared.part = StageClient(
-                loop,
-                advertised or bind_at,
-                lock.paths.service,
-                decode=decode,
-                counters=shared.counters,
-                heartbeat_s=cfg.heartbeat_s,
-                peer_timeout_s=cfg.peer_timeout_s,
-                ack_delay_s=cfg.ack_delay_s,
-                unclaimed_ttl_s=cfg.unclaimed_ttl_s,
-                tombstone_ttl_s=cfg.tombstone_ttl_s,
-                max_tombstones=cfg.max_tombstones,
-                shm=shm_receive,
-            )
-        elif cfg.mode == "push":
-            shared.part = PushReceiver(
+
+        def bind_here(held: StageLock | None) -> PushReceiver:
+            receiver = PushReceiver(
                 loop,  # type: ignore[arg-type]  # (PushReceiver's annotation names IoLoop; any Driver drives it)
                 bind_at,
                 incarnation=uuid.uuid4().hex[:16],
@@ -165,17 +151,38 @@ def open_endpoint(
                 curve=curve,
                 shm=shm_receive,
             )
-            if lock is not None:
+            if held is not None:
                 StageService(
                     loop,
-                    shared.part.mailbox,
-                    lock.paths.service,
+                    receiver.mailbox,
+                    held.paths.service,
                     encode=functools.partial(
                         encode, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle
                     ),
                     peer_timeout_s=cfg.peer_timeout_s,
                 )
-                loop.on_term(lock.release)
+                loop.on_term(held.release)
+            return receiver
+
+        if lock is not None and not lock.try_acquire():
+            shared.part = StageClient(
+                loop,
+                advertised or bind_at,
+                lock.paths.service,
+                decode=decode,
+                counters=shared.counters,
+                heartbeat_s=cfg.heartbeat_s,
+                peer_timeout_s=cfg.peer_timeout_s,
+                ack_delay_s=cfg.ack_delay_s,
+                unclaimed_ttl_s=cfg.unclaimed_ttl_s,
+                tombstone_ttl_s=cfg.tombstone_ttl_s,
+                max_tombstones=cfg.max_tombstones,
+                shm=shm_receive,
+                lock=lock,
+                become_binder=bind_here,
+            )
+        elif cfg.mode == "push":
+            shared.part = bind_here(lock)
         else:
             fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
             shared.part = PullServer(

@@ -215,6 +215,19 @@ class Mailbox:
             if hook is not None:
                 hook([slot])
 
+    def withdraw(self) -> int:
+        """Empty the mailbox counting nothing consumed or dropped, freeing no slot; seal it; how many went.
+
+        A local client whose binder died: the items it held on lease were never counted consumed, so
+        their senders resend them to the next binder (a slot freed here would be lost to that resend).
+        """
+        with self.lock:
+            count = len(self._box)
+            self._box.clear()
+            self.closed = True
+            self._cv.notify_all()
+        return count
+
     def _note_taken(self, item: Item) -> None:
         """Record a consumption (holds the lock)."""
         self._consumed.append((item.sid, item.seq))

@@ -38,6 +38,7 @@ from ._mailbox import Mailbox
 from ._receive_protocol import Item, Slot
 from ._receiver import DEFAULT_ACK_DELAY_S, PushReceiver
 from ._shm import ShmReceive
+from ._stage_lock import StageLock
 
 __all__ = ["StageClient"]
 
@@ -63,6 +64,9 @@ class StageClient(PushReceiver):
         tombstone_ttl_s: how long a cleanup's tombstone drops late lends.
         max_tombstones: most tombstones held.
         shm: the shared-memory reader for items lent as slot handles.
+        lock: the stage lock, tried again when the binder goes silent.
+        become_binder: binds the stage endpoint on ``loop`` (and serves it) once ``lock`` is
+            held: this process is the binder from then on.
     """
 
     def __init__(
@@ -80,6 +84,8 @@ class StageClient(PushReceiver):
         tombstone_ttl_s: float = 60.0,
         max_tombstones: int = 65536,
         shm: ShmReceive | None = None,
+        lock: StageLock | None = None,
+        become_binder: Callable[[StageLock], PushReceiver] | None = None,
     ) -> None:
         # Not PushReceiver.__init__: no stage socket here; the fields its gets and expiry use are set below.
         self._loop = loop  # type: ignore[assignment]
@@ -90,7 +96,8 @@ class StageClient(PushReceiver):
         self._decode = decode
         self._unclaimed_ttl = unclaimed_ttl_s
         self._peer_timeout = peer_timeout_s
-        self._mailbox = Mailbox(
+        self._new_mailbox = functools.partial(
+            Mailbox,
             ack_delay_s=ack_delay_s,
             tombstone_ttl_s=tombstone_ttl_s,
             max_tombstones=max_tombstones,
@@ -99,6 +106,11 @@ class StageClient(PushReceiver):
             decode=decode,
             counters=counters,
         )
+        self._mailbox = self._new_mailbox()
+        self._lock = lock
+        self._become_binder = become_binder
+        #: The stage endpoint this process binds since its binder died (its mailbox is ``_mailbox`` then).
+        self._inner: PushReceiver | None = None
         self._shut = False
         self._asked: dict[Slot, float] = {}
         self._leases: dict[tuple[str, int], int] = {}  # (sid, seq) -> lease (driver's)
@@ -113,6 +125,11 @@ class StageClient(PushReceiver):
         loop.on_stop(self._shutdown)
         loop.call_soon(functools.partial(self._send, b"HELLO", []))
 
+    @property
+    def binds(self) -> bool:
+        """Whether this process binds the stage endpoint now (its binder died and it took the stage lock)."""
+        return self._inner is not None
+
     # -- gets (any thread) ------------------------------------------------------------------
     def take(
         self,
@@ -123,6 +140,8 @@ class StageClient(PushReceiver):
         stop: Callable[[], bool] | None = None,
     ) -> tuple[Any, int] | None:
         """As :meth:`PushReceiver.take`; a key not here is asked of the binder (once per window)."""
+        if self._inner is not None:
+            return super().take(from_stage, to_stage, key, deadline, stop)
         slot = (from_stage, to_stage, key)
         item = self._mailbox.pop(slot)
         if item is None:
@@ -144,12 +163,14 @@ class StageClient(PushReceiver):
     ) -> int:
         """As :meth:`PushReceiver.forget`, here and at the binder (its tombstones and wants too)."""
         dropped = self._mailbox.forget(match, key=key, prefix=prefix, firm=firm)
-        if key is not None or prefix is not None:
+        if self._inner is None and (key is not None or prefix is not None):
             self._loop.call_soon(functools.partial(self._send, b"FORGET", [key, prefix, firm]))
         return dropped
 
     def stats(self) -> dict[str, Any]:
         """The mailbox's counters, and the binder this process gets from."""
+        if self._inner is not None:
+            return self._inner.stats()
         return {**self._mailbox.stats(), "batches_received": 0, "stage_binder": self.service}
 
     # -- the driver -------------------------------------------------------------------------
@@ -175,7 +196,7 @@ class StageClient(PushReceiver):
     def _flush_due(self) -> None:
         """Tell the binder what gets took (and what was dropped here), so it counts them consumed."""
         due = self._mailbox.flush_due
-        if due is None or due > time.monotonic() or self._shut:
+        if due is None or due > time.monotonic() or self._shut or self._inner is not None:
             return
         self._settle()
 
@@ -187,12 +208,48 @@ class StageClient(PushReceiver):
                 self._send(b"TOOK", [lease])
 
     def _ping(self) -> None:
-        if self._shut:
+        if self._shut or self._inner is not None:
             return
         self._send(b"PING", [])
-        if time.monotonic() - self._heard > self._peer_timeout and not self._gone_reported:
+        if time.monotonic() - self._heard > self._peer_timeout:
+            self._binder_gone()
+
+    def _binder_gone(self) -> None:
+        """The binder is silent: drop its leases (their senders resend them), then bind here or ask the next one.
+
+        What it lent and no get here took was never counted consumed, so it comes back through the
+        next binder. Whoever of the stage's processes takes the stage lock first binds; the others
+        ask it again for what their gets want.
+        """
+        withdrawn = self._mailbox.withdraw()
+        self._leases.clear()
+        self._asked.clear()
+        hook = self._mailbox.on_arrivals
+        if self._lock is not None and self._become_binder is not None and self._lock.try_acquire():
+            try:
+                inner = self._become_binder(self._lock)
+            except Exception:
+                self._lock.release()
+                log.exception("the binder of %s is gone and binding it here failed", self.endpoint)
+            else:
+                self._loop.remove_reader(self._sock)
+                self._sock.close(linger=0)
+                inner.on_arrivals = hook
+                self._inner = inner
+                self._mailbox = inner.mailbox
+                log.warning(
+                    "the binder of %s is gone: this process binds it now (%d items lent back to their senders)",
+                    self.endpoint,
+                    withdrawn,
+                )
+                return
+        if not self._gone_reported:
             self._gone_reported = True
-            log.warning("the binder of %s (%s) does not answer", self.endpoint, self.service)
+            log.warning("the binder of %s (%s) does not answer; waiting for the next", self.endpoint, self.service)
+        self._mailbox = self._new_mailbox()
+        self._mailbox.on_arrivals = hook
+        self._heard = time.monotonic()
+        self._send(b"HELLO", [])
 
     def _send(self, verb: bytes, body: list[Any]) -> None:
         if not self._shut:
@@ -204,7 +261,8 @@ class StageClient(PushReceiver):
     def _shutdown(self) -> None:
         """The driver's last word: seal, tell the binder what was taken, give the rest back, close the DEALER."""
         self._mailbox.close()
-        if self._shut:
+        if self._shut or self._inner is not None:  # a binder now: its receiver shuts itself down
+            self._shut = True
             return
         self._settle()
         for lease in self._leases.values():
@@ -215,4 +273,5 @@ class StageClient(PushReceiver):
         self._sock.close(linger=100)
 
     def __repr__(self) -> str:
-        return f"<StageClient {self.endpoint} via {self.service}{' closed' if self._shut else ''}>"
+        state = " (binds it now)" if self._inner is not None else ""
+        return f"<StageClient {self.endpoint} via {self.service}{state}{' closed' if self._shut else ''}>"

@@ -1,0 +1,131 @@
+"""A stage endpoint shared by the processes of a stage on one host (issue 46): lent keys, a binder killed mid-stream.
+
+Every process is built from the same ``extra``: the first binds the stage
+endpoint (it holds the stage lock), the others are its local clients. Each
+test's processes are real OS processes; the sender is this test's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zmq_omni.connectors.zmq import ZmqConnector
+
+ROOT = Path(__file__).resolve().parent.parent
+BIG = 700 << 10  # above the shared-memory threshold: lent as a slot handle
+
+
+def _start(extra: dict[str, object], keys: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.stage_endpoint_proc", json.dumps(extra), ",".join(keys)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _payload(index: int) -> dict[str, np.ndarray]:
+    size = BIG if index % 4 == 2 else 64
+    return {"data": np.full(size // 4, index, dtype=np.int32)}
+
+
+@pytest.mark.timeout(120)
+def test_a_binder_killed_mid_stream_loses_nothing_confirmed(
+    short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/stage1.sock"
+    extra = {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+        "shm_dir": shm_dir,
+    }
+    keys = [f"req-{i}_0_0" for i in range(12)]
+    binder = _start(extra, [])
+    procs.append(binder)
+    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    client = _start(extra, keys)
+    procs.append(client)
+    assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
+    sender_extra = {"role": "sender", "endpoints": {"1": endpoint}, "heartbeat_s": 0.1, "peer_timeout_s": 0.5}
+    with ZmqConnector({**sender_extra, "shm_dir": shm_dir}) as sender:
+        for index, key in enumerate(keys):
+            assert sender.put("0", "1", key, _payload(index))[0]
+        assert sender.flush(10)  # every put confirmed: it sits in the binder's mailbox or was taken
+        lines = [client.stdout.readline().split() for _ in range(3)]
+        binder.send_signal(signal.SIGKILL)  # most keys are still in the binder's mailbox
+        binder.wait(timeout=10)
+        lines += [client.stdout.readline().split() for _ in range(len(keys) - 3)]
+        done = client.stdout.readline().split()
+        assert client.wait(timeout=30) == 0, lines
+        assert sender.flush(10) and sender.drain_failures() == []
+    assert lines == [[key, str(_payload(i)["data"].nbytes), str(i)] for i, key in enumerate(keys)]
+    assert done == ["done", "StageClient", "binds"]  # the client bound the endpoint after the binder died
+
+
+@pytest.mark.timeout(120)
+def test_after_the_binder_dies_one_client_binds_and_the_other_gets_from_it(
+    short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/stage1.sock"
+    extra = {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+        "shm_dir": shm_dir,
+    }
+    mine = {name: [f"{name}-{i}_0_0" for i in range(6)] for name in ("a", "b")}
+    binder = _start(extra, [])
+    procs.append(binder)
+    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    clients = {name: _start(extra, keys) for name, keys in mine.items()}
+    procs.extend(clients.values())
+    for client in clients.values():
+        assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
+    with ZmqConnector({"role": "sender", "endpoints": {"1": endpoint}, "shm_dir": shm_dir}) as sender:
+        for index in range(6):
+            for keys in mine.values():
+                assert sender.put("0", "1", keys[index], _payload(index))[0]
+        assert sender.flush(10)
+        got = {name: [c.stdout.readline().split()[0] for _ in range(2)] for name, c in clients.items() if c.stdout}
+        binder.send_signal(signal.SIGKILL)
+        binder.wait(timeout=10)
+        ends = {}
+        for name, client in clients.items():
+            assert client.stdout is not None
+            got[name] += [client.stdout.readline().split()[0] for _ in range(4)]
+            ends[name] = client.stdout.readline().split()
+            assert client.wait(timeout=30) == 0, got
+    assert got == mine  # each process got its keys, each once
+    assert sorted(end[2] for end in ends.values()) == ["binds", "client"]  # one took the stage lock
