@@ -85,10 +85,11 @@ def mover_of(index: int) -> str:
 class Shape:
     """The processes of one row of the issue's table, built from a main deploy YAML switched by the recipe."""
 
-    def __init__(self, yaml_name: str, tmp: Path, mode: str, hosts: str | None = None) -> None:
+    def __init__(self, yaml_name: str, tmp: Path, mode: str, hosts: str | None = None, transport: str = "ipc") -> None:
         original = load_view(DEPLOY_DIR / yaml_name)
         stage_ids = sorted({str(s["stage_id"]) for s in original["stages"]})
-        self.view = switch_to_zmq(original, one_configuration(stage_ids, tmp, mode, "ipc" if hosts is None else "tcp"))
+        transport = "tcp" if hosts is not None else transport
+        self.view = switch_to_zmq(original, one_configuration(stage_ids, tmp, mode, transport))
         self.edges = edges(self.view)
         self.tmp = tmp
         #: None: one host. Else a directory: replica ``k`` runs on "host" ``k``, with its own shared-memory
@@ -310,3 +311,17 @@ def test_replicas_on_two_hosts_with_one_endpoint_per_stage(
     shape = Shape(row.yaml, short_tmp, mode, hosts=shm_dir)
     row.build(shape)
     check(shape)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("row_id", ["tp2-receiving", "kv-tp2-to-tp2"])
+def test_a_tcp_stage_endpoint_is_shared_by_the_stages_processes(
+    row_id: str, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One host, ``tcp://`` endpoints, push: the stage lock and the service socket live in ``$ZMQ_OMNI_RUN_DIR``."""
+    monkeypatch.setenv("ZMQ_OMNI_RUN_DIR", str(short_tmp / "run"))
+    row = ROWS[row_id]
+    shape = Shape(row.yaml, short_tmp, "push", transport="tcp")
+    row.build(shape)
+    check(shape)
+    assert any(p.name.endswith(".lock") for p in (short_tmp / "run").iterdir())
