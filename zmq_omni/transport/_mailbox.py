@@ -37,6 +37,9 @@ from ._tombstones import Tombstones
 
 __all__ = ["Mailbox"]
 
+#: Most puts taken through a previous binder remembered (a binder change resends at most a window's worth).
+_ELSEWHERE_MAX = 65536
+
 
 class Mailbox:
     """Items waiting for ``get``, in arrival order (see the module docstring).
@@ -78,6 +81,7 @@ class Mailbox:
         self._taken_bytes = 0  # taken since the last handover (the protocol's count)
         self._heavy_bytes = 0  # taken since the last prompt flush they caused (ACK_BYTES)
         self._on_armed = on_armed
+        self._elsewhere: dict[tuple[str, int], None] = {}  # puts taken through a previous binder (in order)
         #: When the acknowledgement of what left the mailbox is due (None: nothing owed).
         self.flush_due: float | None = None
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
@@ -101,6 +105,8 @@ class Mailbox:
         with self.lock:
             if self._tombs.entries:
                 arrivals = self._drop_buried(arrivals, gone, now)
+            if self._elsewhere:
+                arrivals = self._drop_taken_elsewhere(arrivals)
             box = self._box
             for slot, item in arrivals:
                 old = box.pop(slot, None)
@@ -129,6 +135,37 @@ class Mailbox:
             else:
                 kept.append((slot, item))
         return kept
+
+    def _drop_taken_elsewhere(self, arrivals: list[tuple[Slot, Item]]) -> list[tuple[Slot, Item]]:
+        kept = []
+        for slot, item in arrivals:
+            if self._elsewhere.pop((item.sid, item.seq), None) is None:
+                kept.append((slot, item))
+            else:  # a resend of a put a get took through the previous binder: consumed, not delivered again
+                self._consumed.append((item.sid, item.seq))  # (its slot, if any, was read there: nothing to free)
+                self._arm()
+        return kept
+
+    def consumed_elsewhere(self, pairs: list[tuple[str, int]]) -> None:
+        """Puts ``(sid, seq)`` a get took through a previous binder of this endpoint: counted consumed here.
+
+        Their senders may not have heard so before that binder died, and resend them: each is
+        counted consumed (its sender hears so) instead of delivered a second time, whether it is
+        here already or arrives later. At most ``_ELSEWHERE_MAX`` are remembered (the oldest go).
+        """
+        taken = 0
+        with self.lock:
+            for pair in pairs:
+                self._elsewhere[pair] = None
+            while len(self._elsewhere) > _ELSEWHERE_MAX:
+                del self._elsewhere[next(iter(self._elsewhere))]
+            for slot, item in list(self._box.items()):
+                if self._elsewhere.pop((item.sid, item.seq), None) is not None:
+                    del self._box[slot]
+                    self._consumed.append((item.sid, item.seq))
+                    taken += 1
+            if taken:
+                self._arm()
 
     def arm(self) -> None:
         """An acknowledgement is owed (the protocol says so): have it sent within ``ack_delay_s``."""

@@ -39,6 +39,7 @@ from ._receive_protocol import Item, Slot
 from ._receiver import DEFAULT_ACK_DELAY_S, PushReceiver
 from ._shm import ShmReceive
 from ._stage_lock import StageLock
+from ._stage_share import WantBook
 
 __all__ = ["StageClient"]
 
@@ -114,6 +115,7 @@ class StageClient(PushReceiver):
         self._shut = False
         self._asked: dict[Slot, float] = {}
         self._leases: dict[tuple[str, int], int] = {}  # (sid, seq) -> lease (driver's)
+        self._taken = WantBook()  # the puts gets here took, for the next binder (driver's)
         self._heard = time.monotonic()
         self._gone_reported = False
         sock = self._sock = loop.ctx.socket(zmq.DEALER)
@@ -206,6 +208,7 @@ class StageClient(PushReceiver):
             lease = self._leases.pop(pair, None)
             if lease is not None:
                 self._send(b"TOOK", [lease])
+                self._taken.took(*pair)
 
     def _ping(self) -> None:
         if self._shut or self._inner is not None:
@@ -221,6 +224,7 @@ class StageClient(PushReceiver):
         next binder. Whoever of the stage's processes takes the stage lock first binds; the others
         ask it again for what their gets want.
         """
+        self._settle()  # what gets took: the next binder counts it consumed when its sender resends it
         withdrawn = self._mailbox.withdraw()
         self._leases.clear()
         self._asked.clear()
@@ -235,6 +239,7 @@ class StageClient(PushReceiver):
                 self._loop.remove_reader(self._sock)
                 self._sock.close(linger=0)
                 inner.on_arrivals = hook
+                inner.mailbox.consumed_elsewhere(self._taken.taken_since())
                 self._inner = inner
                 self._mailbox = inner.mailbox
                 log.warning(
@@ -249,10 +254,10 @@ class StageClient(PushReceiver):
         self._mailbox = self._new_mailbox()
         self._mailbox.on_arrivals = hook
         self._heard = time.monotonic()
-        self._send(b"HELLO", [])
+        self._send(b"HELLO", [list(pair) for pair in self._taken.taken_since()])
 
     def _send(self, verb: bytes, body: list[Any]) -> None:
-        if not self._shut:
+        if not self._shut and self._inner is None:  # a call queued before this process became the binder
             self._sock.send_multipart([verb, msgpack.packb(body)])
 
     def _expire_sources(self) -> None:

@@ -124,7 +124,7 @@ class StageService:
         elif verb == b"PING":
             self._send(client, b"PONG", [])
         elif verb == b"HELLO":
-            book.hello(client, now, [tuple(pair) for pair in body])
+            self._mailbox.consumed_elsewhere(book.hello(client, now, [(str(sid), int(seq)) for sid, seq in body]))
             self._send(client, b"PONG", [])
         elif verb == b"FORGET":
             key, prefix, firm = body
