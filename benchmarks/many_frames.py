@@ -50,7 +50,7 @@ _REASK_MS = 250  # the real peer asks again after this long without an answer (a
 _READY = b"\x04" + bytes([len(_READY_BODY)]) + _READY_BODY
 
 
-def zmtp_flood(port: int, frames: int) -> float:
+def zmtp_flood(port: int, frames: int, hold_s: float = 3.0) -> float:
     """Send one message of ``frames`` empty frames as a ZMTP 3.0 DEALER (NULL mechanism); the send's seconds."""
     wire = b"\x01\x00" * (frames - 1) + b"\x00\x00"
     with socket.create_connection(("127.0.0.1", port)) as conn:
@@ -59,7 +59,15 @@ def zmtp_flood(port: int, frames: int) -> float:
         start = time.perf_counter()
         conn.sendall(wire)
         took = time.perf_counter() - start
-        time.sleep(0.5)  # the message is complete once sent: the ROUTER holds it whatever we do now
+        # Held open until the server closes it, or a while: closed earlier, libzmq drops a message
+        # it has not finished taking in.
+        conn.settimeout(hold_s)
+        end = time.monotonic() + hold_s
+        try:
+            while time.monotonic() < end and conn.recv(65536):
+                pass
+        except OSError:  # timed out, or reset by the server
+            pass
     return took
 
 

@@ -72,7 +72,9 @@ step that completes thinker chunk ``k`` to the ``get`` on code2wav that
 returns codec chunk ``k`` (the talker turns each thinker chunk into one codec
 chunk), through both hops, both adapters' threads and the talker's
 scheduler. ``put`` p50/p99 is over the thinker's ``[1, 2048]`` bf16 decode
-chunks (~4 KiB), timed around ``connector.put`` inside main's save thread.
+chunks (~4 KiB) of every workload, timed around ``connector.put`` inside
+main's save thread (most of them burst puts, back to back); *paced put p50*
+over the paced requests' alone (a put after 20 ms idle).
 
 Every chunk's tensors are checked at the far end; a stage that finds a
 difference, or a run that leaves a process, a shared-memory segment or a lock
@@ -208,6 +210,7 @@ class RunResult:
     per_chunk_ms: list[float]
     chunks_per_s: float
     put_us: list[float]
+    paced_put_us: list[float]
     first_chunk0_ms: float
     hops_ms: dict[str, list[float]]
     shm_puts: int | None
@@ -360,6 +363,9 @@ def _measure(
     burst_end = max(arrivals[f"{rid}_1_{k}"] for rid, _ in burst for k in range(args.chunks))
     rate = len(burst) * args.chunks / (burst_end - burst_start)
     put_us = [(end - start) * 1e6 for key, (start, end, _ok) in puts.items() if not key.endswith("_0")]
+    # the paced requests' alone: a put after 20 ms idle, as one request streaming meets it
+    paced_keys = [f"{rid}_0_{k}" for rid, _ in paced for k in range(1, args.chunks_paced)]
+    paced_put_us = [(puts[key][1] - puts[key][0]) * 1e6 for key in paced_keys]
     # where a paced chunk's time goes: thinker save_async, its put, talker's get, talker's put, code2wav's get
     talker_gets = {key: end for key, (_start, end) in records[1]["gets"].items()}
     talker_puts = records[1]["puts"]
@@ -376,7 +382,7 @@ def _measure(
     # called once per codec frame) sets the pace of the second hop
     hop1_end = max(talker_gets[f"{rid}_0_{k}"] for rid, _ in burst for k in range(args.chunks))
     hop1_rate = len(burst) * args.chunks / (hop1_end - burst_start)
-    return RunResult(chunk0, per_chunk, rate, put_us, latency(first, 0) * 1e3, hops, shm_puts, hop1_rate)
+    return RunResult(chunk0, per_chunk, rate, put_us, paced_put_us, latency(first, 0) * 1e3, hops, shm_puts, hop1_rate)
 
 
 def main() -> int:
@@ -424,7 +430,7 @@ def main() -> int:
                 f"  rep {rep} {backend:13s} chunk0 p50 {statistics.median(result.chunk0_ms):6.2f} ms"
                 f"  per-chunk p50 {_pct(result.per_chunk_ms, 0.5):6.2f} p99 {_pct(result.per_chunk_ms, 0.99):6.2f} ms"
                 f"  {result.chunks_per_s:7.1f} chunks/s (hop 1 {result.hop1_chunks_per_s:.0f})"
-                f"  put p50 {_pct(result.put_us, 0.5):7.1f} us"
+                f"  put p50 {_pct(result.put_us, 0.5):7.1f} us (paced {_pct(result.paced_put_us, 0.5):.1f})"
                 f"  (hops p50 ms: {', '.join(f'{k} {_pct(v, 0.5):.2f}' for k, v in result.hops_ms.items())};"
                 f" thinker shm puts {result.shm_puts if result.shm_puts is not None else '-'})",
                 flush=True,
@@ -448,20 +454,21 @@ def _report(results: dict[str, list[RunResult]], args: argparse.Namespace) -> No
             "hop1_chunks_per_s": med(backend, lambda r: r.hop1_chunks_per_s),
             "put_p50_us": med(backend, lambda r: _pct(r.put_us, 0.5)),
             "put_p99_us": med(backend, lambda r: _pct(r.put_us, 0.99)),
+            "paced_put_p50_us": med(backend, lambda r: _pct(r.paced_put_us, 0.5)),
             "runs": len(runs),
         }
     base = rows.get(BASELINE)
     print(f"\nmedians of {args.reps} reps (ratio: vs {BASELINE} in this run; above 1, better than it)")
     print(
         f"{'backend':48s} {'chunk0 p50':>10s} {'1st chunk0':>10s} {'chunk p50':>9s} {'chunk p99':>9s}"
-        f" {'chunks/s':>9s} {'ratio':>6s} {'put p50':>9s} {'put p99':>9s}"
+        f" {'chunks/s':>9s} {'ratio':>6s} {'put p50':>9s} {'put p99':>9s} {'paced put p50':>13s}"
     )
     for backend, row in rows.items():
         ratio = f"{row['chunks_per_s'] / base['chunks_per_s']:.2f}x" if base else "-"
         print(
             f"{LABELS[backend]:48s} {row['chunk0_p50_ms']:8.2f}ms {row['first_chunk0_ms']:8.2f}ms"
             f" {row['per_chunk_p50_ms']:7.2f}ms {row['per_chunk_p99_ms']:7.2f}ms {row['chunks_per_s']:9.1f}"
-            f" {ratio:>6s} {row['put_p50_us']:7.0f}us {row['put_p99_us']:7.0f}us"
+            f" {ratio:>6s} {row['put_p50_us']:7.0f}us {row['put_p99_us']:7.0f}us {row['paced_put_p50_us']:11.0f}us"
         )
     if base:
         print("\nlatency ratios (theirs / ours; above 1, ZmqConnector is faster):")
@@ -471,6 +478,8 @@ def _report(results: dict[str, list[RunResult]], args: argparse.Namespace) -> No
                     f"  {backend:13s} chunk0 {base['chunk0_p50_ms'] / row['chunk0_p50_ms']:.2f}x"
                     f"  per-chunk p50 {base['per_chunk_p50_ms'] / row['per_chunk_p50_ms']:.2f}x"
                     f"  p99 {base['per_chunk_p99_ms'] / row['per_chunk_p99_ms']:.2f}x"
+                    f"  put p50 {base['put_p50_us'] / row['put_p50_us']:.2f}x"
+                    f" (paced {base['paced_put_p50_us'] / row['paced_put_p50_us']:.2f}x)"
                 )
     if args.json:
         raw = {b: [r.__dict__ for r in runs] for b, runs in results.items()}

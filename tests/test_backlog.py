@@ -92,14 +92,15 @@ def test_a_stage_that_stops_taking_holds_a_bounded_backlog_and_then_gets_the_who
         ) as receiver,
     ):
         assert conn.endpoint is not None
-        receiver.load_async("r")
         with spawned(stream_main, conn.endpoint, CHUNKS) as (_, queue):
-            # The scheduler falls behind: nothing is taken while the stream comes in (the sender's process
-            # may take a while to start on a loaded machine), then for well over the stall timeout.
+            # The request is loaded once its stream comes in: the sender's process may take longer than the
+            # stall timeout to start on a loaded machine, and that wait is not an upstream stall.
             deadline = time.monotonic() + 60
-            while receiver.health()["connector"]["mailbox"] == 0:
-                assert time.monotonic() < deadline, f"nothing ever waited in the connector: {receiver.health()}"
+            while conn.health()["mailbox"] == 0:
+                assert time.monotonic() < deadline, f"nothing ever waited in the connector: {conn.health()}"
                 time.sleep(0.05)
+            # The scheduler falls behind: nothing is taken, for well over the stall timeout.
+            receiver.load_async("r")
             time.sleep(2.5 * stall_s)
             health = receiver.health()
             assert receiver.collect_failed_receive_request_ids() == {}, "a paused read counted as an upstream stall"

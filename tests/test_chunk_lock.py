@@ -85,7 +85,7 @@ class LockCheckingConnector(FlakyConnector):
         return super().flush(timeout_s)
 
 
-def _wait(condition: Any, what: str, timeout_s: float = 5.0) -> None:
+def _wait(condition: Any, what: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, what
@@ -96,9 +96,10 @@ def test_no_connector_call_runs_under_the_managers_lock() -> None:
     namespace = f"lock-{uuid.uuid4().hex}"
     conn0 = LockCheckingConnector({"namespace": namespace, "stage_id": "0"})
     conn1 = LockCheckingConnector({"namespace": namespace, "stage_id": "1"})
-    common: dict[str, Any] = {"retry": FAST_RETRY, "recv_wait_s": 0.005, "idle_state_timeout_s": 0.3}
-    sender = OmniChunkManager(ChunkManagerConfig(stage_id="0", **common), conn0)
-    receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", stall_timeout_s=0.3, **common), conn1)
+    common: dict[str, Any] = {"retry": FAST_RETRY, "recv_wait_s": 0.005}
+    # Short enough to see a stall and an age-out, long enough for a busy machine's streams to go through.
+    sender = OmniChunkManager(ChunkManagerConfig(stage_id="0", idle_state_timeout_s=0.5, **common), conn0)
+    receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", stall_timeout_s=2.0, **common), conn1)
     conn0.manager, conn1.manager = sender, receiver
     try:
         # A whole stream, taken as it arrives (gets, the final chunk's cleanup).
@@ -156,3 +157,80 @@ def test_no_connector_call_runs_under_the_managers_lock() -> None:
     calls = conn0.calls + conn1.calls
     for name in ("put", "get", "abandon_get", "cleanup_prefix", "drain_failures", "health"):
         assert calls[name] > 0, f"the scenario never made a {name} call: {dict(calls)}"
+
+
+class BlockingCleanupConnector(LockCheckingConnector):
+    """A LockCheckingConnector whose ``cleanup_prefix`` waits for ``go`` (it signals ``entered`` first)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def cleanup_prefix(self, prefix: str) -> int:
+        self.entered.set()
+        assert self.go.wait(10), "the test never let the clean-up go on"
+        return super().cleanup_prefix(prefix)
+
+
+def test_a_reused_id_loads_after_its_old_streams_clean_up() -> None:
+    """A cancel's clean-up runs after the lock: a load of the same id waits for it, so no new chunk is dropped.
+
+    The new stream's chunks have the old stream's keys. Had ``load_async`` returned while the old
+    stream's ``cleanup_prefix`` was still to run, the chunks streamed after it would be dropped by it.
+    """
+    namespace = f"reuse-{uuid.uuid4().hex}"
+    receiving = BlockingCleanupConnector({"namespace": namespace, "stage_id": "1"})
+    old_conn = LockCheckingConnector({"namespace": namespace, "stage_id": "0"})
+    new_conn = LockCheckingConnector({"namespace": namespace, "stage_id": "0"})
+    common: dict[str, Any] = {"retry": FAST_RETRY, "recv_wait_s": 0.005}
+    receiver = OmniChunkManager(ChunkManagerConfig(stage_id="1", stall_timeout_s=30.0, **common), receiving)
+    old = OmniChunkManager(ChunkManagerConfig(stage_id="0", **common), old_conn)
+    new = OmniChunkManager(ChunkManagerConfig(stage_id="0", **common), new_conn)  # the upstream, restarted
+    receiving.manager = receiver
+    loaded = threading.Event()
+    streamed = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        receiver.load_async("r")
+        assert old.save("r", {"x": np.zeros(2)}, is_final=False, timeout_s=5.0)
+        _wait(lambda: receiver.is_ready("r"), "chunk 0 of the old stream never arrived")
+        threads.append(threading.Thread(target=receiver.cancel, args=("r",), name="cancel"))
+        threads[-1].start()
+        assert receiving.entered.wait(10), "the cancel never cleaned up"  # its clean-up now waits for go
+
+        def load_and_stream() -> None:
+            receiver.load_async("r")
+            loaded.set()
+            for n in range(3):
+                assert new.save("r", {"x": np.full(2, n)}, is_final=n == 2, timeout_s=5.0)
+            streamed.set()
+
+        threads.append(threading.Thread(target=load_and_stream, name="reload"))
+        threads[-1].start()
+        # Long enough for an unguarded load to return and stream all three chunks into the old clean-up.
+        streamed.wait(0.5)
+        assert not loaded.is_set() and not receiver.is_receiving("r"), "the load did not wait for the clean-up"
+        receiving.go.set()
+        assert streamed.wait(10), "the new stream was never sent"
+        got: list[int] = []
+
+        def take() -> bool:
+            inputs = receiver.take_inputs("r")
+            if inputs is None:
+                return False
+            got.extend(int(v) for v in inputs.data["x"][::2])
+            return inputs.is_final
+
+        _wait(take, f"the new stream did not arrive whole: {got}")
+        assert got == [0, 1, 2]
+        assert receiver.collect_failed_receive_request_ids() == {}
+    finally:
+        receiving.go.set()
+        for thread in threads:
+            thread.join(10)
+        for manager in (receiver, old, new):
+            manager.shutdown()
+        for conn in (receiving, old_conn, new_conn):
+            conn.close()
+    assert receiving.under_lock == []

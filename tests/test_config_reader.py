@@ -17,7 +17,7 @@ from zmq_omni.adapters import RetryPolicy
 from zmq_omni.adapters.chunk import ChunkManagerConfig
 from zmq_omni.adapters.kv import KVTransferConfig
 from zmq_omni.config import ZmqConnectorConfig
-from zmq_omni.config.reader import declared_defaults, read_fields, setting
+from zmq_omni.config.reader import declared_defaults, read_config, read_fields, setting
 from zmq_omni.connectors.shm import SharedMemoryConfig
 from zmq_omni.errors import ConfigError
 from zmq_omni.stages import PipelineConfig, load_pipeline_config
@@ -30,6 +30,7 @@ READ_BY_DECLARATION: list[tuple[type, Any]] = [
     (SharedMemoryConfig, lambda: SharedMemoryConfig.from_dict({})),
     (RetryPolicy, lambda: RetryPolicy.from_dict({})),
     (KVTransferConfig, lambda: KVTransferConfig.from_dict({"from_stage": "0", "to_stage": "1"})),
+    (ChunkManagerConfig, lambda: ChunkManagerConfig.from_dict({"stage_id": "s"})),  # no numeric neighbours
     (
         PipelineConfig,
         lambda: load_pipeline_config({"pipeline": {"stages": [{"name": "a", "stage_id": 0, "function": "m:f"}]}}),
@@ -52,11 +53,31 @@ def test_what_an_empty_dict_gives_is_the_declared_default_of_every_key(cls: type
         assert getattr(built, name) == default, name
 
 
-@pytest.mark.parametrize("cls", [ZmqConnectorConfig, SharedMemoryConfig, RetryPolicy, KVTransferConfig])
+@pytest.mark.parametrize(
+    "cls", [ZmqConnectorConfig, SharedMemoryConfig, RetryPolicy, KVTransferConfig, ChunkManagerConfig]
+)
 def test_from_dict_writes_no_default_of_its_own(cls: type) -> None:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls.from_dict.__func__)))  # type: ignore[attr-defined]
     called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     assert called & TYPED_READERS == set()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({}, "missing required config key 'chunk_manager.stage_id'"),
+        ({"stage_id": 1, "shutdown_grace_s": -1}, "config key 'chunk_manager.shutdown_grace_s' must be >= 0, got -1"),
+        ({"stage_id": 1, "concat_axis": 0.5}, "config key 'chunk_manager.concat_axis' must be an integer, got 0.5"),
+        ({"stage_id": 1, "retry": {"attempts": 0}}, "config key 'chunk_manager.retry.attempts' must be >= 1, got 0"),
+        ({"stage_id": 1, "connector": 3}, "chunk_manager.connector: expected a mapping, got int"),
+        ({"stage_id": 1, "stall_timeout_s": 0}, "'stall_timeout_s' and 'recv_wait_s' must be > 0"),
+        ({"stage_id": 1, "max_queued_chunks": 0}, "'max_queued_chunks' must be >= 1, got 0"),
+    ],
+)
+def test_the_chunk_managers_messages_name_the_key(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ChunkManagerConfig.from_dict(data)
+    assert str(caught.value) == message
 
 
 # -- the reader ---------------------------------------------------------------------------------
@@ -102,6 +123,13 @@ def test_a_type_without_a_reader_is_a_programming_error_when_it_is_read() -> Non
     assert read_fields(_Sample, {"name": "n"}, "s")["anything"] is None  # absent: its default
     with pytest.raises(TypeError, match=r"_Sample\.anything: no reader"):
         read_fields(_Sample, {"name": "n", "anything": 1}, "s")
+
+
+def test_read_config_refuses_unknown_keys_and_leaves_unread_fields_at_their_default() -> None:
+    assert read_config(_Sample, {"name": "n", "count": 4}, "s", unread=["anything"]) == _Sample(name="n", count=4)
+    for data in ({"name": "n", "nope": 1}, {"name": "n", "anything": 1}):
+        with pytest.raises(ConfigError, match=r"unknown config key 's\.(nope|anything)' \(known: count, level, mode,"):
+            read_config(_Sample, data, "s", unread=["anything"])
 
 
 # -- the docs list every key with its default -----------------------------------------------------

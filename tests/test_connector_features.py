@@ -11,7 +11,7 @@ from typing import Any
 from zmq_omni import FailureSource, Flushable, WakeupSource
 from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.connectors.zmq import ZmqConnector
-from zmq_omni.stages._link import _EdgePair
+from zmq_omni.stages._edge import _EdgePair
 
 
 class _VllmOmniStyle:

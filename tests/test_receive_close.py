@@ -27,7 +27,7 @@ from zmq_omni.wire import register_type, unregister_type
 
 
 def _mailbox() -> Mailbox:
-    return Mailbox(ack_delay_s=0.02, tombstone_ttl_s=1.0, max_tombstones=8, on_armed=lambda: None)
+    return Mailbox(tombstone_ttl_s=1.0, max_tombstones=8, on_left=lambda heavy: None)
 
 
 def test_a_sealed_mailbox_refuses_every_take_and_records_no_consumption() -> None:

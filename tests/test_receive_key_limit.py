@@ -91,7 +91,6 @@ def _protocol(counters: Counters, max_key_bytes: int) -> ReceiveProtocol:
         max_message_bytes=1 << 20,
         max_frames=8,
         counters=counters,
-        health=dict,
         shm=None,
         max_key_bytes=max_key_bytes,
     )

@@ -53,7 +53,6 @@ def _protocol(counters: Counters) -> ReceiveProtocol:
         max_message_bytes=1 << 20,
         max_frames=8,
         counters=counters,
-        health=dict,
         shm=None,
     )
 
@@ -82,6 +81,7 @@ class ReceiveMachine(RuleBasedStateMachine):
     def _feed(self, frames: list[Any]) -> None:
         self.now += 0.001
         self.protocol.receive(IDENTITY, frames, True, self.now)
+        self.protocol.answer()  # the PINGs it holds
         for slot, item in self.protocol.arrivals:
             assert slot == ("0", "1", f"k{item.seq}")
             self.delivered[item.seq] = self.delivered.get(item.seq, 0) + 1
@@ -116,6 +116,7 @@ class ReceiveMachine(RuleBasedStateMachine):
         self.ping_no += 1
         self.now += 0.001
         self.protocol.receive(IDENTITY, [pack(Kind.PING, (SID, self.ping_no, self.low))], True, self.now)
+        self.protocol.answer()  # the PINGs it holds
         replies, self.protocol.replies = self.protocol.replies, []
         trusted = self.unrouted_in_a_row <= MAX_UNSENT_TRIES
         unreported = set(self.unreported_drops)  # a pong names them only once their drop report was routed
@@ -158,7 +159,9 @@ class ReceiveMachine(RuleBasedStateMachine):
         self.now += 0.001
         for frames in ([junk], [pack(kind, [junk, -1, None]), junk], [pack(Kind.DATA, (SID, "x", 0, 1, 2, 3, 4))]):
             self.protocol.receive(IDENTITY, frames, True, self.now)  # never raises
+            self.protocol.answer()  # the PINGs it holds
         self.protocol.receive(IDENTITY, [junk], False, self.now)
+        self.protocol.answer()  # the PINGs it holds
         self.protocol.arrivals = []
         self.protocol.replies = []
 
@@ -212,6 +215,7 @@ def test_malformed_messages_are_counted_not_raised(frames: list[Any]) -> None:
     counters = Counters()
     protocol = _protocol(counters)
     assert protocol.receive(IDENTITY, frames, True, 1.0) is None
+    protocol.answer()  # the PINGs it holds
     assert protocol.arrivals == [] and counters.snapshot()["rejected_frames"] == 1
 
 
@@ -239,6 +243,7 @@ def _re_puts(protocol: ReceiveProtocol, count: int, low: int = 0) -> list[int]:
         for seq in range(base, base + 1000):
             entries += [seq, "0", "one-key", b"v"]
         protocol.receive(IDENTITY, [pack(Kind.BATCH, (SID, low, "1", entries))], True, 1.0)
+        protocol.answer()  # the PINGs it holds
         taken = []
         for _, item in protocol.arrivals:
             if prev is not None:
@@ -253,6 +258,7 @@ def _re_puts(protocol: ReceiveProtocol, count: int, low: int = 0) -> list[int]:
 
 def _pong(protocol: ReceiveProtocol, ping: int, low: int = 0) -> list[tuple[int, list[int], list[int]]]:
     protocol.receive(IDENTITY, [pack(Kind.PING, (SID, ping, low))], True, 2.0)
+    protocol.answer()  # the PINGs it holds
     replies, protocol.replies = protocol.replies, []
     return _route_all(protocol, replies)
 
@@ -291,6 +297,7 @@ def test_one_pong_names_a_bounded_number_of_seqs_whatever_the_history() -> None:
 def test_reply_splitting_cuts_each_list_once() -> None:
     protocol = _protocol(Counters())
     protocol.receive(IDENTITY, [pack(Kind.PING, (SID, 1, 0))], True, 1.0)
+    protocol.answer()  # the PINGs it holds
     source = protocol.sources[SID]
     arrived = [*range(10_000, 0, -1), 5, 6, 7]  # unsorted, repeats
     consumed = list(range(0, 50_000, 2))  # 25,000 seqs, 25,000 runs
@@ -454,6 +461,7 @@ class _Link:
         self.window.mark_sent([out], self.ping_no)
         frame = pack(Kind.DATA, (SID, out.seq, self.win.low, "0", "1", out.key, None), b"v")
         self.protocol.receive(IDENTITY, [frame], True, self.now)
+        self.protocol.answer()  # the PINGs it holds
         for (_, _, key), item in self.protocol.arrivals:
             assert key not in self.mailbox
             self.mailbox[key] = item
@@ -505,6 +513,7 @@ class _Link:
     def ping(self) -> list[int]:
         self.ping_no += 1
         self.protocol.receive(IDENTITY, [pack(Kind.PING, (SID, self.ping_no, self.win.low))], True, self.now)
+        self.protocol.answer()  # the PINGs it holds
         replies, self.protocol.replies = self.protocol.replies, []
         return self._deliver(replies)
 

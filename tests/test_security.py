@@ -364,9 +364,16 @@ def test_curve_pipeline_streams_every_request_and_refuses_intruders(
     assert "wrong server key" in refused_probes["wrong-key"]
 
     # The stage counted the refusals; the health prober's keys read them, no keys get one line.
-    health = run_cli("health", "--config", str(config), "--stage", "thinker")
-    assert health.returncode == 0, health.stderr
-    stats = json.loads(health.stdout)
+    # The stage's driver reads each refusal from its monitor socket on its next turn, so the count may
+    # lag the refusals the peers saw: read it again until it is complete or 20 s passed.
+    deadline = time.monotonic() + 20
+    while True:
+        health = run_cli("health", "--config", str(config), "--stage", "thinker")
+        assert health.returncode == 0, health.stderr
+        stats = json.loads(health.stdout)
+        if stats["curve_refused"] >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert stats["curve_refused"] >= 6, stats  # three senders and three probes, each refused at least once
     # A healthcheck beside a stage probes it with the stage's own key file (no health.keys there).
     (keys / "health.keys").rename(short_tmp / "health.keys")

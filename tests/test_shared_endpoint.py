@@ -391,28 +391,3 @@ def test_two_event_loops_share_an_endpoint(connectors: list[ZmqConnector], short
     for loop in loops:
         loop.join(30)
     assert got == {"a": list(range(100)), "b": list(range(100))}
-
-
-# -- the expectations' bookkeeping, without sockets ---------------------------------------------------------------
-
-
-def test_expectations_end_at_their_deadline_at_a_take_or_at_cleanup() -> None:
-    from zmq_omni.connectors._shared_endpoint import SharedEndpoint
-    from zmq_omni.transport import IoLoop
-
-    loop = IoLoop("expectations")
-    try:
-        shared = SharedEndpoint("ipc:///nowhere", None, loop)
-        now = time.monotonic()
-        shared.expect(("0", "1", "past"), now - 1)
-        shared.expect(("0", "1", "a"), now + 60)
-        shared.expect(("0", "1", "rid_0_1"), now + 60)
-        assert shared.expected_until(("0", "1", "past")) is None  # its wait is over: nothing to wait for
-        assert shared.expected_until(("0", "1", "a")) == now + 60
-        shared.expect(("0", "1", "b"), now + 60)  # a new expectation drops those whose wait is over
-        assert list(shared.expected) == [("0", "1", "a"), ("0", "1", "rid_0_1"), ("0", "1", "b")]
-        shared.settle(("0", "1", "a"))
-        assert shared.settle_where(lambda key: key.startswith("rid_")) == ["rid_0_1"]
-        assert list(shared.expected) == [("0", "1", "b")]
-    finally:
-        loop.stop()

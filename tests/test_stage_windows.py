@@ -36,7 +36,9 @@ from zmq_omni.connectors import create_connector
 from zmq_omni.connectors.inproc import InProcConnector
 from zmq_omni.errors import TransportTimeoutError
 from zmq_omni.stages import DriverEvent
-from zmq_omni.stages._link import _ANNOUNCE_WINDOW, ANNOUNCE_PREFIX, _EdgePair, _Endpoint, _PutOrder
+from zmq_omni.stages._announce import _ANNOUNCE_WINDOW, ANNOUNCE_PREFIX
+from zmq_omni.stages._edge import _EdgePair, _PutOrder
+from zmq_omni.stages._link import _Endpoint
 from zmq_omni.transport import probe
 
 MIB = 1 << 20

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from zmq_omni.adapters import ChunkManagerConfig
-from zmq_omni.adapters._streams import NO_EFFECTS, Effects, RecvPhase, SendPhase, Streams
+from zmq_omni.adapters._stream_types import NO_EFFECTS, Effects, RecvPhase, SendPhase
+from zmq_omni.adapters._streams import Streams
 
 STALL_S = 5.0
 IDLE_S = 50.0
@@ -54,10 +55,13 @@ class StreamsMachine(RuleBasedStateMachine):
         self.delivered: dict[str, list[tuple[int, bool]]] = defaultdict(list)  # prefix -> (chunk id, final) put
         self.given_up: set[str] = set()  # prefixes the connector was told to give up
         self.receive_failed: set[str] = set()
+        self.cleaning: list[Effects] = []  # clean-ups decided, their I/O not yet reported done (the shell's gap)
 
     def apply(self, effects: Effects) -> None:
         for _key, prefix in effects.give_up:
             self.given_up.add(prefix)
+        if effects.cleaned_prefixes:
+            self.cleaning.append(effects)
         for request_id, _reason in effects.receive_failures:
             assert self.streams.receiving(request_id) is None, "a failed stream is still registered"
             self.receive_failed.add(request_id)
@@ -106,10 +110,10 @@ class StreamsMachine(RuleBasedStateMachine):
     # -- the save worker -------------------------------------------------------------------------
     @rule(ok=st.booleans())
     def put_next(self, ok: bool) -> None:
-        item = self.streams.next_item()
+        item = self.streams.queue.take_next()
         if item is None:
             return
-        assert self.streams.in_flight is item
+        assert self.streams.queue.in_flight is item
         if self.streams.begin_put(item) and ok:
             self.delivered[item.key.rstrip("0123456789")].append((item.chunk_id, item.final))
             self.streams.put_done(item, True, self.now)
@@ -117,12 +121,26 @@ class StreamsMachine(RuleBasedStateMachine):
             self.streams.put_done(item, False, self.now)
             if not ok:
                 self.apply(self.streams.send_failed(item.request_id))
-        assert self.streams.in_flight is None
+        assert self.streams.queue.in_flight is None
 
     # -- the receive side ------------------------------------------------------------------------
     @rule(request=st.sampled_from(REQUESTS), whole=st.booleans())
     def load(self, request: str, whole: bool) -> None:
-        self.apply(self.streams.open_receive(request, None, whole, self.now))
+        effects = self.streams.open_receive(request, None, whole, self.now)
+        if effects is None:  # a reused id: the shell waits until its old stream's clean-up is done
+            assert self.streams.receiving(request) is None and self.streams.cleaning(f"{request}_0_")
+            return
+        stream = self.streams.receiving(request)
+        assert stream is not None and stream.prefix == f"{request}_0_"
+        self.apply(effects)
+
+    @precondition(lambda self: self.cleaning)
+    @rule(index=st.integers(0, 7))
+    def clean_up_done(self, index: int) -> None:
+        effects = self.cleaning.pop(index % len(self.cleaning))
+        freed = self.streams.cleaned(effects)
+        still = {prefix for pending in self.cleaning for prefix in pending.cleaned_prefixes}
+        assert freed == any(prefix not in still for prefix in effects.cleaned_prefixes)
 
     @rule(
         request=st.sampled_from(REQUESTS),
@@ -145,6 +163,7 @@ class StreamsMachine(RuleBasedStateMachine):
         else:
             assert go_on and stream.next_chunk_id == before + 1 and stream.last_progress == self.now
         self.apply(self.streams.after_get(key))
+        assert self.streams.reads_on(stream) == (go_on and not self.streams.at_bound(stream))
 
     @rule(request=st.sampled_from(REQUESTS))
     def take(self, request: str) -> None:
@@ -171,9 +190,36 @@ class StreamsMachine(RuleBasedStateMachine):
         key = stream.next_key
         self.apply(self.streams.cancel("a", False, self.now))
         # The worker's get of ``key`` ran across the cancel: its stream is buried again.
-        assert self.streams.after_get(key).give_up == ((key, stream.prefix),)
+        effects = self.streams.after_get(key)
+        assert effects.give_up == ((key, stream.prefix),)
+        self.apply(effects)
+
+    @rule(blocking=st.booleans())
+    def cancel_while_the_worker_reads(self, blocking: bool) -> None:
+        if blocking:
+            key = self.streams.next_target(self.now)
+            reading = [] if key is None else [key.rstrip("0123456789")]
+        else:
+            readable, effects = self.streams.scan(self.now)
+            self.apply(effects)
+            reading = [stream.prefix for stream in readable]
+        for prefix in reading:
+            request = prefix.split("_")[0]
+            self.apply(self.streams.cancel(request, None, self.now))
+            assert self.streams.open_receive(request, None, False, self.now) is None  # its keys may be read
+        if blocking and key is not None:
+            self.apply(self.streams.after_get(key))
+        else:
+            self.streams.end_pass()
 
     # -- invariants ---------------------------------------------------------------------------
+    @invariant()
+    def no_clean_up_in_flight_reaches_a_live_stream(self) -> None:
+        for request in REQUESTS:
+            stream = self.streams.receiving(request)
+            if stream is not None and stream.phase is not RecvPhase.ENDED:
+                assert not self.streams.cleaning(stream.prefix), "a clean-up in flight would drop its chunks"
+
     @invariant()
     def ready_bytes_add_up(self) -> None:
         total = sum(s.ready_bytes for r in REQUESTS if (s := self.streams.receiving(r)) is not None)
@@ -273,7 +319,7 @@ def test_idle_state_ages_out() -> None:
     open_stream = streams.open_send("open", None, 0.0)
     assert open_stream is not None
     streams.queue_chunk(open_stream, {"n": 0}, False, None, 0.0)
-    item = streams.next_item()
+    item = streams.queue.take_next()
     assert item is not None and streams.put_done(item, True, 0.0) is False
     failed = streams.open_send("failed", None, 0.0)
     assert failed is not None
@@ -304,7 +350,7 @@ def test_a_reused_id_is_refused() -> None:
     assert streams.refusal("r") == "request 'r' is ending its stream"
     with pytest.raises(ValueError, match="chunk after the final one"):
         streams.open_send("r", None, 0.0)
-    item = streams.next_item()
+    item = streams.queue.take_next()
     assert item is not None and streams.begin_put(item)
     assert streams.put_done(item, True, 1.0) is True
     assert streams.send_phase("r") is SendPhase.ENDED
@@ -325,6 +371,58 @@ def test_giving_up_a_stream_abandons_its_next_key() -> None:
         effects = give_up()
         assert effects.give_up in ((("ext_0_1", "ext_0_"),), (("ext_0_0", "ext_0_"),))
         assert streams.receiving("r") is None
+        assert streams.cleaned(effects)
+
+
+def test_a_reused_id_waits_for_its_old_streams_clean_up() -> None:
+    """The shell cleans up a given-up stream's keys after its lock: a new stream under them waits for that."""
+    streams = Streams(config(), 0.0)
+    streams.open_receive("r", None, False, 0.0)
+    streams.commit("r_0_0", chunk(0, 8), 0.0)
+    cancelled = streams.cancel("r", None, 1.0)
+    assert cancelled.give_up == (("r_0_1", "r_0_"),) and streams.cleaning("r_0_")
+    assert streams.open_receive("r", None, False, 1.0) is None  # deferred: nothing registered
+    assert streams.receiving("r") is None and streams.is_ready("r")
+    assert streams.open_receive("other", None, False, 1.0) is not None  # other prefixes are not held up
+    # The worker's get of r_0_1 ran across the cancel: a second clean-up of the same prefix.
+    buried = streams.after_get("r_0_1")
+    assert streams.cleaned(cancelled) is False  # one still in flight
+    assert streams.open_receive("r", None, True, 2.0) is None
+    assert streams.cleaned(buried) is True and not streams.cleaning("r_0_")
+    assert streams.open_receive("r", None, False, 2.0) is not None
+    stream = streams.receiving("r")
+    assert stream is not None and stream.next_key == "r_0_0" and stream.phase is RecvPhase.READING
+    # A stream that ended normally: its final chunk's clean-up holds a reopen back the same way.
+    go_on, ended = streams.commit("r_0_0", chunk(0, final=True), 3.0)
+    assert not go_on and ended.cleanup == ("r_0_",)
+    taken, _ = streams.take("r")
+    assert taken is not None and taken.final
+    assert streams.open_receive("r", None, False, 3.0) is None
+    assert streams.cleaned(ended)
+    assert streams.open_receive("r", None, False, 3.0) is not None
+
+
+def test_a_reused_id_waits_for_the_receive_worker_to_leave_its_old_keys() -> None:
+    """The worker may still get a given-up stream's keys (its pass, its blocking get): a reopen waits for it."""
+    streams = Streams(config(), 0.0)
+    streams.open_receive("r", None, False, 0.0)
+    old = streams.receiving("r")
+    readable, _ = streams.scan(0.0)  # the worker's pass reads r_0_0 without the lock ...
+    assert readable == [old] and old is not None and streams.reads_on(old)
+    cancelled = streams.cancel("r", None, 1.0)
+    assert streams.cleaned(cancelled) and not streams.cleaning("r_0_")  # ... its clean-up is done, the pass is not
+    assert not streams.reads_on(old)  # the worker reads a given-up stream no further
+    assert streams.open_receive("r", None, False, 1.0) is None
+    streams.end_pass()  # anything it took meanwhile was put before the reopen
+    assert streams.open_receive("r", None, False, 1.0) is not None
+    new = streams.receiving("r")
+    assert new is not None and new is not old
+    # The blocking get after a pass without progress holds the keys the same way, until after_get.
+    assert streams.next_target(2.0) == "r_0_0"
+    assert streams.cleaned(streams.cancel("r", None, 2.0))
+    assert streams.open_receive("r", None, False, 2.0) is None  # the get is still out
+    assert streams.cleaned(streams.after_get("r_0_0"))  # back, and the given-up stream buried again
+    assert streams.open_receive("r", None, False, 2.0) is not None
 
 
 def test_a_save_waiting_for_room_stops_when_its_request_does() -> None:

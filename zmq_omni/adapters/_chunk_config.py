@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConnectorSpec
-from ..config.fields import check_known_keys, read_float, read_int, read_mapping, read_str
+from ..config.pipeline import read_connector_spec
+from ..config.reader import read_config, setting
 from ..errors import ConfigError
 from .retry import RetryPolicy
 
@@ -72,17 +73,17 @@ class ChunkManagerConfig:
     stage_id: str
     upstream_stage_id: str | None = None
     downstream_stage_id: str | None = None
-    connector: ConnectorSpec | None = None
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    stall_timeout_s: float = 30.0
-    recv_wait_s: float = 0.01
+    connector: ConnectorSpec | None = setting(None, read=read_connector_spec)
+    retry: RetryPolicy = setting(default_factory=RetryPolicy, read=RetryPolicy.read)
+    stall_timeout_s: float = 30.0  # > 0, checked by __post_init__
+    recv_wait_s: float = 0.01  # > 0, checked by __post_init__
     concat_axis: int = 0
-    shutdown_grace_s: float = 0.5
-    max_queued_chunks: int = 4096
-    queue_full_timeout_s: float = 10.0
-    idle_state_timeout_s: float = 600.0
-    max_ready_chunks: int = 64
-    max_ready_bytes: int = 256 << 20
+    shutdown_grace_s: float = setting(0.5, minimum=0)
+    max_queued_chunks: int = 4096  # >= 1, checked by __post_init__
+    queue_full_timeout_s: float = setting(10.0, minimum=0)
+    idle_state_timeout_s: float = 600.0  # > 0, checked by __post_init__
+    max_ready_chunks: int = 64  # >= 1, checked by __post_init__
+    max_ready_bytes: int = 256 << 20  # >= 1, checked by __post_init__
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_id", str(self.stage_id))
@@ -102,42 +103,4 @@ class ChunkManagerConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "chunk_manager") -> ChunkManagerConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
-        known = (
-            "stage_id",
-            "upstream_stage_id",
-            "downstream_stage_id",
-            "connector",
-            "retry",
-            "stall_timeout_s",
-            "recv_wait_s",
-            "concat_axis",
-            "shutdown_grace_s",
-            "max_queued_chunks",
-            "queue_full_timeout_s",
-            "idle_state_timeout_s",
-            "max_ready_chunks",
-            "max_ready_bytes",
-        )
-        check_known_keys(data, known, path)
-        spec = data.get("connector")
-        d = cls.__dataclass_fields__
-        return cls(
-            stage_id=read_str(data, "stage_id", path=path),
-            upstream_stage_id=read_str(data, "upstream_stage_id", None, path),
-            downstream_stage_id=read_str(data, "downstream_stage_id", None, path),
-            connector=None
-            if spec is None
-            else (spec if isinstance(spec, ConnectorSpec) else ConnectorSpec.from_dict(spec, f"{path}.connector")),
-            retry=RetryPolicy.from_dict(read_mapping(data, "retry", {}, path), f"{path}.retry"),
-            stall_timeout_s=read_float(data, "stall_timeout_s", d["stall_timeout_s"].default, path),
-            recv_wait_s=read_float(data, "recv_wait_s", d["recv_wait_s"].default, path),
-            concat_axis=read_int(data, "concat_axis", d["concat_axis"].default, path),
-            shutdown_grace_s=read_float(data, "shutdown_grace_s", d["shutdown_grace_s"].default, path, minimum=0),
-            max_queued_chunks=read_int(data, "max_queued_chunks", d["max_queued_chunks"].default, path),
-            queue_full_timeout_s=read_float(
-                data, "queue_full_timeout_s", d["queue_full_timeout_s"].default, path, minimum=0
-            ),
-            idle_state_timeout_s=read_float(data, "idle_state_timeout_s", d["idle_state_timeout_s"].default, path),
-            max_ready_chunks=read_int(data, "max_ready_chunks", d["max_ready_chunks"].default, path),
-            max_ready_bytes=read_int(data, "max_ready_bytes", d["max_ready_bytes"].default, path),
-        )
+        return read_config(cls, data, path)

@@ -5,11 +5,14 @@ Who touches what:
 * every stream's state is one :class:`~zmq_omni.adapters._streams.Streams`, read
   and changed only under ``self._lock`` (the adapter's one lock);
 * each call decides under the lock (a transition of the streams, which answers
-  with :class:`~zmq_omni.adapters._streams.Effects`), wakes the waiters the
+  with :class:`~zmq_omni.adapters._stream_types.Effects`), wakes the waiters the
   transition names while still holding it (:meth:`ChunkShell._settle_locked`),
   then releases it and does the rest (:meth:`ChunkShell._perform`): failure
   books, waiters of dropped saves, and every connector call. No connector call
-  runs under the lock.
+  runs under the lock. A clean-up of a stream's keys stays booked in the
+  streams until :meth:`ChunkShell._perform` reports it done (under the lock
+  again); a load of a reused id waits for it, and for the receive worker to be
+  done with the old stream's keys, on ``self._cleaned_cond``.
 * the save worker (``save_loop``) pops an item under the lock and puts it
   without it; the receive worker (``recv_loop``) reads the streams' next keys
   without it (only it moves them, in :meth:`ChunkShell._recv_commit`).
@@ -26,7 +29,8 @@ from ..connectors import OmniConnectorBase
 from ..errors import ClosedResourceError
 from ._assemble import assemble_chunks
 from ._chunk_config import ChunkManagerConfig
-from ._streams import NO_EFFECTS, Effects, RecvStream, SaveItem, Streams, Taken
+from ._stream_types import NO_EFFECTS, Effects, RecvStream, SaveItem, Taken
+from ._streams import Streams
 from .base import OmniTransferAdapterBase, RecvTarget
 from .scheduling import ChunkInputs
 
@@ -57,6 +61,9 @@ class ChunkShell(OmniTransferAdapterBase):
         self._loaded_cond = threading.Condition(self._lock)
         # Signalled (under self._lock) whenever the save queue shrinks, a stream stops or the manager stops.
         self._room_cond = threading.Condition(self._lock)
+        # Signalled (under self._lock) when a clean-up of a key prefix is done, or the manager stops.
+        self._cleaned_cond = threading.Condition(self._lock)
+        self._reopens_waiting = 0  # loads of a reused id waiting on it (guarded by self._lock)
         self.counters.add("expired_states", 0)
 
     # -- deciding under the lock, doing after it -------------------------------------------
@@ -82,9 +89,21 @@ class ChunkShell(OmniTransferAdapterBase):
                 self._finished_loaded.update(effects.finished_loaded)
 
     def _perform(self, effects: Effects) -> None:
-        """Do the I/O ``effects`` asks for (never under ``self._lock``): books, waiters, connector calls."""
+        """Do the I/O ``effects`` asks for (never under ``self._lock``): books, waiters, connector calls.
+
+        Its clean-ups are reported done afterwards, even when one raised, so a load waiting on them goes on.
+        """
         if effects is NO_EFFECTS:
             return
+        try:
+            self._perform_io(effects)
+        finally:
+            if effects.cleaned_prefixes:
+                with self._lock:
+                    if self._streams.cleaned(effects):
+                        self._wake_reopens()
+
+    def _perform_io(self, effects: Effects) -> None:
         for item in effects.released:
             if item.done is not None:
                 item.done.set()
@@ -118,18 +137,19 @@ class ChunkShell(OmniTransferAdapterBase):
 
     # -- the save worker -------------------------------------------------------------------
     def _next_save_item(self) -> SaveItem | None:
-        item = self._streams.next_item()
+        item = self._streams.queue.take_next()
         if item is not None:
             self._room_cond.notify_all()
         return item
 
     def _drain_save_queue(self) -> list[Any]:
-        unsent = self._streams.drain()
+        unsent = self._streams.queue.take_all()
         self._room_cond.notify_all()
         return unsent
 
     def _on_stopping(self) -> None:
         self._room_cond.notify_all()
+        self._cleaned_cond.notify_all()
 
     def _request_id_of_item(self, item: Any) -> str | None:
         return item.request_id if isinstance(item, SaveItem) else None
@@ -193,8 +213,11 @@ class ChunkShell(OmniTransferAdapterBase):
                 if not self._recv_commit(target, got[0], stream):
                     break
                 with self._lock:
-                    if self._streams.at_bound(stream):
-                        break  # the rest stays in the connector until the scheduler takes these
+                    if not self._streams.reads_on(stream):
+                        break  # given up, or at a bound: the rest stays in the connector until these are taken
+        with self._lock:
+            self._streams.end_pass()
+            self._wake_reopens()
         return progressed
 
     def _recv_target(self) -> RecvTarget | None:
@@ -219,7 +242,13 @@ class ChunkShell(OmniTransferAdapterBase):
         """
         with self._lock:
             effects = self._streams.after_get(target.key)
+            self._wake_reopens()
         self._perform(effects)
+
+    def _wake_reopens(self) -> None:
+        """Wake the loads of reused ids waiting for the receive worker (call with ``self._lock`` held)."""
+        if self._reopens_waiting:
+            self._cleaned_cond.notify_all()
 
     def _request_id_for_key(self, key: str, op: str) -> str | None:
         with self._lock:

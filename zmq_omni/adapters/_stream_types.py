@@ -6,6 +6,7 @@ The rules that move them are :mod:`zmq_omni.adapters._streams`; nothing here doe
 from __future__ import annotations
 
 import enum
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple, Protocol
@@ -13,21 +14,50 @@ from typing import Any, NamedTuple, Protocol
 __all__ = [
     "NO_EFFECTS",
     "PROGRESS",
+    "REMEMBERED",
     "RESUME",
     "STOPPED",
+    "CleanUps",
     "Effects",
     "RecvPhase",
     "RecvStream",
     "SaveItem",
+    "SaveQueue",
     "SendPhase",
     "SendStream",
     "Taken",
     "Waiter",
+    "remember",
 ]
+
+#: How many finished requests are remembered (to attribute late failures and to
+#: refuse a second stream under a used id); older ones are forgotten.
+REMEMBERED = 65_536
+
+
+def remember(book: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """Book ``key`` as the newest entry of ``book``, forgetting the oldest beyond :data:`REMEMBERED`."""
+    book[key] = value
+    book.move_to_end(key)
+    while len(book) > REMEMBERED:
+        book.popitem(last=False)
 
 
 class SendPhase(enum.Enum):
-    """Where a request's send stream is (see the module docstring)."""
+    """Where a request's send stream is (this stage streams the request downstream).
+
+    Transitions::
+
+        OPEN --save(final)--> ENDING --final chunk put--> ENDED
+        OPEN --cancel--> CANCELLING (its cancelled end-of-stream marker queued) --marker put--> ENDED
+        OPEN --cancel(notify_downstream=False)--> CANCELLED
+        any  --a put gave up / a chunk refused--> FAILED
+        OPEN --idle for idle_state_timeout_s--> CANCELLING, reported as abandoned
+        not OPEN --idle for idle_state_timeout_s, or release--> ENDED
+
+    A cancel in ENDING leaves the final chunk and the chunks before it to go through.
+    ENDED streams are forgotten; their ids stay used (a second stream under one is refused).
+    """
 
     OPEN = "open"
     ENDING = "ending"
@@ -42,7 +72,17 @@ STOPPED = (SendPhase.CANCELLING, SendPhase.CANCELLED, SendPhase.FAILED)
 
 
 class RecvPhase(enum.Enum):
-    """Where a request's receive stream is (see the module docstring)."""
+    """Where a request's receive stream is (this stage reads the request from upstream).
+
+    Transitions::
+
+        READING --at max_ready_chunks / max_ready_bytes--> PAUSED --inputs taken--> READING
+        READING --final chunk--> ENDED --final inputs taken--> forgotten
+        READING --stall, bad chunk, cancel, release--> forgotten; the connector is told to give the stream up
+        ENDED --untaken for idle_state_timeout_s--> forgotten
+
+    A PAUSED stream's stall clock stops: on resuming, its last progress moves on by the pause.
+    """
 
     READING = "reading"
     PAUSED = "paused"
@@ -66,6 +106,12 @@ class SendStream:
     phase: SendPhase = SendPhase.OPEN
     next_chunk_id: int = 0
 
+    def next_item(self, data: Mapping[str, Any], final: bool) -> SaveItem:
+        """The next chunk of this stream, under the next key (the stream's chunk id steps)."""
+        item = SaveItem(self.request_id, f"{self.prefix}{self.next_chunk_id}", self.next_chunk_id, data, final)
+        self.next_chunk_id += 1
+        return item
+
 
 @dataclass(eq=False)
 class SaveItem:
@@ -79,6 +125,43 @@ class SaveItem:
     cancelled: bool = False
     done: Waiter | None = None
     ok: bool = False
+
+
+class SaveQueue(deque[SaveItem]):
+    """The chunks waiting for the save worker, in send order, and the one it took (``in_flight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: SaveItem | None = None
+
+    def take_next(self) -> SaveItem | None:
+        """Pop the next chunk to put; it is ``in_flight`` until the caller clears it."""
+        if not self:
+            return None
+        item = self.in_flight = self.popleft()
+        return item
+
+    def take_all(self) -> list[SaveItem]:
+        """Remove and return every queued chunk."""
+        items = list(self)
+        self.clear()
+        return items
+
+    def drop(self, request_id: str) -> list[SaveItem]:
+        """Remove and return the queued chunks of ``request_id``."""
+        dropped = [item for item in self if item.request_id == request_id]
+        if dropped:
+            kept = [item for item in self if item.request_id != request_id]
+            self.clear()
+            self.extend(kept)
+        return dropped
+
+    def busy(self) -> set[str]:
+        """The requests with a chunk queued or in flight."""
+        busy = {item.request_id for item in self}
+        if self.in_flight is not None:
+            busy.add(self.in_flight.request_id)
+        return busy
 
 
 @dataclass(eq=False)
@@ -151,7 +234,44 @@ class Effects:
         pairs = ((getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
         return Effects(*(a + b if isinstance(a, tuple) else a or b for a, b in pairs))
 
+    @property
+    def cleaned_prefixes(self) -> tuple[str, ...]:
+        """The key prefixes this effect cleans up in the connector (``give_up`` and ``cleanup``)."""
+        return (*(prefix for _key, prefix in self.give_up), *self.cleanup)
+
 
 NO_EFFECTS = Effects()
 PROGRESS = Effects(changed=True)
 RESUME = Effects(resume=True)
+
+
+class CleanUps:
+    """The key prefixes whose clean-up (``give_up``, ``cleanup``) was decided and not yet reported done.
+
+    The shell does that I/O after releasing its lock; until it reports it done, a
+    stream opened under one of these prefixes would lose its first chunks to it.
+    """
+
+    def __init__(self) -> None:
+        self._pending: Counter[str] = Counter()
+
+    def __contains__(self, prefix: object) -> bool:
+        return prefix in self._pending
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def begin(self, effects: Effects) -> Effects:
+        """Book the clean-ups ``effects`` asks for as in flight; returns ``effects``."""
+        self._pending.update(effects.cleaned_prefixes)
+        return effects
+
+    def done(self, effects: Effects) -> bool:
+        """The clean-ups of ``effects`` were done (or given up); True when a prefix is free again."""
+        freed = False
+        for prefix in effects.cleaned_prefixes:
+            self._pending[prefix] -= 1
+            if self._pending[prefix] <= 0:
+                del self._pending[prefix]
+                freed = True
+        return freed

@@ -7,31 +7,20 @@ between them. It has no thread, lock, connector or clock: the caller passes the
 time in, serializes the calls (the manager holds its lock) and performs the I/O a
 transition answers with, an :class:`Effects`, after releasing its lock.
 
-A send stream (this stage streams a request downstream)::
+The phases and their transitions are drawn on :class:`SendPhase` (a send stream: this
+stage streams a request downstream) and :class:`RecvPhase` (a receive stream: this
+stage reads a request from upstream).
 
-    OPEN --save(final)--> ENDING --final chunk put--> ENDED
-    OPEN --cancel--> CANCELLING (its cancelled end-of-stream marker queued) --marker put--> ENDED
-    OPEN --cancel(notify_downstream=False)--> CANCELLED
-    any  --a put gave up / a chunk refused--> FAILED
-    OPEN --idle for idle_state_timeout_s--> CANCELLING, reported as abandoned
-    not OPEN --idle for idle_state_timeout_s, or release--> ENDED
-
-A cancel in ENDING leaves the final chunk and the chunks before it to go through.
-ENDED streams are forgotten; their ids stay used (a second stream under one is refused).
-
-A receive stream (this stage reads a request from upstream)::
-
-    READING --at max_ready_chunks / max_ready_bytes--> PAUSED --inputs taken--> READING
-    READING --final chunk--> ENDED --final inputs taken--> forgotten
-    READING --stall, bad chunk, cancel, release--> forgotten; the connector is told to give the stream up
-    ENDED --untaken for idle_state_timeout_s--> forgotten
-
-A PAUSED stream's stall clock stops: on resuming, its last progress moves on by the pause.
+A stream given up or ended leaves a clean-up of its key prefix for the shell to do (``Effects.give_up``
+/ ``cleanup``), in flight until the shell reports it with :meth:`Streams.cleaned`. A reused id reopens a
+receive stream under the same prefix, so :meth:`Streams.open_receive` defers it until then, and while
+the receive worker may still get the old stream's keys (its pass, its blocking get): neither can take
+the chunks of a stream opened after them (same keys).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -43,42 +32,22 @@ from ._stream_types import (
     PROGRESS,
     RESUME,
     STOPPED,
+    CleanUps,
     Effects,
     RecvPhase,
     RecvStream,
     SaveItem,
+    SaveQueue,
     SendPhase,
     SendStream,
     Taken,
     Waiter,
+    remember,
 )
 
-__all__ = [
-    "NO_EFFECTS",
-    "REMEMBERED",
-    "Effects",
-    "RecvPhase",
-    "RecvStream",
-    "SaveItem",
-    "SendPhase",
-    "SendStream",
-    "Streams",
-    "Taken",
-    "Waiter",
-]
-
-#: How many finished requests are remembered (to attribute late failures and to
-#: refuse a second stream under a used id); older ones are forgotten.
-REMEMBERED = 65_536
+__all__ = ["Streams"]
 
 _DIGITS = "0123456789"
-
-
-def _remember(book: OrderedDict[str, Any], key: str, value: Any) -> None:
-    book[key] = value
-    book.move_to_end(key)
-    while len(book) > REMEMBERED:
-        book.popitem(last=False)
 
 
 class Streams:
@@ -88,15 +57,14 @@ class Streams:
     (any clock that only moves forward).
 
     Attributes:
-        queue: the chunks waiting for the save worker, in send order.
-        in_flight: the item the save worker took and has not finished.
+        queue: the chunks waiting for the save worker, in send order, and the one it took
+            (``queue.take_next()``; in flight until :meth:`put_done`).
         ready_bytes: payload bytes received for all streams and not taken yet.
     """
 
     def __init__(self, config: ChunkManagerConfig, now: float) -> None:
         self.config = config
-        self.queue: deque[SaveItem] = deque()
-        self.in_flight: SaveItem | None = None
+        self.queue = SaveQueue()
         self.ready_bytes = 0
         self._send: dict[str, SendStream] = {}
         self._recv: dict[str, RecvStream] = {}
@@ -104,10 +72,17 @@ class Streams:
         self._send_owner: OrderedDict[str, str] = OrderedDict()
         self._recv_owner: OrderedDict[str, str] = OrderedDict()
         self._ended: OrderedDict[str, None] = OrderedDict()
+        self._cleaning = CleanUps()
+        self._passing: list[RecvStream] = []  # the streams of the receive worker's pass (scan to end_pass)
+        self._getting: str | None = None  # the key prefix of its blocking get (next_target to after_get)
         self._rotation = 0
         self._last_sweep = now
 
     # -- reads ---------------------------------------------------------------------------------
+    def cleaning(self, prefix: str) -> bool:
+        """True while a clean-up of ``prefix`` was decided and the shell has not reported it done."""
+        return prefix in self._cleaning
+
     def send_phase(self, request_id: str) -> SendPhase | None:
         """The phase of ``request_id``'s send stream (ENDED for a used id), None when it has none."""
         stream = self._send.get(request_id)
@@ -179,7 +154,7 @@ class Streams:
                 raise ValueError(f"request {request_id!r} already ended its stream")
             prefix = f"{external_req_id or request_id}_{self.config.stage_id}_"
             stream = self._send[request_id] = SendStream(request_id, prefix, now)
-            _remember(self._send_owner, prefix, request_id)
+            remember(self._send_owner, prefix, request_id)
         if stream.phase in STOPPED:
             return None
         if stream.phase is not SendPhase.OPEN:
@@ -198,9 +173,8 @@ class Streams:
         self, stream: SendStream, data: Mapping[str, Any], final: bool, done: Waiter | None, now: float
     ) -> SaveItem:
         """Queue the next chunk of ``stream`` (OPEN -> ENDING with the final one); the caller wakes the saver."""
-        item = SaveItem(stream.request_id, f"{stream.prefix}{stream.next_chunk_id}", stream.next_chunk_id, data, final)
+        item = stream.next_item(data, final)
         item.done = done
-        stream.next_chunk_id += 1
         stream.last_activity = now
         if final:
             stream.phase = SendPhase.ENDING
@@ -219,14 +193,7 @@ class Streams:
         if stream is None:
             return NO_EFFECTS
         stream.phase = SendPhase.FAILED
-        return Effects(released=tuple(self._drop_queued(request_id)), room=True)
-
-    def next_item(self) -> SaveItem | None:
-        """Pop the next chunk to put; it is in flight until :meth:`put_done`."""
-        if not self.queue:
-            return None
-        item = self.in_flight = self.queue.popleft()
-        return item
+        return Effects(released=tuple(self.queue.drop(request_id)), room=True)
 
     def begin_put(self, item: SaveItem) -> bool:
         """True when ``item`` should be put (its stream neither failed nor was forgotten)."""
@@ -235,8 +202,8 @@ class Streams:
 
     def put_done(self, item: SaveItem, ok: bool, now: float) -> bool:
         """``item`` left the save worker (put or not); True when it ended its stream (-> ENDED)."""
-        if self.in_flight is item:
-            self.in_flight = None
+        if self.queue.in_flight is item:
+            self.queue.in_flight = None
         stream = self._send.get(item.request_id)
         if stream is not None:
             stream.last_activity = now
@@ -244,19 +211,8 @@ class Streams:
             return False
         if stream is not None:
             del self._send[item.request_id]
-        _remember(self._ended, item.request_id, None)
+        remember(self._ended, item.request_id, None)
         return True
-
-    def drain(self) -> list[SaveItem]:
-        """Remove and return every queued item (shutdown)."""
-        items, self.queue = list(self.queue), deque()
-        return items
-
-    def _drop_queued(self, request_id: str) -> list[SaveItem]:
-        dropped = [item for item in self.queue if item.request_id == request_id]
-        if dropped:
-            self.queue = deque(item for item in self.queue if item.request_id != request_id)
-        return dropped
 
     # -- both sides -------------------------------------------------------------------------------
     def cancel(self, request_id: str, notify_downstream: bool | None, now: float) -> Effects:
@@ -277,17 +233,16 @@ class Streams:
             if recv is not None:
                 ext = recv.prefix[: -len(f"_{self.config.upstream_stage_id}_")]
             stream = self._send[request_id] = SendStream(request_id, f"{ext}_{self.config.stage_id}_", now)
-            _remember(self._send_owner, stream.prefix, request_id)
+            remember(self._send_owner, stream.prefix, request_id)
         effects = NO_EFFECTS
         if stream is not None and stream.phase is SendPhase.OPEN:
-            dropped = self._drop_queued(request_id)
+            dropped = self.queue.drop(request_id)
             if dropped:
                 stream.next_chunk_id = min(item.chunk_id for item in dropped)
             queued = notify_downstream is not False
             if queued:
-                marker = SaveItem(request_id, f"{stream.prefix}{stream.next_chunk_id}", stream.next_chunk_id, {}, True)
+                marker = stream.next_item({}, True)
                 marker.cancelled = True
-                stream.next_chunk_id += 1
                 self.queue.append(marker)
             stream.phase = SendPhase.CANCELLING if queued else SendPhase.CANCELLED
             effects = Effects(released=tuple(dropped), room=True, queued=queued)
@@ -304,7 +259,7 @@ class Streams:
             stream.phase is SendPhase.FAILED or not any(item.request_id == request_id for item in self.queue)
         ):
             del self._send[request_id]
-            _remember(self._ended, request_id, None)
+            remember(self._ended, request_id, None)
         return effects
 
     def sweep_due(self, now: float) -> bool:
@@ -322,9 +277,7 @@ class Streams:
         """
         self._last_sweep = now
         ttl = self.config.idle_state_timeout_s
-        busy = {item.request_id for item in self.queue}
-        if self.in_flight is not None:
-            busy.add(self.in_flight.request_id)
+        busy = self.queue.busy()
         expired: list[str] = []
         abandoned: list[str] = []
         for request_id, stream in list(self._send.items()):
@@ -339,7 +292,7 @@ class Streams:
                 abandoned.append(request_id)
             else:
                 del self._send[request_id]
-                _remember(self._ended, request_id, None)
+                remember(self._ended, request_id, None)
                 expired.append(request_id)
         untaken: list[str] = []
         resume = False
@@ -354,17 +307,23 @@ class Streams:
         return effects if (expired or untaken or abandoned) else NO_EFFECTS
 
     # -- receive side -----------------------------------------------------------------------------
-    def open_receive(self, request_id: str, external_req_id: str | None, whole: bool, now: float) -> Effects:
+    def open_receive(self, request_id: str, external_req_id: str | None, whole: bool, now: float) -> Effects | None:
         """Start (or find) the receive stream of ``request_id``; ``whole`` keeps every chunk for ``load()``.
 
         A whole stream's chunks do not count against ``max_ready_bytes`` (``load()`` returns them at once).
+        None, and nothing started, while a clean-up of the new stream's key prefix is in flight:
+        ask again once :meth:`cleaned` frees it.
         """
         stream = self._recv.get(request_id)
         resume = False
         if stream is None:
             prefix = f"{external_req_id or request_id}_{self.config.upstream_stage_id}_"
+            if prefix in self._recv_owner and (  # a reused prefix: its old stream's keys may still be in use
+                prefix in self._cleaning or prefix == self._getting or any(s.prefix == prefix for s in self._passing)
+            ):
+                return None
             stream = self._recv[request_id] = RecvStream(request_id, prefix, now)
-            _remember(self._recv_owner, prefix, request_id)
+            remember(self._recv_owner, prefix, request_id)
             resume = True
         if whole and stream.all_chunks is None:
             stream.all_chunks = list(stream.ready)
@@ -395,7 +354,7 @@ class Streams:
         return readable
 
     def scan(self, now: float) -> tuple[list[RecvStream], Effects]:
-        """The receive worker's pass: the readable streams, and the failures of those stalled."""
+        """The receive worker's pass: the streams to read (until :meth:`end_pass`), the failures of those stalled."""
         readable: list[RecvStream] = []
         effects = NO_EFFECTS
         limit = self.config.stall_timeout_s
@@ -408,7 +367,12 @@ class Streams:
                 )
             else:
                 readable.append(stream)
+        self._passing = readable
         return readable, effects
+
+    def end_pass(self) -> None:
+        """The receive worker's pass is over: its streams' keys are free for a reused id."""
+        self._passing = []
 
     def next_target(self, now: float) -> str | None:
         """The key the receive worker blocks on after a pass without progress (round robin)."""
@@ -416,7 +380,14 @@ class Streams:
         if not readable:
             return None
         self._rotation = (self._rotation + 1) % len(readable)
-        return readable[self._rotation].next_key
+        stream = readable[self._rotation]
+        self._getting = stream.prefix  # until after_get
+        return stream.next_key
+
+    def reads_on(self, stream: RecvStream) -> bool:
+        """True while the receive worker may get ``stream``'s next key: not forgotten, ENDED nor at a bound."""
+        live = self._recv.get(stream.request_id) is stream
+        return live and stream.phase is not RecvPhase.ENDED and not self.at_bound(stream)
 
     def commit(self, key: str, obj: Any, now: float, stream: RecvStream | None = None) -> tuple[bool, Effects]:
         """Apply the object got under ``key``; ``(read on, effects)``.
@@ -458,7 +429,7 @@ class Streams:
         stream.phase = RecvPhase.ENDED
         stream.cancelled_upstream = bool(meta.get("cancelled"))
         loaded = (stream.request_id,) if stream.all_chunks is None else ()
-        return False, Effects(cleanup=(stream.prefix,), finished_loaded=loaded, changed=True)
+        return False, self._cleaning.begin(Effects(cleanup=(stream.prefix,), finished_loaded=loaded, changed=True))
 
     def after_get(self, key: str) -> Effects:
         """After every get of ``key``: bury its stream again when it was given up while the get ran.
@@ -468,11 +439,12 @@ class Streams:
         the worker choosing the key and its get returning laid them first.
         """
         prefix = key.rstrip(_DIGITS)
+        self._getting = None
         request_id = self._recv_owner.get(prefix)
         stream = self._recv.get(request_id) if request_id is not None else None
         if stream is not None and stream.prefix == prefix:
             return NO_EFFECTS  # still receiving (or ended normally: its final chunk's cleanup buried it)
-        return Effects(give_up=((key, prefix),))
+        return self._cleaning.begin(Effects(give_up=((key, prefix),)))
 
     def take(self, request_id: str) -> tuple[Taken | None, bool]:
         """``(the chunks received since the last take or None, wake the receive worker)``.
@@ -510,7 +482,11 @@ class Streams:
         if stream is None:
             return NO_EFFECTS
         resume = self._forget_receiving(request_id)
-        return Effects(give_up=((stream.next_key, stream.prefix),), resume=resume, changed=True)
+        return self._cleaning.begin(Effects(give_up=((stream.next_key, stream.prefix),), resume=resume, changed=True))
+
+    def cleaned(self, effects: Effects) -> bool:
+        """The shell did (or gave up) the clean-ups of ``effects``; True when a stream may open under a prefix again."""
+        return self._cleaning.done(effects)
 
     def _forget_receiving(self, request_id: str) -> bool:
         """Drop a receive stream and its untaken bytes; True when that frees room at the byte bound."""

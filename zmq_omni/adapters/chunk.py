@@ -35,7 +35,7 @@ from ..connectors import OmniConnectorBase
 from ..errors import ConfigError, format_seconds
 from ._chunk_config import ChunkManagerConfig
 from ._chunk_shell import ChunkShell
-from ._streams import NO_EFFECTS, RecvPhase, RecvStream, SaveItem, SendStream
+from ._stream_types import NO_EFFECTS, RecvPhase, RecvStream, SaveItem, SendStream
 from .scheduling import ChunkHooks, ChunkInputs, R, SchedulerOutputLike
 
 __all__ = ["ChunkInputs", "ChunkManagerConfig", "OmniChunkManager"]
@@ -206,10 +206,20 @@ class OmniChunkManager(ChunkShell):
         if self.config.upstream_stage_id is None:
             return None
         with self._lock:
-            self._check_open()
-            now = time.monotonic()
+            while True:
+                self._check_open()
+                now = time.monotonic()
+                effects = self._streams.open_receive(request_id, external_req_id, whole, now)
+                if effects is not None:
+                    break
+                # A reused id: its previous stream's keys are still being cleaned up or read on another thread.
+                self._reopens_waiting += 1
+                try:
+                    self._cleaned_cond.wait()
+                finally:
+                    self._reopens_waiting -= 1
             sweep = self._streams.sweep_due(now)
-            self._settle_locked(self._streams.open_receive(request_id, external_req_id, whole, now))
+            self._settle_locked(effects)
             stream = self._streams.receiving(request_id)
         if sweep:
             self._sweep_idle()

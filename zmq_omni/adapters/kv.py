@@ -26,9 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..config import ConnectorSpec
-from ..config.fields import check_known_keys
 from ..config.pipeline import read_connector_spec
-from ..config.reader import read_fields, setting
+from ..config.reader import read_config, setting
 from ..connectors import FailureSource, OmniConnectorBase, create_connector
 from ..errors import ConfigError, TransportError, format_seconds
 from .retry import RetryPolicy
@@ -81,8 +80,7 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str = "kv_transfer") -> KVTransferConfig:
         """Build from a plain dict; unknown keys raise ``ConfigError`` naming them."""
-        check_known_keys(data, cls.__dataclass_fields__, path)
-        return cls(**read_fields(cls, data, path))
+        return read_config(cls, data, path)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 import tenacity
 
-from ..config.fields import check_known_keys, read_mapping
-from ..config.reader import read_fields, setting
+from ..config.fields import read_mapping
+from ..config.reader import read_config, setting
 from ..errors import (
     ClosedResourceError,
     ConfigError,
@@ -90,9 +90,7 @@ class RetryPolicy:
 
         The predicate cannot come from YAML; it stays :func:`default_retryable`.
         """
-        data = dict(data or {})
-        check_known_keys(data, [name for name in cls.__dataclass_fields__ if name != "retryable"], path)
-        return cls(**read_fields(cls, data, path, skip=("retryable",)))
+        return read_config(cls, dict(data or {}), path, unread=("retryable",))
 
     @classmethod
     def read(cls, data: Mapping[str, Any], key: str, path: str) -> RetryPolicy:

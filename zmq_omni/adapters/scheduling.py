@@ -99,8 +99,9 @@ R = TypeVar("R", bound=SchedulableRequest)
 class ChunkHooks:
     """The scheduler hooks: park requests without a new chunk, put them back, attach inputs.
 
-    Called from the scheduler thread. The parked requests (``_parked``) are
-    guarded by ``_lock``, which is never held while the source is read.
+    Called from the scheduler thread, the only writer of the parked requests
+    (``_parked``): it changes them under ``_lock``, which :meth:`parked` takes to
+    read them from another thread, and which is never held while the source is read.
     """
 
     def __init__(self, source: ChunkSource, stage_id: str) -> None:
@@ -119,22 +120,16 @@ class ChunkHooks:
 
         See :meth:`~zmq_omni.adapters.OmniChunkManager.process_pending_chunks`.
         """
-        if self.parked():
+        if self._parked:  # only this thread writes it
             # restore_queues was skipped: put the previous step's requests back first.
             logger.warning("stage %s: process_pending_chunks called twice without restore_queues", self._stage_id)
             self.restore_queues(waiting, running)
-        ids = [request.request_id for request in waiting]
-        ids.extend(request.request_id for request in running)
-        blocked = self._source.waiting_for_chunks(ids)
-        if not blocked:
-            return
         for name, queue in (("waiting", waiting), ("running", running)):
-            parked: list[R] = []
-            keep: list[R] = []
-            for request in queue:
-                (parked if request.request_id in blocked else keep).append(request)
-            if parked:
-                order = [request.request_id for request in queue]
+            order = [request.request_id for request in queue]
+            blocked = self._source.waiting_for_chunks(order)
+            if blocked:
+                keep = [request for request in queue if request.request_id not in blocked]
+                parked = [request for request in queue if request.request_id in blocked]
                 queue.clear()
                 queue.extend(keep)
                 with self._lock:

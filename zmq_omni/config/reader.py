@@ -14,6 +14,7 @@ got -1``)::
         device: str | None = setting(None, read=read_device)
 
     Limits(**read_fields(Limits, {"timeout_s": 2}, "limits"))
+    read_config(Limits, {"timeout_s": 2}, "limits")  # the same, refusing keys that are not fields
 
 How a field is read, by its declared type (``X | None`` reads as ``X``):
 ``bool``, ``int`` and ``float`` (with ``minimum`` / ``maximum``), ``str``
@@ -32,12 +33,14 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 from ..errors import ConfigError
-from .fields import _where, read_bool, read_choice, read_float, read_int, read_str
+from .fields import _where, check_known_keys, read_bool, read_choice, read_float, read_int, read_str
 
-__all__ = ["FieldReader", "declared_defaults", "read_fields", "setting"]
+__all__ = ["FieldReader", "declared_defaults", "read_config", "read_fields", "setting"]
+
+T = TypeVar("T")
 
 #: Reads ``data[key]`` (present, not None) into a field's value; ``path`` prefixes the key in messages.
 FieldReader = Callable[[Mapping[str, Any], str, str], Any]
@@ -166,6 +169,24 @@ def read_fields(cls: type, data: Mapping[str, Any], path: str, *, skip: Iterable
     """
     skipped = set(skip)
     return {plan.name: plan.value(data, path) for plan in _plans(cls) if plan.name not in skipped}
+
+
+def read_config(cls: type[T], data: Mapping[str, Any], path: str, *, unread: Iterable[str] = ()) -> T:
+    """``cls`` built from ``data``, whose every key must be one of its fields, each read by its declaration.
+
+    Args:
+        cls: a dataclass whose fields are declared as the module docstring says.
+        data: the plain dict (YAML, JSON).
+        path: what prefixes a key in messages (``"chunk_manager"``).
+        unread: fields that are not keys of the dict (a callable, say); they keep their declared default.
+
+    Raises:
+        ConfigError: ``data`` is not a mapping or holds an unknown key (named, with the known ones), a
+            required key is missing, or a value has the wrong type or is out of bounds.
+    """
+    left_out, owner = tuple(unread), typing.cast(type, cls)
+    check_known_keys(data, [plan.name for plan in _plans(owner) if plan.name not in left_out], path)
+    return cls(**read_fields(cls, data, path, skip=left_out))
 
 
 def declared_defaults(cls: type) -> dict[str, Any]:

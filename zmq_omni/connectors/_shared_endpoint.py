@@ -30,10 +30,11 @@ closes it.
 
 The registry also answers "does this process serve that endpoint?" for
 put-then-get in one process (push mode): a put to an endpoint this process
-binds is *expected* there until it arrives, and a ``get`` of its key that
-finds nothing waits for it, bounded by the put's window
-(``metadata_get_timeout_s``) instead of returning ``None`` while the put is
-on its way through ZeroMQ.
+binds is *expected* there until it arrives (the endpoint's
+:class:`~zmq_omni.connectors._expected_puts.ExpectedPuts`, adopted as it
+registers), and a ``get`` of its key that finds nothing waits for it, bounded
+by the put's window (``metadata_get_timeout_s``) instead of returning ``None``
+while the put is on its way through ZeroMQ.
 
 Threads and locks: the registry's dicts change under ``_registry_lock``
 (readers on hot paths look them up without it: a dict lookup is atomic).
@@ -42,8 +43,8 @@ ZAP thread, the ipc liveness probe), with a per-address marker in ``_busy``
 meanwhile: a connector acquiring that address waits for the marker (bounded)
 and looks again, so it never binds while the old socket is still open, and
 binds at other addresses are not held up.
-A :class:`SharedEndpoint`'s holders, hooks and expectations change under its
-``_lock``; its part is driven by its own I/O thread (see
+A :class:`SharedEndpoint`'s holders and hooks change under its ``_lock``; its
+expected puts under :mod:`~zmq_omni.connectors._expected_puts`'s lock; its part is driven by its own I/O thread (see
 :mod:`zmq_omni.transport._receiver`, :mod:`zmq_omni.transport._pull_server`),
 or, for an exclusive endpoint, by its one connector's driver.
 """
@@ -53,13 +54,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..errors import ConfigError, TransportError, ZmqOmniError
 from ..metrics import Counters
 from ..transport import Driver, PullServer, PushReceiver, ShmReceive, ShmSend
+from . import _expected_puts
+from ._expected_puts import ExpectedPuts
 
 __all__ = ["Holder", "SharedEndpoint", "acquire", "has_served", "served"]
 
@@ -99,6 +101,7 @@ class SharedEndpoint:
         part: the bound :class:`PushReceiver` or :class:`PullServer` (set once built).
         counters: the counters the part reports into (each holder's ``health()`` adds them).
         settings: what its holders must agree on (see the module docstring).
+        expected: this process's puts on their way here (push mode).
     """
 
     def __init__(
@@ -124,9 +127,8 @@ class SharedEndpoint:
         self._arrival_hooks: tuple[Callable[[list[Slot]], None], ...] = ()
         self._room_hooks: tuple[Callable[[], None], ...] = ()
         self._served: tuple[str, ...] = ()  # endpoints under which _by_endpoint knows it
-        # Push mode: slot -> until when a put of it from this process is expected here (in put order).
-        # Public for one use: ``if shared.expected:`` is the get path's test for "none" (a dict's truth).
-        self.expected: OrderedDict[Slot, float] = OrderedDict()
+        # Push mode: this process's puts on their way here (the one record of them, adopted as it registers).
+        self.expected = ExpectedPuts(self._wake_gets)
         self._closed = False
 
     # -- holders ---------------------------------------------------------------------------
@@ -220,6 +222,7 @@ class SharedEndpoint:
                 for endpoint in self._served:
                     if _by_endpoint.get(endpoint) is self:
                         del _by_endpoint[endpoint]
+                _expected_puts.release(self._served, self.expected)
         if not last:
             if isinstance(part, PushReceiver):
                 part.wake_gets()  # the holder's waiting gets see its close now (the part stays open)
@@ -252,45 +255,6 @@ class SharedEndpoint:
         return lost or []
 
     # -- put-then-get in one process (push mode) ---------------------------------------------
-    def expect(self, slot: Slot, until: float) -> None:
-        """A put of ``slot`` from this process is on its way here; a get may wait for it until ``until``."""
-        now = time.monotonic()
-        with self._lock:
-            expected = self.expected
-            while expected:  # the oldest first: drop those whose wait is over
-                first = next(iter(expected))
-                if expected[first] > now:
-                    break
-                del expected[first]
-            expected[slot] = until
-            expected.move_to_end(slot)
-
-    def expected_until(self, slot: Slot) -> float | None:
-        """Until when a get of ``slot`` may wait for a put of it from this process; None: nothing expected."""
-        with self._lock:
-            until = self.expected.get(slot)
-            if until is not None and until <= time.monotonic():
-                del self.expected[slot]
-                return None
-            return until
-
-    def settle(self, slot: Slot) -> None:
-        """``slot`` was taken, or its put failed: stop expecting it (a get waiting for it wakes)."""
-        with self._lock:
-            settled = self.expected.pop(slot, None) is not None
-        if settled:
-            self._wake_gets()
-
-    def settle_where(self, match: Callable[[str], bool]) -> list[str]:
-        """Stop expecting every slot whose key matches (``cleanup``); return their keys."""
-        with self._lock:
-            slots = [slot for slot in self.expected if match(slot[2])]
-            for slot in slots:
-                del self.expected[slot]
-        if slots:
-            self._wake_gets()
-        return [slot[2] for slot in slots]
-
     def _wake_gets(self) -> None:
         """Gets waiting for a put this process expected here look again (it was settled)."""
         part = self.part
@@ -418,6 +382,8 @@ def _hold(shared: SharedEndpoint, address: str, holder: Holder, advertised: str 
         served.append(advertised)
     new = tuple(endpoint for endpoint in served if endpoint not in shared._served)
     shared._served = (*shared._served, *new)
+    # Before it is published as served: a put meanwhile finds the same record under its name.
+    shared.expected = _expected_puts.adopt(shared._served, shared.expected, shared)
     for endpoint in new:
         _by_endpoint.setdefault(endpoint, shared)
     return shared

@@ -197,24 +197,25 @@ class ZmqGets(ZmqPullFetch):
         try:
             if deadline is None:
                 got = receiver.take(from_stage, to_stage, key)
-                if shared.expected:
+                expected = shared.expected
+                if expected.slots:
                     slot = (from_stage, to_stage, key)
-                    until = shared.expected_until(slot) if got is None and wait_for_own else None
+                    until = expected.until(slot) if got is None and wait_for_own else None
                     if until is not None:
                         # Our own put of this key is on its way here: wait for it while it is expected (another
                         # connector of this endpoint taking it, or a cleanup, settles it and wakes this wait).
-                        expected = shared.expected
+                        slots = expected.slots
 
                         def gone() -> bool:
-                            return self._closed or slot not in expected
+                            return self._closed or slot not in slots
 
                         got = receiver.take(from_stage, to_stage, key, until, gone)
                     if got is not None:
-                        shared.settle(slot)
+                        expected.settle(slot)
                 return got
             got = receiver.take(from_stage, to_stage, key, deadline, self._is_closed)
-            if got is not None and shared.expected:
-                shared.settle((from_stage, to_stage, key))
+            if got is not None and shared.expected.slots:
+                shared.expected.settle((from_stage, to_stage, key))
             return got
         except ZmqOmniError as exc:
             self._take_failed(from_stage, to_stage, key, exc)

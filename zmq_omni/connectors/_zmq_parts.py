@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -39,10 +38,10 @@ from ..transport import (
     require_curve,
 )
 from ..wire import DecodeLimits
-from ._early_puts import take_early
-from ._shared_endpoint import SharedEndpoint, acquire, has_served, served
+from ._expected_puts import settle
+from ._shared_endpoint import SharedEndpoint, acquire
 from ._zmq_bind import BOUND_SETTINGS, open_endpoint, shm_pool
-from .base import OmniConnectorBase, key_matches_prefix
+from .base import OmniConnectorBase
 
 log = logging.getLogger("zmq_omni.connectors")
 
@@ -245,13 +244,8 @@ class ZmqParts(OmniConnectorBase):
         self._shared = shared
         part = shared.part
         if isinstance(part, PushReceiver):
-            # This process's puts on their way here since before the bind are expected now; what was
-            # cleaned up meanwhile is dropped (already in, or as it comes, from anyone), whatever gets ask.
-            for key, prefix in take_early(advertised, shared) if advertised is not None else ():
-                if prefix is None:
-                    part.forget(functools.partial(operator.eq, key), key=key, firm=True)
-                else:
-                    part.forget(functools.partial(_under_prefix, prefix), prefix=prefix, firm=True)
+            # What was cleaned up here before the bind is in its tombstones already (handed over as it
+            # registered: see _expected_puts), as this process's puts on their way here are in its record.
             self._receiver = part
         else:
             assert part is not None
@@ -335,10 +329,8 @@ class ZmqParts(OmniConnectorBase):
         )
 
     def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
-        if op != "get" and has_served():  # a failed put to ourselves is no longer expected
-            local = served(self._endpoints.get(to_stage))
-            if local is not None:
-                local.settle((from_stage, to_stage, key))
+        if op != "get":  # a failed put to ourselves is no longer expected
+            settle(self._endpoints.get(to_stage), (from_stage, to_stage, key))
         self._record_failure("get" if op == "get" else "put", from_stage, to_stage, key, reason, error)
 
     def _hook_watches(self) -> None:
@@ -354,8 +346,3 @@ class ZmqParts(OmniConnectorBase):
                 shared.hook_room(self._notify_room)
         if self._sender is not None:
             self._sender.on_window_change(self._notify_room)
-
-
-def _under_prefix(prefix: str, key: str) -> bool:
-    """``key_matches_prefix`` with the prefix first (bound by ``functools.partial``)."""
-    return key_matches_prefix(key, prefix)

@@ -12,10 +12,10 @@ import time
 from typing import Any
 
 from ..errors import ClosedResourceError, MessageTooLargeError, TransportError, TransportTimeoutError, ZmqOmniError
-from ..transport import PushReceiver, WouldBlock
+from ..transport import WouldBlock
 from ..wire import encode, frames_nbytes
-from ._early_puts import drop_early, put_early
-from ._shared_endpoint import served
+from ._expected_puts import expect
+from ._shared_endpoint import has_served
 from ._zmq_parts import ZmqParts
 
 #: Marks the metadata of our push-mode puts: a ``get`` handed it waits for that put to arrive.
@@ -130,24 +130,18 @@ class ZmqSending(ZmqParts):
         try:
             if sender is not None:
                 # A put to an endpoint this process binds is expected there: a get of it waits for it.
+                # Also before the bind when ours binds there at a first get (by whichever of ours binds).
                 target = self._endpoints.get(to_stage)
-                local = served(target)
-                until = time.monotonic() + cfg.metadata_get_timeout_s
-                early = self._receiver is None and target is not None and self._bind_stage(to_stage) == to_stage
-                if local is not None:
-                    if not (isinstance(local.part, PushReceiver) and local.part.buries(key)):  # dropped on arrival
-                        local.expect((from_stage, to_stage, key), until)
-                elif early:  # binds there at a first get: expected there once bound, by whichever binds
-                    assert target is not None
-                    local = put_early(target, (from_stage, to_stage, key), until)
+                expected = None
+                if target is not None and (has_served() or self._receiver is None):
+                    until = time.monotonic() + cfg.metadata_get_timeout_s
+                    unbound = self._receiver is None and self._bind_stage(to_stage) == to_stage
+                    expected = expect(target, (from_stage, to_stage, key), until, unbound=unbound)
                 try:
                     sender.send(from_stage, to_stage, key, frames, nbytes, loc, block=block)
                 except BaseException:
-                    if local is not None:
-                        local.settle((from_stage, to_stage, key))
-                    elif early:
-                        assert target is not None
-                        drop_early(target, (from_stage, to_stage, key))
+                    if expected is not None:
+                        expected.settle((from_stage, to_stage, key))
                     if loc is not None and shm is not None:
                         shm.discard(loc)
                     raise

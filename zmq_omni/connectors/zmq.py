@@ -57,7 +57,7 @@ from ..transport import (
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, resolve_device
-from ._early_puts import cancel_early
+from ._expected_puts import cancel_early
 from ._zmq_bind import MAX_FRAMES
 from ._zmq_gets import ZmqGets
 from ._zmq_health import ZmqHealth
@@ -230,8 +230,8 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         key = str(get_key)
         if self._receiver is not None:
             self._receiver.forget(lambda k: k == key, key=key)
-            if self._shared is not None and self._shared.expected:
-                self._shared.settle_where(lambda k: k == key)
+            if self._shared is not None and self._shared.expected.slots:
+                self._shared.expected.settle_where(lambda k: k == key)
 
     def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
         """A cleanup: drop what matches everywhere we hold it, and bury ``key`` / ``prefix`` firmly."""
@@ -251,7 +251,7 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
             assert isinstance(receiver, PushReceiver)
             # Puts of this process still on their way here are dropped as they arrive: each key gets a
             # tombstone (receiver-side cleanup; puts to other endpoints go on, #6670).
-            in_flight = shared.settle_where(match) if shared.expected else []
+            in_flight = shared.expected.settle_where(match) if shared.expected.slots else []
             dropped += receiver.forget(match, key=key, prefix=prefix, firm=True)
             for buried in in_flight:
                 if buried != key:

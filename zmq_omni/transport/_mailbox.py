@@ -23,6 +23,7 @@ dropped, with a code saying why, so its sender hears of it.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -44,12 +45,15 @@ _ELSEWHERE_MAX = 65536
 class Mailbox:
     """Items waiting for ``get``, in arrival order (see the module docstring).
 
+    When acknowledgements go out is the protocol's decision
+    (:meth:`~zmq_omni.transport._receive_protocol.ReceiveProtocol.schedule`); the mailbox only tells
+    the driver that something left it: ``on_left(False)`` at the first consumption or drop since the
+    last :meth:`handover`, ``on_left(True)`` each time another ``ACK_BYTES`` of payload was taken.
+
     Args:
-        ack_delay_s: how long an arrival or a consumption may wait before its acknowledgement is due.
         tombstone_ttl_s: how long a buried key or prefix keeps dropping arrivals.
         max_tombstones: most tombstones held.
-        on_armed: called (under the lock; it must only schedule) when an acknowledgement becomes
-            owed, or due at once: the driver times the flush (:attr:`flush_due`).
+        on_left: called under the lock (it must only schedule) as said above.
         shm: the shared-memory reader: items holding a slot handle are opened by :meth:`result`,
             and the slot of an item dropped unopened is released.
         decode: an opened slot's views to the object.
@@ -59,10 +63,9 @@ class Mailbox:
     def __init__(
         self,
         *,
-        ack_delay_s: float,
         tombstone_ttl_s: float,
         max_tombstones: int,
-        on_armed: Callable[[], None],
+        on_left: Callable[[bool], None],
         shm: ShmReceive | None = None,
         decode: Callable[[list[Any]], Any] = list,
         counters: Counters | None = None,
@@ -73,17 +76,15 @@ class Mailbox:
         # A plain Lock under the condition: ``with lock`` costs a C call, a Condition's two Python ones.
         self.lock = threading.Lock()
         self._cv = threading.Condition(self.lock)
-        self._ack_delay = ack_delay_s
         self._box: dict[Slot, Item] = {}  # arrival order: a re-put moves to the end
         self._tombs = Tombstones(tombstone_ttl_s, max_tombstones)
         self._consumed: list[tuple[str, int]] = []  # for the protocol: taken by gets or replaced by re-puts
         self._dropped: list[tuple[str, int, int]] = []  # for the protocol: dropped unconsumed, with a DROPPED_* code
         self._taken_bytes = 0  # taken since the last handover (the protocol's count)
-        self._heavy_bytes = 0  # taken since the last prompt flush they caused (ACK_BYTES)
-        self._on_armed = on_armed
+        self._heavy_bytes = 0  # taken since on_left(True) was last called (ACK_BYTES)
+        self._told = False  # on_left was called since the last handover
+        self._on_left = on_left
         self._elsewhere: dict[tuple[str, int], None] = {}  # puts taken through a previous binder (in order)
-        #: When the acknowledgement of what left the mailbox is due (None: nothing owed).
-        self.flush_due: float | None = None
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
         self.closed = False
         self._opening = 0  # shared-memory items taken and not yet mapped: a seal waits for them (close)
@@ -143,7 +144,7 @@ class Mailbox:
                 kept.append((slot, item))
             else:  # a resend of a put a get took through the previous binder: consumed, not delivered again
                 self._consumed.append((item.sid, item.seq))  # (its slot, if any, was read there: nothing to free)
-                self._arm()
+                self._left()
         return kept
 
     def consumed_elsewhere(self, pairs: list[tuple[str, int]]) -> None:
@@ -165,36 +166,21 @@ class Mailbox:
                     self._consumed.append((item.sid, item.seq))
                     taken += 1
             if taken:
-                self._arm()
+                self._left()
 
-    def arm(self) -> None:
-        """An acknowledgement is owed (the protocol says so): have it sent within ``ack_delay_s``."""
-        if self.flush_due is None:
-            with self.lock:
-                self._arm()
+    def _left(self) -> None:
+        """Something left the mailbox (holds the lock): tell the driver once until its next handover."""
+        if not self._told:
+            self._told = True
+            self._on_left(False)
 
-    def due_now(self) -> None:
-        """The acknowledgements are due at once (the driver sends them at the end of its drain)."""
-        with self.lock:
-            self.flush_due = 0.0
-
-    def _arm(self) -> None:
-        """An acknowledgement is owed: have it sent within ``ack_delay_s`` (holds the lock)."""
-        if self.flush_due is None:
-            self.flush_due = time.monotonic() + self._ack_delay
-            self._on_armed()
-
-    def handover(self, *, flushing: bool = False) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
-        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)``.
-
-        ``flushing``: the caller acknowledges everything owed now, so no flush is due any more.
-        """
+    def handover(self) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
+        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)`` (the driver's)."""
         with self.lock:
             consumed, self._consumed = self._consumed, []
             dropped, self._dropped = self._dropped, []
             nbytes, self._taken_bytes = self._taken_bytes, 0
-            if flushing:
-                self.flush_due = None
+            self._told = False
         return consumed, dropped, nbytes
 
     # -- any thread -----------------------------------------------------------------------
@@ -242,7 +228,7 @@ class Mailbox:
                 return
             if slot in self._box:  # a newer put replaced it, as in store
                 self._consumed.append((item.sid, item.seq))
-                self._arm()
+                self._left()
                 return
             self._box[slot] = item
             self.generation += 1
@@ -272,14 +258,12 @@ class Mailbox:
         self.bytes_taken += item.nbytes
         self._taken_bytes += item.nbytes
         self._heavy_bytes += item.nbytes
-        if self._heavy_bytes >= ACK_BYTES:
-            # Every ACK_BYTES of payload taken is acknowledged now, not ack_delay_s later, whatever
-            # flushes happened meanwhile: their senders keep each item until they hear it consumed.
+        if self._heavy_bytes >= ACK_BYTES:  # (the protocol counts the same bytes and decides: see ReceiveProtocol)
             self._heavy_bytes = 0
-            self.flush_due = 0.0
-            self._on_armed()
+            self._told = True
+            self._on_left(True)
         else:
-            self._arm()
+            self._left()
 
     def take(self, slot: Slot, deadline: float, stop: Callable[[], bool] | None = None) -> Item | None:
         """:meth:`pop` ``slot``'s item, waiting for it until ``deadline`` (``time.monotonic()``).
@@ -322,13 +306,27 @@ class Mailbox:
         """Drop the items whose key matches, burying ``key`` and/or ``prefix`` (``firm``: no get lifts it); how many."""
         with self.lock:
             self._tombs.bury(time.monotonic(), key=key, prefix=prefix, firm=firm)
-            items = [self._box.pop(slot) for slot in [s for s in self._box if match(s[2])]]
-            self._dropped.extend((item.sid, item.seq, DROPPED_CANCELLED) for item in items)
-            self.drops["cleanup"] += len(items)
-            if items:
-                self._arm()
+            items = self._cancel_where(match)
         self._discard(items)
         return len(items)
+
+    def bury_all(self, tombs: Tombstones) -> int:
+        """Take over ``tombs`` (cleanups made before the bind) and drop the items they cover; how many."""
+        with self.lock:
+            now = time.monotonic()
+            self._tombs.absorb(tombs, now)
+            items = self._cancel_where(functools.partial(self._tombs.covers, now=now))
+        self._discard(items)
+        return len(items)
+
+    def _cancel_where(self, match: Callable[[str], bool]) -> list[Item]:
+        """Take out the items whose key matches, handed over as cancelled (under the lock); the caller discards them."""
+        items = [self._box.pop(slot) for slot in [s for s in self._box if match(s[2])]]
+        self._dropped.extend((item.sid, item.seq, DROPPED_CANCELLED) for item in items)
+        self.drops["cleanup"] += len(items)
+        if items:
+            self._left()
+        return items
 
     def expire(self, now: float, unclaimed_ttl_s: float) -> int:
         """Drop the items no get took within ``unclaimed_ttl_s``, and the lapsed tombstones; how many items."""
@@ -344,7 +342,7 @@ class Mailbox:
                 self._dropped.append((item.sid, item.seq, DROPPED_UNCLAIMED))
             self.drops["unclaimed"] += len(expired)
             if expired:
-                self._arm()
+                self._left()
             self._tombs.lapse(now)
         self._discard([item for _, item in expired])
         return len(expired)

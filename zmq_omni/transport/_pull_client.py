@@ -103,7 +103,8 @@ class PullClient:
         answered "absent" at once (the server parked no more) is asked again after
         :data:`REASK_S`; one unanswered :data:`SILENT_S` past its park is taken as lost
         (the server's socket was bound anew) and asked again. It returns None when the
-        deadline passes after the server answered "absent".
+        server answered "absent" and less than :data:`REASK_S` is left, or when the deadline
+        passes after the server answered.
 
         Raises:
             TransportTimeoutError: no reply by ``deadline`` (the server is gone or slow).
@@ -135,8 +136,7 @@ class PullClient:
                 parked_until = asks.pop(answered, None)
                 if parked_until is None:
                     continue  # a late answer to an earlier request on this socket
-                heard = True
-                reusable = not asks  # an ask still out may be answered later: the socket goes, not its answer
+                heard = reusable = True
                 if isinstance(got, BaseException):
                     raise got
                 if got is not None or wait_s <= 0:
@@ -145,12 +145,13 @@ class PullClient:
                 if asks:
                     continue  # an ask taken as lost was answered after all: the newer one is out
                 now = time.monotonic()
+                if deadline - now < REASK_S:
+                    return None  # too little time left for another ask to be worth it
                 # Answered at once when the server parks no more: ask again a little later, not in a tight loop.
                 next_ask = now + REASK_S if parked_until - now > REASK_S else now
-                if next_ask >= deadline:
-                    return None
         finally:
-            self._checkin(endpoint, sock, reusable)
+            # An ask still out may be answered later (a payload, once its key is put): the socket goes with it.
+            self._checkin(endpoint, sock, reusable and not asks)
 
     def _ask(self, sock: Any, endpoint: str, from_stage: str, to_stage: str, key: str, park: float) -> int:
         req_id = next(self._ids)

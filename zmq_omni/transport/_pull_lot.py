@@ -153,6 +153,7 @@ class ParkingLot:
         heapq.heappush(self._heaviest, (-held, entry.identity))
         self.count += 1
         self.nbytes += entry.weight
+        self._compact()
 
     def _remove(self, entry: Parked) -> None:
         entry.live = False
@@ -171,6 +172,10 @@ class ParkingLot:
             del self._peer_bytes[entry.identity]
         self.count -= 1
         self.nbytes -= entry.weight
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heaviest-peer heap once stale entries outnumber live ones (amortized constant)."""
         if len(self._heaviest) > 2 * len(self._peer_bytes) + 64:
             self._heaviest = [(-held, peer_id) for peer_id, held in self._peer_bytes.items()]
             heapq.heapify(self._heaviest)

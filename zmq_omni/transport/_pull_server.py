@@ -2,6 +2,11 @@
 
 The FETCH/FETCH_REPLY exchange is described in :mod:`zmq_omni.transport._pull_protocol`.
 
+Bounds on what fetchers make it hold (see docs/limits.md): parked FETCHes in
+a :class:`~zmq_omni.transport._pull_lot.ParkingLot` shared per connection,
+keys of at most ``max_key_bytes``, and the ROUTER's reading bounded per turn
+(:mod:`~zmq_omni.transport._pull_socket`).
+
 Threads: put threads call :meth:`PullServer.store`, :meth:`~PullServer.forget`,
 :meth:`~PullServer.wait_fetched` and :meth:`~PullServer.close`; the driver (the
 endpoint's I/O thread, or the event loop of a connector it drives) runs the
@@ -107,7 +112,7 @@ class PullServer:
         self._bytes_sent = 0
         self._max_key = max_key_bytes
         self._lot = ParkingLot(_MAX_PARKED, _MAX_PARKED_BYTES)  # parked FETCHes (long polls)
-        for name in ("fetches_evicted", "fetches_of_gone_peers"):
+        for name in ("fetches_evicted", "fetches_of_gone_peers", "parked", "parked_bytes"):
             counters.add(name, 0)
         self._probed_at = 0.0
         self._closed = False
@@ -428,6 +433,8 @@ class PullServer:
                 self._cv.notify_all()
             unanswered = self._lot.expire(now)  # parked fetches whose wait ended
             probe = self._lot.peers() if now - self._probed_at >= _PROBE_S else []
+            self._counters.set("parked", self._lot.count)  # gauges, as of this beat
+            self._counters.set("parked_bytes", self._lot.nbytes)
         for waiter in unanswered:
             self._not_found(waiter.identity, waiter.req_id, waiter.local)
         if probe:

@@ -14,6 +14,7 @@ Used by the server's driver only (the endpoint's I/O thread, or its event loop).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ log = logging.getLogger("zmq_omni.transport")
 READ_BUDGET_S = 0.01
 _LINGER_MS = 500  # replies still leaving when the socket is bound anew go on leaving this long
 _REBIND_S = 5.0  # how long a rebind tries to bind the endpoint again
-_TRIM_AFTER_S = 0.5  # a dropped message's memory is handed back to the OS this long after its socket closed
+_TRIM_AFTER_S = 1.0  # a dropped message's memory goes back to the OS this long after its socket closed (and lingered)
 
 #: What the server does with one message: ``(identity, frames, ok)`` (``ok`` False: more than one frame).
 OnMessage = Callable[[bytes, list[Any], bool], None]
@@ -131,7 +132,8 @@ class PullRouter:
             return
         self._reader = RoutedReader(self.sock, 1, self._reader.max_frames)
         self._loop.add_reader(self.sock, self._on_readable)
-        self._loop.call_later(_TRIM_AFTER_S, trim_malloc)
+        # Off the driver's thread: handing ~GBs of pages back takes a while (~0.3 s for 640 MB).
+        self._loop.call_later(_TRIM_AFTER_S, lambda: threading.Thread(target=trim_malloc, daemon=True).start())
 
     def stop_reading(self) -> None:
         """Stop watching the socket (the first step of closing)."""

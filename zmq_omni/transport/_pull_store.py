@@ -26,6 +26,8 @@ GONE = object()
 
 
 class Stored:
+    """A payload kept until fetched: its frames, size, expiry and owner."""
+
     __slots__ = ("expires", "frames", "nbytes", "owner")
 
     def __init__(self, frames: list[Any], nbytes: int, expires: float, owner: Any = None) -> None:

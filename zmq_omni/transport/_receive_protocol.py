@@ -4,8 +4,14 @@
 (``identity, frames``) and the clock. It decides what is new and becomes an
 item to deliver (:attr:`ReceiveProtocol.arrivals`), what each sender must hear
 (:class:`Reply` objects to send, each reported back with :meth:`sent`), and
-when the batched acknowledgements are due. It touches no socket, takes no lock
-and starts no thread: it belongs to the receiver's driver (see
+when the batched acknowledgements are due (:meth:`ReceiveProtocol.schedule`,
+:attr:`ReceiveProtocol.flush_due`: decided here alone; the driver keeps the
+time). It touches no socket, takes no lock and starts no thread: a PING or a
+HEALTH waits in :attr:`ReceiveProtocol.asked` until the driver hands over what
+left the mailbox (:meth:`ReceiveProtocol.taken`), attaches the probe segments
+(:meth:`ReceiveProtocol.probes`), computes the health and calls
+:meth:`ReceiveProtocol.answer` (its one read outside: a shared-memory DATA's slot
+header, sized before it is accepted). It belongs to the receiver's driver (see
 :mod:`~zmq_omni.transport._receiver`), who calls it one message at a time.
 
 What each sender is told (dedupe window, acknowledgements, pongs) is the
@@ -24,9 +30,9 @@ from ..metrics import Counters
 from ..wire import brief
 from ._dedupe import SourceState
 from ._envelope import DEFAULT_MAX_KEY_BYTES, Kind, check_key, check_types, pack, to_ranges, unpack
-from ._shm import ShmReceive
+from ._shm import ShmReceive, check_probe
 
-__all__ = ["ACK_BATCH", "ACK_BYTES", "Item", "ReceiveProtocol", "Reply", "Slot"]
+__all__ = ["ACK_BATCH", "ACK_BYTES", "DEFAULT_ACK_DELAY_S", "Item", "ReceiveProtocol", "Reply", "Slot"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -35,9 +41,11 @@ Slot = tuple[str, str, str]
 # Acks wait ``ack_delay_s`` to be batched (one REPLY covers hundreds of puts under load; a lone
 # stream pays one REPLY per delay, not one per put) ... or until this many messages are pending,
 ACK_BATCH = 1024
-# ... or until this many payload bytes arrived or were taken: a sender keeps each put until it hears
-# it consumed, so a stream of large payloads acknowledged every 20 ms would pin a dozen at each end.
+# ... or until this many payload bytes arrived or were taken since the last flush, or were taken since
+# the last prompt flush they caused: a sender keeps each put until it hears it consumed, so a stream of
+# large payloads acknowledged every 20 ms would pin a dozen at each end.
 ACK_BYTES = 2 << 20
+DEFAULT_ACK_DELAY_S = 0.02
 _MAX_SID = 64
 _DATA_TYPES = (str, int, int, str, str, str)
 _LOC_TYPES = (type(None), bytes)
@@ -45,9 +53,8 @@ _PING_TYPES = (str, int, int)
 _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
-# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong
-# names the consumptions not yet told, at most MAX_PONG_RECENT told once and at most MAX_PONG_REPEATS told
-# twice: several REPLYs).
+# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong names
+# the consumptions not yet told, at most MAX_PONG_RECENT told once and MAX_PONG_REPEATS twice: several REPLYs).
 _MAX_REPLY_SEQS = 1024
 
 
@@ -77,6 +84,18 @@ class Reply(NamedTuple):
     consumed: list[int]
 
 
+Verdicts = dict[tuple[str, bytes], bool]  # a probe segment's (name, nonce) -> readable here
+
+
+class Ask(NamedTuple):
+    """A request waiting for the driver (see :meth:`ReceiveProtocol.answer`): a PING, or a HEALTH (``source`` None)."""
+
+    identity: bytes
+    source: SourceState | None
+    ping: int
+    probe: list[Any] | None  # the PING's probe segment, ``[name, nonce]``
+
+
 class ReceiveProtocol:
     """The receiving end of push mode without I/O (see the module docstring).
 
@@ -97,13 +116,10 @@ class ReceiveProtocol:
         max_message_bytes: the largest put accepted.
         max_frames: the most frames a message may have.
         counters: where rejections and duplicates are counted.
-        health: the HEALTH answer.
-        shm: the shared-memory reader, None without the fast path.
-        handover: what left the mailbox since it was last asked (``(consumed, dropped, nbytes)``),
-            asked before each pong, which says every consumption not yet told.
-        max_key_bytes: the longest key accepted (UTF-8 bytes); a DATA with a longer one is
-            refused, a BATCH entry with one is rejected alone (both counted in ``rejected_keys``
-            and ``rejected_frames``).
+        shm: the shared-memory reader, None without the fast path (it sizes handles).
+        ack_delay_s: longest an acknowledgement owed waits to be batched (see :meth:`schedule`).
+        max_key_bytes: the longest key accepted (UTF-8 bytes); a longer one's DATA, or BATCH
+            entry alone, is refused (counted in ``rejected_keys`` and ``rejected_frames``).
     """
 
     def __init__(
@@ -116,12 +132,10 @@ class ReceiveProtocol:
         max_message_bytes: int,
         max_frames: int,
         counters: Counters,
-        health: Callable[[], dict[str, Any]],
         shm: ShmReceive | None,
-        handover: Callable[[], tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]] = lambda: ([], [], 0),
         max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
+        ack_delay_s: float = DEFAULT_ACK_DELAY_S,
     ) -> None:
-        self._handover = handover
         self.max_key_bytes = max_key_bytes
         self._short_key = max_key_bytes // 4  # a key of at most this many characters is never too long
         self.endpoint = endpoint
@@ -131,15 +145,21 @@ class ReceiveProtocol:
         self._max_message = max_message_bytes
         self.max_frames = max_frames
         self._counters = counters
-        self._health = health
         self._shm = shm
         self.sources: dict[str, SourceState] = {}
         self.arrivals: list[tuple[Slot, Item]] = []  # decoded since the owner last took them
         self.replies: list[Reply] = []  # to send now (pongs, health answers)
+        #: PINGs and HEALTH requests waiting for :meth:`answer`, in arrival order.
+        self.asked: list[Ask] = []
         self.batches = 0  # BATCH messages taken in
         self._dirty: set[str] = set()  # senders owed an acknowledgement
         self._pending = 0  # messages since the last flush
         self._pending_bytes = 0  # payload bytes arrived or taken since the last flush
+        self._heavy_bytes = 0  # payload bytes taken since the last prompt flush they caused
+        self._ack_delay = ack_delay_s
+        #: When the acknowledgements owed are due (None: none is scheduled); set by :meth:`schedule`
+        #: and :meth:`left_mailbox`, cleared by :meth:`flush`. The driver flushes once the clock passes it.
+        self.flush_due: float | None = None
         self._now = 0.0
 
     # -- input ------------------------------------------------------------------------------
@@ -170,9 +190,14 @@ class ReceiveProtocol:
                     self._counters.add("rejected_frames", rejected)
             elif kind is Kind.PING:
                 check_types(header[:3], _PING_TYPES, "PING")
-                self._on_ping(header[0], header[1], header[2], header[3] if len(header) > 3 else None)
+                probe = header[3] if len(header) > 3 else None
+                if probe is not None:
+                    check_probe(probe)
+                source = self._source(header[0])
+                source.note(header[2], now)
+                self.asked.append(Ask(identity, source, header[1], probe))
             elif kind is Kind.HEALTH:
-                self.replies.append(Reply(identity, pack(Kind.HEALTH_REPLY, (self._health(),)), None, 0, [], []))
+                self.asked.append(Ask(identity, None, 0, None))
             else:
                 raise DecodeError(f"unexpected {kind.name} message")
         except (DecodeError, MessageTooLargeError) as exc:
@@ -192,6 +217,7 @@ class ReceiveProtocol:
     def taken(self, consumed: Iterable[tuple[str, int]], dropped: Iterable[tuple[str, int, int]], nbytes: int) -> None:
         """Items left the mailbox: ``consumed`` by gets or re-puts, ``dropped`` unconsumed (with why)."""
         self._pending_bytes += nbytes
+        self._heavy_bytes += nbytes
         for sid, seq in consumed:
             source = self.sources.get(sid)
             if source is not None:
@@ -203,18 +229,68 @@ class ReceiveProtocol:
                 source.drop(seq, code)
                 self._dirty.add(sid)
 
-    # -- output -----------------------------------------------------------------------------
-    def acks_due_now(self) -> bool:
-        """True when the batched acknowledgements should go now rather than after ``ack_delay_s``."""
-        return self._pending >= ACK_BATCH or self._pending_bytes >= ACK_BYTES
+    def probes(self) -> list[list[Any]]:
+        """Probe segments of the waiting PINGs that their senders' verdicts do not cover (the driver attaches each)."""
+        new = {
+            (a.probe[0], a.probe[1]): a.probe for a in self.asked if a.probe and a.source and a.probe != a.source.probe
+        }
+        return list(new.values())
 
-    def owes_acks(self) -> bool:
-        """True when some sender is owed an acknowledgement."""
-        return bool(self._dirty)
+    def wants_health(self) -> bool:
+        """True when a HEALTH request waits (the driver computes the answer for :meth:`answer`)."""
+        return any(ask.source is None for ask in self.asked)
+
+    def answer(self, verdicts: Verdicts | None = None, health: dict[str, Any] | None = None) -> None:
+        """Answer every request in :attr:`asked`, into :attr:`replies`.
+
+        Call it after handing over what left the mailbox (:meth:`taken`): a pong tells every
+        consumption not yet told. ``verdicts``: for each of :meth:`probes`, ``(name, nonce)`` ->
+        whether it is readable here (absent: not). ``health``: the HEALTH answer.
+        """
+        replies = self.replies
+        for ask in self.asked:
+            source = ask.source
+            if source is None:
+                replies.append(Reply(ask.identity, pack(Kind.HEALTH_REPLY, (health or {},)), None, 0, [], []))
+                continue
+            probe = ask.probe
+            if probe is not None and probe != source.probe:
+                source.shm = verdicts is not None and verdicts.get((probe[0], probe[1]), False)
+                source.probe = probe
+            for code, seqs in source.drops():  # before the pong; pongs call them consumed once this is routed
+                replies += self._reply(source, code, [], seqs)
+            arrived, consumed = source.pong()
+            replies += self._reply(source, ask.ping, arrived, consumed)
+        self.asked = []
+
+    # -- output -----------------------------------------------------------------------------
+    def schedule(self, now: float) -> float | None:
+        """Decide when the acknowledgements owed are due; :attr:`flush_due` then (None: nothing owed).
+
+        At once when ``ACK_BATCH`` messages or ``ACK_BYTES`` payload bytes came or were taken since
+        the last flush, or ``ACK_BYTES`` were taken since the last prompt flush they caused; else
+        ``ack_delay_s`` after the first acknowledgement became owed. An earlier due time is kept.
+        """
+        if self._heavy_bytes >= ACK_BYTES:
+            self._heavy_bytes = 0
+            self.flush_due = now
+        elif self._dirty:
+            if self._pending >= ACK_BATCH or self._pending_bytes >= ACK_BYTES:
+                self.flush_due = now
+            elif self.flush_due is None:
+                self.flush_due = now + self._ack_delay
+        return self.flush_due
+
+    def left_mailbox(self, now: float) -> float:
+        """An item was taken or dropped (not handed over yet): acknowledge it within ``ack_delay_s``; the due time."""
+        if self.flush_due is None:
+            self.flush_due = now + self._ack_delay
+        return self.flush_due
 
     def flush(self) -> list[Reply]:
         """Every acknowledgement owed: drop reports first, then plain acks, per sender."""
         self._pending = self._pending_bytes = 0
+        self.flush_due = None
         replies: list[Reply] = []
         for sid in self._dirty:
             source = self.sources.get(sid)
@@ -383,19 +459,6 @@ class ReceiveProtocol:
         if duplicates:
             self._counters.add("duplicates_dropped", len(duplicates))
         return rejected
-
-    def _on_ping(self, sid: str, ping: int, low: int, probe: Any) -> None:
-        source = self._source(sid)
-        source.note(low, self._now)
-        self.taken(*self._handover())
-        if probe is not None and probe != source.probe:
-            source.shm = False if self._shm is None else self._shm.probe(probe)
-            source.probe = probe
-        replies = self.replies
-        for code, seqs in source.drops():  # before the pong; pongs call them consumed once this is routed
-            replies += self._reply(source, code, [], seqs)
-        arrived, consumed = source.pong()
-        replies += self._reply(source, ping, arrived, consumed)
 
     def _reply(
         self, source: SourceState, ping: int, arrived: list[int], consumed: list[int], *, keep_order: bool = False

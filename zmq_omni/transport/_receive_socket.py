@@ -58,6 +58,7 @@ class ReceiveSocket:
         max_message_bytes: int,
         max_frames: int,
         max_key_bytes: int,
+        ack_delay_s: float,
         counters: Counters,
         health: Callable[[], dict[str, Any]],
         curve: Curve | None,
@@ -87,11 +88,12 @@ class ReceiveSocket:
             max_message_bytes=max_message_bytes,
             max_frames=max_frames,
             max_key_bytes=max_key_bytes,
+            ack_delay_s=ack_delay_s,
             counters=counters,
-            health=health,
             shm=shm,
-            handover=mailbox.handover,
         )
+        self._health = health
+        self._shm = shm
         #: ZeroMQ's descriptor for the socket: polling it touches no socket (the driver watches it).
         self.fd: int = self.socket.getsockopt(zmq.FD)
         self._poll_in = [(self.socket, zmq.POLLIN)]
@@ -110,21 +112,26 @@ class ReceiveSocket:
                 drained = True
                 break
             receive(*message, now)
-            if protocol.replies:  # a pong, or a health answer: what it reports arrived is in the mailbox first
-                self._store(now)
-                replies, protocol.replies = protocol.replies, []
-                self.send(replies)
+            if protocol.asked:  # a PING or a HEALTH: answered now
+                self._answer(now)
             if not _zmq_poll(poll_in, 0):
                 drained = True
                 break
             if time.monotonic() - now > _DRAIN_BUDGET_S:  # costly messages (many frames): the rest next turn
                 break
         self._store(now)
-        if protocol.acks_due_now():
-            mailbox.due_now()  # sent by the settle that called this
-        elif protocol.owes_acks():
-            mailbox.arm()
+        protocol.schedule(now)  # (a settle sends what is due now; the driver times the rest)
         return drained
+
+    def _answer(self, now: float) -> None:
+        """Answer the PINGs and HEALTH requests the protocol holds: the I/O they need, then the replies."""
+        protocol, shm = self.protocol, self._shm
+        self._store(now)  # what a pong reports arrived is in the mailbox first
+        self.hand_over()  # and it tells every consumption not yet told
+        verdicts = None if shm is None else {(p[0], p[1]): shm.probe(p) for p in protocol.probes()}
+        protocol.answer(verdicts, self._health() if protocol.wants_health() else None)
+        replies, protocol.replies = protocol.replies, []
+        self.send(replies)
 
     def _store(self, now: float) -> None:
         """Put the arrivals read so far in the mailbox."""
@@ -140,10 +147,10 @@ class ReceiveSocket:
         A drain that found the queue empty is taken at its word unless acks went out after it.
         """
         assert self._loop.owns_sockets_here(), "the receiving socket used off its driver"
-        mailbox = self._mailbox
+        mailbox, protocol = self._mailbox, self.protocol
         drained, drains = False, 0
         while not mailbox.closed:
-            due = mailbox.flush_due
+            due = protocol.flush_due
             if due is not None and due <= time.monotonic():
                 self.flush()
                 drained = False  # a send may spend ZeroMQ's signal of what came meanwhile: ask again
@@ -157,8 +164,12 @@ class ReceiveSocket:
 
     def flush(self) -> None:
         """Send every acknowledgement owed."""
-        self.protocol.taken(*self._mailbox.handover(flushing=True))
+        self.hand_over()
         self.send(self.protocol.flush())
+
+    def hand_over(self) -> None:
+        """Give the protocol what left the mailbox since the last hand-over."""
+        self.protocol.taken(*self._mailbox.handover())
 
     def send(self, replies: Iterable[Reply]) -> None:
         sock, sent = self.socket, self.protocol.sent
@@ -177,5 +188,6 @@ class ReceiveSocket:
             self._stop_refusals()
         self.flush()
         self.send(self.protocol.last_words())
-        # An event loop does not wait here for the listener to go: its aclose awaits that (aio._closing).
-        close_bound(self.socket, self.endpoint, linger_ms=200, wait_s=1.0 if self._loop.threaded else 0.0)
+        # A running event loop does not wait here for the listener to go: its aclose awaits that (aio._closing).
+        on_a_loop = not self._loop.threaded and self._loop.in_loop()
+        close_bound(self.socket, self.endpoint, linger_ms=200, wait_s=0.0 if on_a_loop else 1.0)

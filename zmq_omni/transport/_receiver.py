@@ -21,10 +21,10 @@ Synchronization, all of it:
 what                       guards / means                                       who takes or writes it
 =========================  ===================================================  ==========================
 the driver's thread        the ROUTER, its monitor and descriptor, everything   the driver's handlers and
-                           of ``ReceiveSocket`` and ``ReceiveProtocol``,        timers (none other)
-                           ``_shut``
+                           of ``ReceiveSocket`` and ``ReceiveProtocol``         timers (none other)
+                           (``flush_due`` too), ``_shut``, ``_timer_at``
 ``Mailbox.lock`` (+ cv)    items, tombstones, consumptions handed over,         any thread (a get, the
-                           ``flush_due``, counters, ``closed`` (the seal)       driver, a cleanup, close)
+                           counters, ``closed`` (the seal)                      driver, a cleanup, close)
 =========================  ===================================================  ==========================
 
 Clocks: acknowledgements wait ``ack_delay_s`` (default 20 ms) to be batched (a
@@ -46,16 +46,15 @@ from ..metrics import Counters
 from ._envelope import DEFAULT_MAX_KEY_BYTES
 from ._loop import Driver
 from ._mailbox import Mailbox
-from ._receive_protocol import Slot
+from ._receive_protocol import DEFAULT_ACK_DELAY_S, Slot
 from ._receive_socket import ReceiveSocket
 from ._security import Curve
 from ._shm import ShmReceive
+from ._tombstones import Tombstones
 
 __all__ = ["DEFAULT_ACK_DELAY_S", "PushReceiver"]
 
 log = logging.getLogger("zmq_omni.transport")
-
-DEFAULT_ACK_DELAY_S = 0.02
 
 
 class PushReceiver:
@@ -88,11 +87,11 @@ class PushReceiver:
         self._counters = counters
         self._source_ttl = source_ttl_s
         self._unclaimed_ttl = unclaimed_ttl_s
+        self._timer_at: float | None = None  # when the flush timer set last fires (driver's)
         self._mailbox = Mailbox(
-            ack_delay_s=ack_delay_s,
             tombstone_ttl_s=tombstone_ttl_s,
             max_tombstones=max_tombstones,
-            on_armed=self._flush_armed,
+            on_left=self._left_mailbox,
             shm=shm,
             decode=decode,
             counters=counters,
@@ -109,6 +108,7 @@ class PushReceiver:
             max_message_bytes=max_message_bytes,
             max_frames=max_frames,
             max_key_bytes=max_key_bytes,
+            ack_delay_s=ack_delay_s,
             counters=counters,
             health=health,
             curve=curve,
@@ -173,28 +173,43 @@ class PushReceiver:
     # -- the driver -------------------------------------------------------------------------
     def _drive(self) -> None:
         """Read what is queued (the descriptor's handler); a flood's rest on the driver's next turn."""
-        if not self._shut and not self._rs.settle():
+        if self._shut:
+            return
+        if not self._rs.settle():
             self._loop.call_soon(self._drive)
+        self._time_flush()
 
-    def _flush_armed(self) -> None:
-        """An acknowledgement became owed (the mailbox calls this under its lock, from any thread)."""
-        if self._loop.in_loop():
-            self._schedule_flush()
-        else:
-            self._loop.call_soon(self._schedule_flush)
+    def _left_mailbox(self, heavy: bool) -> None:
+        """Something left the mailbox (it calls this under its lock, from any thread): only schedule."""
+        self._loop.call_soon(self._on_left_heavy if heavy else self._on_left)
 
-    def _schedule_flush(self) -> None:
-        due = self._mailbox.flush_due
-        if due is not None:
+    def _on_left(self) -> None:
+        if not self._shut:
+            self._rs.protocol.left_mailbox(time.monotonic())
+            self._time_flush()
+
+    def _on_left_heavy(self) -> None:
+        if not self._shut:
+            self._rs.hand_over()  # the protocol decides on the bytes taken: at once, by ACK_BYTES
+            self._flush_due()
+
+    def _time_flush(self) -> None:
+        """Have :meth:`_flush_due` run when the protocol says the acknowledgements are due (driver's)."""
+        due = self._rs.protocol.flush_due
+        if due is not None and (self._timer_at is None or due < self._timer_at):
+            self._timer_at = due
             self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
 
     def _flush_due(self) -> None:
         """Send the acknowledgements that are due (and read what the sends may have hidden from the descriptor)."""
-        due = self._mailbox.flush_due
-        if due is None or due > time.monotonic() or self._shut:
+        self._timer_at = None
+        if self._shut:
             return
-        if not self._rs.settle():  # (it flushes first)
+        protocol, now = self._rs.protocol, time.monotonic()
+        due = protocol.schedule(now)
+        if due is not None and due <= now and not self._rs.settle():  # (it flushes first)
             self._loop.call_soon(self._drive)
+        self._time_flush()
 
     def _expire_sources(self) -> None:
         if not self._shut:
@@ -226,6 +241,13 @@ class PushReceiver:
         of a key under it lifts it unless it is ``firm`` (a cleanup's).
         """
         return self._mailbox.forget(match, key=key, prefix=prefix, firm=firm)
+
+    def bury_all(self, tombs: Tombstones) -> int:
+        """Take over ``tombs``, the cleanups made here before the bind (firm ones stay firm); how many items dropped.
+
+        Each keeps its own lapse time; the items already in that they cover are dropped as by :meth:`forget`.
+        """
+        return self._mailbox.bury_all(tombs)
 
     def stats(self) -> dict[str, Any]:
         """The mailbox's counters (see :meth:`Mailbox.stats`) and the BATCH messages taken in."""

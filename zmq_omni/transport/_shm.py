@@ -72,7 +72,7 @@ from ..errors import DecodeError, ShmError
 from ..shm import Segment, SlotHandle, SlotPool, SlotReader, parse_name
 from ..wire import brief
 
-__all__ = ["ShmReceive", "ShmSend"]
+__all__ = ["ShmReceive", "ShmSend", "check_probe"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -165,6 +165,19 @@ class ShmSend:
             self._probe_seg = None
 
 
+def check_probe(probe: Any) -> None:
+    """Raise ``DecodeError`` unless ``probe`` is ``[segment name, nonce]`` as a PING carries it."""
+    if (
+        not isinstance(probe, list)
+        or len(probe) != 2
+        or type(probe[0]) is not str
+        or type(probe[1]) is not bytes
+        or len(probe[1]) != NONCE_BYTES
+        or len(probe[0]) > _MAX_NAME
+    ):
+        raise DecodeError(f"bad shared-memory probe {brief(probe)}")
+
+
 class ShmReceive:
     """The receiver's reader: answers probes, sizes and opens handles."""
 
@@ -177,22 +190,14 @@ class ShmReceive:
         Raises:
             DecodeError: ``probe`` is not ``[segment name, nonce]``.
         """
-        if (
-            not isinstance(probe, list)
-            or len(probe) != 2
-            or type(probe[0]) is not str
-            or type(probe[1]) is not bytes
-            or len(probe[1]) != NONCE_BYTES
-            or len(probe[0]) > _MAX_NAME
-        ):
-            raise DecodeError(f"bad shared-memory probe {brief(probe)}")
+        check_probe(probe)
         try:
             seg = Segment.attach(probe[0], directory=self.reader.directory)
         except (ShmError, OSError) as exc:
             log.info("sender's shared memory %s is not readable here (%s): frames only", probe[0], exc)
             return False
         try:
-            return bytes(seg.mm[:NONCE_BYTES]) == probe[1]
+            return bool(bytes(seg.mm[:NONCE_BYTES]) == probe[1])
         finally:
             seg.close()
 

@@ -97,12 +97,13 @@ class StageClient(PushReceiver):
         self._decode = decode
         self._unclaimed_ttl = unclaimed_ttl_s
         self._peer_timeout = peer_timeout_s
+        self._ack_delay = ack_delay_s
+        self._settle_at: float | None = None  # when the next TOOK batch is timed (driver's)
         self._new_mailbox = functools.partial(
             Mailbox,
-            ack_delay_s=ack_delay_s,
             tombstone_ttl_s=tombstone_ttl_s,
             max_tombstones=max_tombstones,
-            on_armed=self._flush_armed,
+            on_left=self._left_mailbox,
             shm=shm,
             decode=decode,
             counters=counters,
@@ -195,15 +196,25 @@ class StageClient(PushReceiver):
             elif verb == b"NONE":
                 self._asked.pop(tuple(body), None)  # type: ignore[call-overload]
 
-    def _flush_due(self) -> None:
-        """Tell the binder what gets took (and what was dropped here), so it counts them consumed."""
-        due = self._mailbox.flush_due
-        if due is None or due > time.monotonic() or self._shut or self._inner is not None:
-            return
-        self._settle()
+    def _left_mailbox(self, heavy: bool) -> None:
+        """A get took something (the mailbox calls this under its lock, from any thread): only schedule."""
+        self._loop.call_soon(functools.partial(self._time_settle, 0.0 if heavy else self._ack_delay))
+
+    def _time_settle(self, delay: float) -> None:
+        """Tell the binder what gets took within ``delay`` (driver's): TOOKs are batched like acknowledgements."""
+        due = time.monotonic() + delay
+        if self._settle_at is None or due < self._settle_at:
+            self._settle_at = due
+            self._loop.call_later(delay, self._settle_due)
+
+    def _settle_due(self) -> None:
+        if self._settle_at is not None and self._settle_at <= time.monotonic() and not self._shut:
+            self._settle_at = None
+            if self._inner is None:
+                self._settle()
 
     def _settle(self) -> None:
-        consumed, dropped, _ = self._mailbox.handover(flushing=True)
+        consumed, dropped, _ = self._mailbox.handover()
         for pair in [*consumed, *((sid, seq) for sid, seq, _code in dropped)]:
             lease = self._leases.pop(pair, None)
             if lease is not None:

@@ -13,15 +13,19 @@ Looking a key up costs O(len(key) x the number of distinct buried prefix lengths
 only the lengths some prefix was buried at are cut from the key, never one per
 trailing digit (a peer's key ending in many digits would cost its length squared).
 
-:class:`~zmq_omni.transport._mailbox.Mailbox` holds one under its lock;
-nothing here reads a clock (``now`` is passed in).
+:class:`~zmq_omni.transport._mailbox.Mailbox` holds one under its lock; the
+cleanups made at an endpoint before its bind are held in one by that endpoint's
+record (``connectors/_expected_puts.py``, under its lock) until the receiver
+takes them over (:meth:`Tombstones.absorb`). Nothing here reads a clock
+(``now`` is passed in).
 
 The invariants the tests check after any sequence of calls:
 
 * ``len(tombstones) <= max_count``;
 * :meth:`Tombstones.covers` is true exactly when a tombstone of the key, or of a
   prefix it extends by decimal digits only, was laid or renewed less than ``ttl_s``
-  ago and was neither lifted (a firm one never is) nor evicted since.
+  ago (absorbed: before the lapse time it came with) and was neither lifted (a firm
+  one never is) nor evicted since.
 """
 
 from __future__ import annotations
@@ -134,6 +138,25 @@ class Tombstones:
         while len(self.entries) > self._max:  # the first one lapses first
             self._remove(next(iter(self.entries)))
             self.evicted += 1
+
+    def absorb(self, other: Tombstones, now: float) -> None:
+        """Take over ``other``'s live tombstones, each with its own lapse time (the later wins) and firmness.
+
+        ``other`` is left as it was; the caller drops it (the cleanups kept for an endpoint before
+        its bind, handed to its receiver's mailbox).
+        """
+        for name, until in other.entries.items():
+            if until <= now:
+                continue
+            have = self.entries.get(name, until)
+            self._lay(name, now)
+            if name in self.entries:
+                self.entries[name] = max(have, until)
+            if name in other._firm:
+                self._firm.add(name)
+        entries = sorted(self.entries.items(), key=lambda entry: entry[1])  # insertion order is lapse order
+        self.entries.clear()
+        self.entries.update(entries)
 
     def buried(self, now: float) -> list[tuple[str | None, str | None]]:
         """The live tombstones, oldest first, each as ``(key, None)`` or ``(None, prefix)``."""

@@ -523,11 +523,24 @@ def _torch_prefixes(torch: Any) -> dict[Any, tuple[tuple[bytes, ...], tuple[byte
     return _torch_heads
 
 
+class _TensorMemory:
+    """A tensor's memory as numpy's array interface sees it; holds the tensor while an array views it."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: Any, nbytes: int) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "data": (tensor.data_ptr(), False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
 def _tensor_bytes(tensor: Any, nbytes: int) -> memoryview:
-    """A flat byte view of a contiguous CPU tensor's memory that keeps the tensor alive."""
-    raw = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
-    raw.owner = tensor  # type: ignore[attr-defined]
-    return memoryview(raw).cast("B")
+    """A flat byte view of a contiguous CPU tensor's memory that keeps the tensor alive (no torch dispatcher call)."""
+    return np.asarray(_TensorMemory(tensor, nbytes)).data
 
 
 def _scalar_prefix(name: str) -> bytes:
