@@ -130,7 +130,6 @@ def _micro(repeats: int) -> None:
         max_message_bytes=1 << 20,
         max_frames=8,
         counters=Counters(),
-        health=dict,
         shm=None,
     )
     wire = b"x" * 16

@@ -89,3 +89,16 @@ def test_expectations_end_at_their_deadline_at_a_settle_or_at_cleanup() -> None:
     assert record.settle_where(lambda key: key.startswith("rid_")) == ["rid_0_1"]
     assert list(record.slots) == [("0", "1", "b")]
     release([endpoint], record)
+
+
+def test_a_name_another_bound_endpoint_holds_stays_its() -> None:
+    name, other = _endpoint(), _endpoint()
+    first_shared, second_shared = cast(Any, SimpleNamespace(part=None)), cast(Any, SimpleNamespace(part=None))
+    first = adopt([name], ExpectedPuts(), first_shared)
+    second = adopt([name, other], ExpectedPuts(), second_shared)
+    assert first is not second and first.bound is first_shared and second.bound is second_shared
+    assert expect(name, ("0", "1", "k"), time.monotonic() + 30, unbound=False) is first
+    assert expect(other, ("0", "1", "k"), time.monotonic() + 30, unbound=False) is second
+    release([name, other], second)
+    assert expect(name, ("0", "1", "j"), time.monotonic() + 30, unbound=False) is first
+    release([name], first)

@@ -32,12 +32,28 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..transport import PushReceiver, Tombstones
 
-if TYPE_CHECKING:
-    from ._shared_endpoint import SharedEndpoint
+
+class BoundEndpoint(Protocol):
+    """What a record knows of the endpoint that adopted it.
+
+    That endpoint is a :class:`~zmq_omni.connectors._shared_endpoint.SharedEndpoint`, named here by
+    this Protocol because its module imports this one.
+    """
+
+    @property
+    def part(self) -> object:
+        """The endpoint's receiving part (a ``PushReceiver`` in push mode)."""
+        ...
+
+    @property
+    def expected(self) -> ExpectedPuts:
+        """Its record of expected puts."""
+        ...
+
 
 __all__ = ["ExpectedPuts", "adopt", "cancel_early", "expect", "release", "settle"]
 
@@ -69,7 +85,7 @@ class ExpectedPuts:
     def __init__(self, wake: Callable[[], None] | None = None) -> None:
         self.slots: OrderedDict[Slot, float] = OrderedDict()
         self.wake = wake
-        self.bound: SharedEndpoint | None = None
+        self.bound: BoundEndpoint | None = None
         self.cancelled: Tombstones | None = None
 
     def add(self, slot: Slot, until: float, now: float) -> None:
@@ -149,7 +165,7 @@ def settle(endpoint: str | None, slot: Slot) -> None:
         record.settle(slot)
 
 
-def adopt(names: Iterable[str], own: ExpectedPuts, shared: SharedEndpoint) -> ExpectedPuts:
+def adopt(names: Iterable[str], own: ExpectedPuts, shared: BoundEndpoint) -> ExpectedPuts:
     """``shared``, holding ``own``, is registered under ``names``: its one record from now on.
 
     Called before the endpoint is published as served. The record kept under one of ``names``
@@ -157,9 +173,10 @@ def adopt(names: Iterable[str], own: ExpectedPuts, shared: SharedEndpoint) -> Ex
     of its names (one endpoint reached under two addresses before its bind) is moved into it.
     The cleanups kept in them go to ``shared``'s receiver (none is kept here once it is bound).
     """
-    names = list(names)
     part = shared.part
     with _lock:
+        # A name another endpoint of this process is bound under stays its (as the registry's first claim does).
+        names = [n for n in names if (had := _records.get(n)) is None or had.bound is None or had.bound is shared]
         found: list[ExpectedPuts] = []
         for name in names:
             record = _records.get(name)
@@ -201,7 +218,7 @@ def cancel_early(
     key: str | None,
     prefix: str | None,
     ttl_s: float,
-) -> list[SharedEndpoint]:
+) -> list[BoundEndpoint]:
     """A cleanup on a push connector not bound yet: ``key`` and/or ``prefix`` are cancelled at ``endpoints``.
 
     At an endpoint nobody here binds yet, the cleanup and the keys of the expected puts it matches are
@@ -212,7 +229,7 @@ def cancel_early(
         cleans up there at once.
     """
     now = time.monotonic()
-    bound: list[SharedEndpoint] = []
+    bound: list[BoundEndpoint] = []
     with _lock:
         for endpoint in endpoints:
             found = _records.get(endpoint)

@@ -57,7 +57,7 @@ from ..transport import (
     tune_malloc,
 )
 from ..wire import DecodeLimits, decode, resolve_device
-from ._expected_puts import cancel_early
+from ._expected_puts import BoundEndpoint, cancel_early
 from ._zmq_bind import MAX_FRAMES
 from ._zmq_gets import ZmqGets
 from ._zmq_health import ZmqHealth
@@ -236,7 +236,7 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
     def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
         """A cleanup: drop what matches everywhere we hold it, and bury ``key`` / ``prefix`` firmly."""
         dropped = 0
-        bound = [] if self._shared is None or self._receiver is None else [self._shared]
+        bound: list[BoundEndpoint] = [] if self._shared is None or self._receiver is None else [self._shared]
         if self._receiver is None and self.settings.mode == "push":
             # Not bound (yet): kept for whichever of our connectors binds the endpoint we would bind (any
             # of ours while the stage is up to the first get's call), or applied at once where one has.
