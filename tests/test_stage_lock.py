@@ -86,3 +86,48 @@ def test_a_lock_left_unreleased_warns(short_tmp: Path) -> None:
     with pytest.warns(ResourceWarning, match="never released"):
         lock.__del__()
     assert not lock.held
+
+
+@pytest.mark.parametrize("shape", ["group_writable", "symlink"])
+def test_a_run_dir_another_user_could_reach_is_refused(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    run = short_tmp / "run"
+    if shape == "group_writable":
+        run.mkdir(mode=0o700)
+        run.chmod(0o770)
+    else:
+        (short_tmp / "elsewhere").mkdir(mode=0o700)
+        run.symlink_to(short_tmp / "elsewhere")
+    monkeypatch.setenv("ZMQ_OMNI_RUN_DIR", str(run))
+    with pytest.raises(ConfigError, match=f"{run}.*ZMQ_OMNI_RUN_DIR"):
+        stage_paths("tcp://10.0.0.2:5601")
+
+
+FORK_AND_DIE = (
+    "import os, sys, time; from zmq_omni.transport._stage_lock import StageLock; "
+    "lock = StageLock(sys.argv[1]); assert lock.try_acquire(); pid = os.fork()\n"
+    "if pid == 0: time.sleep(30); os._exit(0)\n"
+    "print(pid, flush=True); os._exit(0)"
+)
+
+
+def test_a_forked_child_does_not_keep_the_lock_of_its_dead_parent(short_tmp: Path) -> None:
+    endpoint = f"ipc://{short_tmp}/s1.sock"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FORK_AND_DIE, endpoint],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    with parent.stdout:
+        child = int(parent.stdout.readline().strip())  # the child keeps the pipe open: read one line only
+    assert parent.wait(timeout=30) == 0
+    try:
+        with StageLock(endpoint) as mine:
+            assert wait_until(mine.try_acquire, timeout=5), "the forked child keeps its dead parent's stage lock"
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -17,8 +17,12 @@ Paths, for endpoint ``E``:
 - ``ipc://P``: the lock is ``P.lock`` and the binder's local service socket
   ``ipc://P.share``, next to the endpoint (same directory, same permissions);
 - ``tcp://H:N``: ``stage-H-N.lock`` and ``ipc://.../stage-H-N.share`` in
-  ``$ZMQ_OMNI_RUN_DIR`` (default ``<tmp>/zmq-omni-<uid>``, made private to the
-  user): the processes of a stage on one host share the host's directory.
+  ``$ZMQ_OMNI_RUN_DIR`` (default ``<tmp>/zmq-omni-<uid>``, created mode 0700;
+  one that is a symlink, not ours or reachable by group or others is refused):
+  the processes of a stage on one host share the host's directory.
+
+The lock's fd is closed in a forked child (``os.register_at_fork``), so a
+child never keeps its parent's stage lock.
 
 Threads: a :class:`StageLock` belongs to the code that binds or gives up the
 endpoint (one thread at a time); it has no lock of its own.
@@ -26,11 +30,14 @@ endpoint (one thread at a time); it has no lock of its own.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
+import stat
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -47,9 +54,34 @@ class StagePaths:
 
 
 def _run_dir() -> str:
+    """The private directory of the stage locks of ``tcp://`` endpoints; refuses one another user could reach."""
     path = os.environ.get("ZMQ_OMNI_RUN_DIR") or os.path.join(tempfile.gettempdir(), f"zmq-omni-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(
+            f"stage run directory {path} is not a directory (a symlink?); remove it or set ZMQ_OMNI_RUN_DIR"
+        )
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(
+            f"stage run directory {path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: "
+            f"it must be ours (uid {os.getuid()}) and private (no group/other bits); "
+            "fix it or set ZMQ_OMNI_RUN_DIR to a private directory"
+        )
     return path
+
+
+_HELD: weakref.WeakSet[StageLock] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """A forked child closes its copies of the parent's lock fds (closing, not LOCK_UN: the lock is the parent's)."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def stage_paths(endpoint: str) -> StagePaths:
@@ -97,6 +129,7 @@ class StageLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
+        _HELD.add(self)
         return True
 
     def holder(self) -> int | None:
@@ -111,6 +144,7 @@ class StageLock:
     def release(self) -> None:
         """Give the lock up (idempotent); the file stays (see the module docstring)."""
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -125,3 +159,6 @@ class StageLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
