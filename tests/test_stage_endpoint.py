@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BIG = 700 << 10  # above the shared-memory threshold: lent as a slot handle
 
 
-def _start(extra: dict[str, object], keys: list[str]) -> subprocess.Popen[str]:
+def _start(extra: dict[str, object], keys: list[str], wait_s: float | None = None) -> subprocess.Popen[str]:
+    blocking = [] if wait_s is None else [str(wait_s)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.stage_endpoint_proc", json.dumps(extra), ",".join(keys)],
+        [sys.executable, "-m", "tests.stage_endpoint_proc", json.dumps(extra), ",".join(keys), *blocking],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdin=subprocess.PIPE,
@@ -177,3 +178,33 @@ def test_a_client_that_closes_gives_back_what_no_get_took(short_tmp: Path, shm_d
             for stream in (child.stdin, child.stdout):
                 if stream is not None:
                     stream.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_blocking_get_in_flight_when_the_binder_dies_waits_on_to_its_deadline(
+    short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/stage1.sock"
+    extra = {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+        "shm_dir": shm_dir,
+    }
+    binder = _start(extra, [])
+    procs.append(binder)
+    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    client = _start(extra, ["late_0_0"], wait_s=20.0)
+    procs.append(client)
+    assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
+    time.sleep(0.3)  # the client's get waits on the binder's lend
+    binder.send_signal(signal.SIGKILL)
+    binder.wait(timeout=10)
+    time.sleep(1.5)  # past the peer timeout: the client binds (its get still waiting) before the put
+    with ZmqConnector({"role": "sender", "endpoints": {"1": endpoint}, "shm_dir": shm_dir}) as sender:
+        assert sender.put("0", "1", "late_0_0", _payload(1))[0]
+        line = client.stdout.readline().split()
+        assert client.wait(timeout=30) == 0, line
+    assert line == ["late_0_0", "64", "1"]

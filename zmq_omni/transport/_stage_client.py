@@ -114,6 +114,7 @@ class StageClient(PushReceiver):
         #: The stage endpoint this process binds since its binder died (its mailbox is ``_mailbox`` then).
         self._inner: PushReceiver | None = None
         self._shut = False
+        self._closing = False  # set before the shutdown seals the mailbox: a get woken then returns
         self._asked: dict[Slot, float] = {}
         self._leases: dict[tuple[str, int], int] = {}  # (sid, seq) -> lease (driver's)
         self._taken = WantBook()  # the puts gets here took, for the next binder (driver's)
@@ -143,23 +144,42 @@ class StageClient(PushReceiver):
         stop: Callable[[], bool] | None = None,
     ) -> tuple[Any, int] | None:
         """As :meth:`PushReceiver.take`; a key not here is asked of the binder (once per window)."""
-        if self._inner is not None:
-            return super().take(from_stage, to_stage, key, deadline, stop)
         slot = (from_stage, to_stage, key)
-        item = self._mailbox.pop(slot)
-        if item is None:
-            now = time.monotonic()
-            waits = deadline is not None and deadline > now
-            until = deadline if waits and deadline is not None else now + POLL_WANT_S
-            known = self._asked.get(slot)
-            if known is None or known < min(until, now + POLL_WANT_S / 2):
-                self._asked[slot] = until
-                self._loop.call_soon(functools.partial(self._send, b"WANT", [*slot, until - now]))
-            if waits and deadline is not None:
-                if self._loop.in_loop():
-                    raise RuntimeError("a blocking get on the thread that drives the connector would wait for itself")
-                item = self._mailbox.take(slot, deadline, stop)
-        return None if item is None else self._mailbox.result(item)
+        while True:
+            if self._inner is not None:
+                return super().take(from_stage, to_stage, key, deadline, stop)
+            mailbox = self._mailbox
+            item = mailbox.pop(slot)
+            if item is None:
+                now = time.monotonic()
+                waits = deadline is not None and deadline > now
+                until = deadline if waits and deadline is not None else now + POLL_WANT_S
+                known = self._asked.get(slot)
+                if known is None or known < min(until, now + POLL_WANT_S / 2):
+                    self._asked[slot] = until
+                    self._loop.call_soon(functools.partial(self._send, b"WANT", [*slot, until - now]))
+                if waits and deadline is not None:
+                    if self._loop.in_loop():
+                        raise RuntimeError(
+                            "a blocking get on the thread that drives the connector would wait for itself"
+                        )
+                    item = mailbox.take(slot, deadline, stop)
+                    if item is None and self._swapped(mailbox, deadline, stop):
+                        continue  # the binder changed: ask the next one (or this process, binding now)
+            return None if item is None else mailbox.result(item)
+
+    def _swapped(self, mailbox: Mailbox, deadline: float, stop: Callable[[], bool] | None) -> bool:
+        """Whether a get woken empty-handed from ``mailbox`` waits again: the binder changed and time is left.
+
+        A binder leaving seals the mailbox before the next one is in place; this waits (briefly) for it.
+        """
+        while mailbox.closed and not self._closing and not (stop is not None and stop()):
+            if mailbox is not self._mailbox or self._inner is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return False
 
     def forget(
         self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None, firm: bool = False
@@ -276,6 +296,7 @@ class StageClient(PushReceiver):
 
     def _shutdown(self) -> None:
         """The driver's last word: seal, tell the binder what was taken, give the rest back, close the DEALER."""
+        self._closing = True
         self._mailbox.close()
         if self._shut or self._inner is not None:  # a binder now: its receiver shuts itself down
             self._shut = True
