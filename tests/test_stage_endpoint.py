@@ -208,3 +208,35 @@ def test_a_blocking_get_in_flight_when_the_binder_dies_waits_on_to_its_deadline(
         line = client.stdout.readline().split()
         assert client.wait(timeout=30) == 0, line
     assert line == ["late_0_0", "64", "1"]
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_client_keeps_what_it_was_lent_and_gets_it_once_it_runs_again(
+    short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/stage1.sock"
+    extra = {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+        "shm_dir": shm_dir,
+    }
+    with ZmqConnector(extra) as binder:  # this process binds; the client asks it for the key
+        client = _start(extra, ["k_0_0"])
+        procs.append(client)
+        assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
+        time.sleep(0.5)  # the client's polling get wants the key at the binder
+        client.send_signal(signal.SIGSTOP)  # alive, silent: the lend waits in its socket
+        try:
+            with ZmqConnector({"role": "sender", "endpoints": {"1": endpoint}, "shm_dir": shm_dir}) as sender:
+                assert sender.put("0", "1", "k_0_0", _payload(1))[0]
+                # well past the peer timeout: the lease stays with the stalled client, not back here
+                assert binder.get_with_deadline("0", "1", "k_0_0", deadline=time.monotonic() + 2.0) is None
+                client.send_signal(signal.SIGCONT)
+                line = client.stdout.readline().split()
+                assert client.wait(timeout=30) == 0, line
+        finally:
+            client.send_signal(signal.SIGCONT)
+    assert line == ["k_0_0", "64", "1"]

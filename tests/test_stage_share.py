@@ -74,7 +74,32 @@ def test_a_client_tells_the_next_binder_its_open_wants_and_what_it_took() -> Non
     open_wants, taken = wants.rebound(now=2.0)
     assert open_wants == [(S1, 9.0)] and taken == [("sender", 1), ("sender", 2)]
     successor = LeaseBook(peer_timeout_s=3.0)
-    assert successor.hello(A, now=2.0, taken=taken) == taken  # counted consumed when their senders resend them
+    assert successor.hello(A, now=2.0, taken=taken) == (taken, [])  # counted consumed when their senders resend them
     for slot, deadline in open_wants:
         successor.want(A, slot, deadline, now=2.0)
     assert successor.first_wanting(S1) == A
+
+
+def test_a_silent_client_whose_process_lives_keeps_its_leases_and_a_dead_one_loses_them() -> None:
+    book = LeaseBook(peer_timeout_s=3.0)
+    alive = {100: True, 200: True}
+    book.hello(A, now=0.0, taken=[], pid=100)
+    book.hello(B, now=0.0, taken=[], pid=200)
+    book.want(A, S1, deadline=100.0, now=0.0)
+    book.want(B, S2, deadline=100.0, now=0.0)
+    lease_a, lease_b = book.lend(A, S1, "a"), book.lend(B, S2, "b")
+    expired = book.tick(5.0, alive=alive.__getitem__)
+    assert expired.returned == [] and expired.stalled == [A, B]  # stalled, not dead: reported once
+    assert book.tick(6.0, alive=alive.__getitem__).stalled == []
+    alive[200] = False
+    expired = book.tick(7.0, alive=alive.__getitem__)
+    assert expired.returned == [lease_b] and book.leases_of(A) == [lease_a]
+
+
+def test_a_hello_gives_back_the_leases_that_client_still_holds() -> None:
+    book = LeaseBook(peer_timeout_s=3.0)
+    book.hello(A, now=0.0, taken=[], pid=100)
+    book.want(A, S1, deadline=100.0, now=0.0)
+    lease = book.lend(A, S1, "item")
+    assert book.hello(A, now=1.0, taken=[("sender", 1)], pid=100) == ([("sender", 1)], [lease])
+    assert book.leases_of(A) == []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from ._mailbox import Mailbox
 from ._receive_protocol import Item, Slot
 from ._receiver import DEFAULT_ACK_DELAY_S, PushReceiver
 from ._shm import ShmReceive
-from ._stage_lock import StageLock
+from ._stage_lock import StageLock, pid_alive
 from ._stage_share import WantBook
 
 __all__ = ["StageClient"]
@@ -59,7 +60,8 @@ class StageClient(PushReceiver):
         decode: frames (or a mapped slot's views) to the object.
         counters: the endpoint's counters.
         heartbeat_s: interval of pings to the binder.
-        peer_timeout_s: silence after which the binder is reported gone.
+        peer_timeout_s: silence after which the stage lock is tried: the binder is gone only when it is free
+            or held by another process (a stalled binder that lives is only reported).
         ack_delay_s: most a consumption waits before the binder hears it.
         unclaimed_ttl_s: a lent item no get took within this long is dropped here.
         tombstone_ttl_s: how long a cleanup's tombstone drops late lends.
@@ -120,6 +122,7 @@ class StageClient(PushReceiver):
         self._taken = WantBook()  # the puts gets here took, for the next binder (driver's)
         self._heard = time.monotonic()
         self._gone_reported = False
+        self._binder_pid = lock.holder() if lock is not None else None  # its PONG to our hello says for sure
         sock = self._sock = loop.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(service)
@@ -127,7 +130,7 @@ class StageClient(PushReceiver):
         loop.every(heartbeat_s, self._ping)
         loop.every(min(1.0, unclaimed_ttl_s / 4, tombstone_ttl_s / 4), self._expire_unclaimed)
         loop.on_stop(self._shutdown)
-        loop.call_soon(functools.partial(self._send, b"HELLO", []))
+        loop.call_soon(functools.partial(self._send, b"HELLO", [os.getpid(), []]))
 
     @property
     def binds(self) -> bool:
@@ -215,6 +218,8 @@ class StageClient(PushReceiver):
                 self._mailbox.store([(slot, Item(obj, nbytes, sid, seq, loc, now))], now)
             elif verb == b"NONE":
                 self._asked.pop(tuple(body), None)  # type: ignore[call-overload]
+            elif verb == b"PONG" and body:
+                self._binder_pid = int(body[0])
 
     def _left_mailbox(self, heavy: bool) -> None:
         """A get took something (the mailbox calls this under its lock, from any thread): only schedule."""
@@ -245,11 +250,34 @@ class StageClient(PushReceiver):
         if self._shut or self._inner is not None:
             return
         self._send(b"PING", [])
-        if time.monotonic() - self._heard > self._peer_timeout:
+        silent = time.monotonic() - self._heard
+        if silent <= self._peer_timeout:
+            return
+        if self._binder_left():
             self._binder_gone()
+        elif not self._gone_reported:
+            self._gone_reported = True
+            log.warning(
+                "the binder of %s (pid %s) is silent for %.1f s but lives and holds the stage lock: "
+                "what it lent here stays here; waiting for it",
+                self.endpoint,
+                self._binder_pid,
+                silent,
+            )
+
+    def _binder_left(self) -> bool:
+        """Whether the binder is gone, as the kernel says: the stage lock is free, or another process holds it."""
+        if self._lock is None:
+            return True
+        if self._lock.try_acquire():
+            return True
+        holder = self._lock.holder()
+        if holder is None:  # the next holder is writing its pid
+            return False
+        return holder != self._binder_pid or not pid_alive(holder)
 
     def _binder_gone(self) -> None:
-        """The binder is silent: drop its leases (their senders resend them), then bind here or ask the next one.
+        """The binder is gone: drop its leases (their senders resend them), then bind here or ask the next one.
 
         What it lent and no get here took was never counted consumed, so it comes back through the
         next binder. Whoever of the stage's processes takes the stage lock first binds; the others
@@ -285,7 +313,9 @@ class StageClient(PushReceiver):
         self._mailbox = self._new_mailbox()
         self._mailbox.on_arrivals = hook
         self._heard = time.monotonic()
-        self._send(b"HELLO", [list(pair) for pair in self._taken.taken_since()])
+        if self._lock is not None:
+            self._binder_pid = self._lock.holder()  # the next binder (its PONG confirms)
+        self._send(b"HELLO", [os.getpid(), [list(pair) for pair in self._taken.taken_since()]])
 
     def _send(self, verb: bytes, body: list[Any]) -> None:
         if not self._shut and self._inner is None:  # a call queued before this process became the binder

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["StageLock", "StagePaths", "stage_paths"]
+__all__ = ["StageLock", "StagePaths", "pid_alive", "stage_paths"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,21 @@ def _run_dir() -> str:
             "fix it or set ZMQ_OMNI_RUN_DIR to a private directory"
         )
     return path
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host lives, as the kernel says (a zombie counts dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 _HELD: weakref.WeakSet[StageLock] = weakref.WeakSet()

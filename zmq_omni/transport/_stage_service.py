@@ -11,26 +11,30 @@ message ``[verb, msgpack body, *payload frames]``:
 =========  =============================  ==============================================
 verb       body                           meaning
 =========  =============================  ==============================================
-``HELLO``  ``[[sid, seq], ...]``          a client (again): the puts it took
+``HELLO``  ``[pid, [[sid, seq], ...]]``   a client (again), its pid: the puts it took
 ``WANT``   ``[from, to, key, timeout_s]`` lend me this key when it is here
 ``TOOK``   ``[lease]``                    a get took it: count it consumed
 ``BACK``   ``[lease]``                    not taken: put it back
 ``FORGET`` ``[key, prefix, firm]``        a cleanup (as ``PushReceiver.forget``)
-``PING``   ``[]``                         alive; answered ``PONG``
+``PING``   ``[]``                         alive; answered ``PONG`` (``[pid]`` after a hello)
 ``LEND``   ``[lease, from, to, key, nbytes, sid, seq, loc]`` + frames: the item
            (``loc``: a shared-memory slot handle, no frames; else the encoded object)
 ``NONE``   ``[from, to, key]``            not here by the want's deadline
 =========  =============================  ==============================================
 
 A lent item leaves the mailbox without being counted consumed: only ``TOOK``
-counts it (its sender then hears "consumed"); a client gone silent for
-``peer_timeout_s`` gives its leases back. A shared-memory item is lent as its
-slot handle, which the client maps itself.
+counts it (its sender then hears "consumed"). Death is judged by the
+kernel, not by silence: a client's leases go back to the mailbox when its
+process (the pid of its hello) is dead, or at its next hello (it gave them up
+with its mailbox); a client silent for ``peer_timeout_s`` whose process lives
+keeps them, with a warning. A shared-memory item is lent as its slot handle,
+which the client maps itself.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +45,7 @@ import zmq
 from ._loop import Driver
 from ._mailbox import Mailbox
 from ._receive_protocol import Item, Slot
+from ._stage_lock import pid_alive
 from ._stage_share import LeaseBook
 
 __all__ = ["StageService"]
@@ -66,7 +71,7 @@ class StageService:
         mailbox: the bound receiver's mailbox.
         address: the service address (``ipc://...``).
         encode: an object to frames (items that are not in shared memory are sent encoded).
-        peer_timeout_s: silence after which a client is presumed gone.
+        peer_timeout_s: silence after which a client's process is looked up (dead: its leases come back).
     """
 
     def __init__(
@@ -124,8 +129,12 @@ class StageService:
         elif verb == b"PING":
             self._send(client, b"PONG", [])
         elif verb == b"HELLO":
-            self._mailbox.consumed_elsewhere(book.hello(client, now, [(str(sid), int(seq)) for sid, seq in body]))
-            self._send(client, b"PONG", [])
+            pid, taken = body
+            counted, stale = book.hello(client, now, [(str(sid), int(seq)) for sid, seq in taken], int(pid))
+            self._mailbox.consumed_elsewhere(counted)
+            for lease in stale:
+                self._mailbox.restore(lease.slot, lease.item)
+            self._send(client, b"PONG", [os.getpid()])
         elif verb == b"FORGET":
             key, prefix, firm = body
             rule = key_rule(key, prefix, bool(firm))
@@ -155,14 +164,20 @@ class StageService:
         self._send(client, b"LEND", head, frames)
 
     def _tick(self) -> None:
-        """Wants past their deadline are answered; silent clients' leases go back to the mailbox."""
+        """Wants past their deadline are answered; dead clients' leases go back to the mailbox."""
         if self._closed:
             return
-        expired = self._book.tick(time.monotonic())
+        expired = self._book.tick(time.monotonic(), pid_alive)
         for client, slot in expired.wants:
             self._send(client, b"NONE", list(slot))
+        for _client in expired.stalled:
+            log.warning(
+                "a local client of %s is silent for over %.1f s but its process lives: its leases stay with it",
+                self.address,
+                self._book.peer_timeout_s,
+            )
         for lease in expired.returned:
-            log.warning("a local client of %s went silent: its lease of %r goes back", self.address, lease.slot[2])
+            log.warning("a local client of %s died: its lease of %r goes back", self.address, lease.slot[2])
             self._mailbox.restore(lease.slot, lease.item)
 
     def _send(self, client: bytes, verb: bytes, body: list[Any], frames: list[Any] | None = None) -> None:

@@ -52,7 +52,8 @@ class Expired(NamedTuple):
     """What the clock ended (see :meth:`LeaseBook.tick`)."""
 
     wants: list[tuple[bytes, Slot]]  # answer each client: not there by its deadline
-    returned: list[Lease]  # leases of clients gone silent: put their items back in the mailbox
+    returned: list[Lease]  # leases of clients that died: put their items back in the mailbox
+    stalled: list[bytes]  # clients silent for the peer timeout whose process lives (reported once per stall)
 
 
 class LeaseBook:
@@ -75,17 +76,32 @@ class LeaseBook:
         self._wants: dict[Slot, OrderedDict[bytes, float]] = {}
         self._leases: dict[int, Lease] = {}
         self._seen: dict[bytes, float] = {}
+        self._pids: dict[bytes, int] = {}
+        self._stalled: set[bytes] = set()
         self._next_lease = 0
 
-    def hello(self, client: bytes, now: float, taken: list[Pair]) -> list[Pair]:
-        """A client (new, or back after a binder change); the puts it took that the driver counts consumed at once."""
+    def hello(
+        self, client: bytes, now: float, taken: list[Pair], pid: int | None = None
+    ) -> tuple[list[Pair], list[Lease]]:
+        """A client (new, or back after it judged its binder gone), of process ``pid``.
+
+        Returns the puts it took, which the driver counts consumed at once, and the leases the book
+        still has for it, which it gave up with its mailbox: the driver puts their items back.
+        """
         self._seen[client] = now
-        return list(taken)
+        self._stalled.discard(client)
+        if pid is not None:
+            self._pids[client] = pid
+        stale = self.leases_of(client)
+        for lease in stale:
+            del self._leases[lease.lease]
+        return list(taken), stale
 
     def heard(self, client: bytes, now: float) -> None:
         """Any message from ``client``: it is alive."""
         if client in self._seen:
             self._seen[client] = now
+            self._stalled.discard(client)
 
     def want(self, client: bytes, slot: Slot, deadline: float, now: float) -> None:
         """``client`` wants ``slot`` until ``deadline`` (a later ask of the same key moves its deadline)."""
@@ -136,11 +152,27 @@ class LeaseBook:
         """What ``client`` holds on lease."""
         return [lease for lease in self._leases.values() if lease.client == client]
 
-    def tick(self, now: float) -> Expired:
-        """Wants past their deadline end; clients silent for ``peer_timeout_s`` go, with their wants and leases."""
-        gone = {client for client, seen in self._seen.items() if now - seen > self.peer_timeout_s}
+    def tick(self, now: float, alive: Callable[[int], bool] | None = None) -> Expired:
+        """Wants past their deadline end; clients silent for ``peer_timeout_s`` go, with their wants and leases.
+
+        With ``alive``, a silent client goes only when ``alive`` says its process (its hello's pid) is
+        dead: a stalled client keeps what it holds (it may still hand it to a get) and is reported once.
+        """
+        silent = [client for client, seen in self._seen.items() if now - seen > self.peer_timeout_s]
+        gone: set[bytes] = set()
+        stalled: list[bytes] = []
+        for client in silent:
+            pid = self._pids.get(client)
+            if alive is not None and pid is not None and alive(pid):
+                if client not in self._stalled:
+                    self._stalled.add(client)
+                    stalled.append(client)
+            else:
+                gone.add(client)
         for client in gone:
             del self._seen[client]
+            self._pids.pop(client, None)
+            self._stalled.discard(client)
         ended: list[tuple[bytes, Slot]] = []
         for slot in list(self._wants):
             waiting = self._wants[slot]
@@ -154,12 +186,12 @@ class LeaseBook:
         returned = [lease for lease in self._leases.values() if lease.client in gone]
         for lease in returned:
             del self._leases[lease.lease]
-        return Expired(ended, returned)
+        return Expired(ended, returned, stalled)
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (the earliest want deadline or client timeout)."""
         times = [d for waiting in self._wants.values() for d in waiting.values()]
-        times.extend(seen + self.peer_timeout_s for seen in self._seen.values())
+        times.extend(seen + self.peer_timeout_s for c, seen in self._seen.items() if c not in self._stalled)
         return min(times, default=None)
 
 
