@@ -4,7 +4,8 @@ With ``KEYS`` empty it only holds its connector (the binder, until killed). Else
 gets each key in turn (polling, as vllm-omni does, a pause between keys so that the
 others wait in the binder's mailbox) and prints ``key nbytes first-value`` for each,
 then ``done``, its receiving part's class and whether it binds the endpoint now; it exits 0 when it got them all.
-With ``WAIT_S`` each key is one blocking get with that deadline instead (``missing`` if it returns None).
+With ``WAIT_S`` each key is one blocking get with that deadline instead (``missing`` if it returns None);
+with ``once`` each key is asked once (one polling get), then it prints ``asked`` and holds its connector.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ def _get_one(connector: ZmqConnector, key: str, wait_s: float | None) -> Any:
 def main(argv: list[str]) -> int:
     """Hold, or get every key."""
     extra, keys = json.loads(argv[0]), [k for k in argv[1].split(",") if k]
-    wait_s = float(argv[2]) if len(argv) > 2 else None
+    once = argv[2:] == ["once"]
+    wait_s = float(argv[2]) if len(argv) > 2 and not once else None
     connector = ZmqConnector(extra)
     print(f"up {type(connector._receiver).__name__}", flush=True)
-    if not keys:
+    if once:
+        for key in keys:
+            connector.get("0", "1", key)
+        print("asked", flush=True)
+    if not keys or once:
         sys.stdin.read()
         connector.close()
         return 0

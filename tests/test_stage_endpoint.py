@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BIG = 700 << 10  # above the shared-memory threshold: lent as a slot handle
 
 
-def _start(extra: dict[str, object], keys: list[str], wait_s: float | None = None) -> subprocess.Popen[str]:
+def _start(extra: dict[str, object], keys: list[str], wait_s: float | str | None = None) -> subprocess.Popen[str]:
     blocking = [] if wait_s is None else [str(wait_s)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.stage_endpoint_proc", json.dumps(extra), ",".join(keys), *blocking],
@@ -240,3 +241,36 @@ def test_a_stalled_client_keeps_what_it_was_lent_and_gets_it_once_it_runs_again(
         finally:
             client.send_signal(signal.SIGCONT)
     assert line == ["k_0_0", "64", "1"]
+
+
+@pytest.mark.timeout(60)
+def test_an_item_lent_to_a_client_and_dropped_there_unclaimed_is_reported_dropped_to_its_sender(
+    short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/stage1.sock"
+    extra = {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+        "shm_dir": shm_dir,
+        "unclaimed_ttl_s": 1.0,
+    }
+    with ZmqConnector(extra):  # this process binds; the client asks it once for the key, then no get takes it
+        client = _start(extra, ["k_0_0"], "once")
+        procs.append(client)
+        assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
+        assert client.stdout.readline().split() == ["asked"]
+        time.sleep(0.3)
+        with ZmqConnector({"role": "sender", "endpoints": {"1": endpoint}, "shm_dir": shm_dir}) as sender:
+            assert sender.put("0", "1", "k_0_0", _payload(1))[0]
+            failures: list[Any] = []
+            deadline = time.monotonic() + 10
+            while not failures and time.monotonic() < deadline:
+                time.sleep(0.1)
+                failures = sender.drain_failures()
+        assert client.stdin is not None
+        client.stdin.close()
+        assert client.wait(timeout=30) == 0
+    assert [(f.key, "unclaimed" in str(f)) for f in failures] == [("k_0_0", True)]

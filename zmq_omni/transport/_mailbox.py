@@ -221,6 +221,12 @@ class Mailbox:
         with self.lock:
             self._note_taken(item)
 
+    def settle_dropped(self, item: Item, code: int) -> None:
+        """A lent item was dropped at the client unconsumed (``code``, a ``DROPPED_*`` code): its sender hears so."""
+        with self.lock:
+            self._dropped.append((item.sid, item.seq, code))
+            self._left()
+
     def restore(self, slot: Slot, item: Item) -> None:
         """A lent item comes back (given back, or its client gone): a get can take it again."""
         with self.lock:

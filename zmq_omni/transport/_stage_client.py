@@ -8,7 +8,9 @@ here tells the binder it *wants* it (once per key and window, not at every
 poll); the binder lends the item when it is there; it lands in this process's
 own :class:`~zmq_omni.transport._mailbox.Mailbox`, where gets take it as from
 a bound receiver's; what gets took goes back to the binder as ``TOOK`` (batched
-by the same acknowledgement delay), so the binder counts it consumed only then.
+by the same acknowledgement delay), so the binder counts it consumed only then;
+what is dropped here unconsumed (unclaimed, cleaned up) goes back as ``DROP``
+with its code, so its sender hears it dropped.
 A shared-memory item arrives as its slot handle and is mapped here.
 
 It is a :class:`~zmq_omni.transport._receiver.PushReceiver` to the connector
@@ -240,11 +242,16 @@ class StageClient(PushReceiver):
 
     def _settle(self) -> None:
         consumed, dropped, _ = self._mailbox.handover()
-        for pair in [*consumed, *((sid, seq) for sid, seq, _code in dropped)]:
+        for pair in consumed:
             lease = self._leases.pop(pair, None)
             if lease is not None:
                 self._send(b"TOOK", [lease])
                 self._taken.took(*pair)
+        for sid, seq, code in dropped:  # unclaimed or cleaned up here: the binder reports it dropped
+            lease = self._leases.pop((sid, seq), None)
+            if lease is not None:
+                self._send(b"DROP", [lease, code])
+                self._taken.took(sid, seq)  # not delivered again by the next binder either
 
     def _ping(self) -> None:
         if self._shut or self._inner is not None:

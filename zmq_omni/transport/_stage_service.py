@@ -14,6 +14,7 @@ verb       body                           meaning
 ``HELLO``  ``[pid, [[sid, seq], ...]]``   a client (again), its pid: the puts it took
 ``WANT``   ``[from, to, key, timeout_s]`` lend me this key when it is here
 ``TOOK``   ``[lease]``                    a get took it: count it consumed
+``DROP``   ``[lease, code]``              dropped there unconsumed (``DROPPED_*``)
 ``BACK``   ``[lease]``                    not taken: put it back
 ``FORGET`` ``[key, prefix, firm]``        a cleanup (as ``PushReceiver.forget``)
 ``PING``   ``[]``                         alive; answered ``PONG`` (``[pid]`` after a hello)
@@ -122,6 +123,10 @@ class StageService:
             lease = book.settle(client, int(body[0]))
             if lease is not None:
                 self._mailbox.settle(lease.item)
+        elif verb == b"DROP":
+            lease = book.settle(client, int(body[0]))
+            if lease is not None:
+                self._mailbox.settle_dropped(lease.item, int(body[1]))
         elif verb == b"BACK":
             lease = book.give_back(client, int(body[0]))
             if lease is not None:
