@@ -5,7 +5,8 @@ gets each key in turn (polling, as vllm-omni does, a pause between keys so that 
 others wait in the binder's mailbox) and prints ``key nbytes first-value`` for each,
 then ``done``, its receiving part's class and whether it binds the endpoint now; it exits 0 when it got them all.
 With ``WAIT_S`` each key is one blocking get with that deadline instead (``missing`` if it returns None);
-with ``once`` each key is asked once (one polling get), then it prints ``asked`` and holds its connector.
+with ``once`` each key is asked once (one polling get), then it prints ``asked`` and holds its connector
+until a line on stdin (then it gets every key with a 5 s blocking get) or the end of stdin (it exits).
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ def main(argv: list[str]) -> int:
         for key in keys:
             connector.get("0", "1", key)
         print("asked", flush=True)
-    if not keys or once:
+        if sys.stdin.readline():
+            wait_s = 5.0
+        else:
+            connector.close()
+            return 0
+    if not keys:
         sys.stdin.read()
         connector.close()
         return 0

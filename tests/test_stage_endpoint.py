@@ -274,3 +274,42 @@ def test_an_item_lent_to_a_client_and_dropped_there_unclaimed_is_reported_droppe
         client.stdin.close()
         assert client.wait(timeout=30) == 0
     assert [(f.key, "unclaimed" in str(f)) for f in failures] == [("k_0_0", True)]
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_binder_keeps_its_role_and_its_client_keeps_what_it_was_lent(
+    short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/stage1.sock"
+    extra = {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.5,
+        "shm_dir": shm_dir,
+    }
+    binder = _start(extra, [])
+    procs.append(binder)
+    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    client = _start(extra, ["k_0_0"], "once")
+    procs.append(client)
+    assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
+    assert client.stdout.readline().split() == ["asked"]
+    with ZmqConnector({"role": "sender", "endpoints": {"1": endpoint}, "shm_dir": shm_dir}) as sender:
+        assert sender.put("0", "1", "k_0_0", _payload(1))[0]
+        time.sleep(0.5)  # lent: it waits in the client's mailbox, no get took it yet
+        binder.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(1.5)  # three peer timeouts of silence: the binder lives and holds the stage lock
+        finally:
+            binder.send_signal(signal.SIGCONT)
+        assert client.stdin is not None
+        client.stdin.write("get\n")
+        client.stdin.flush()
+        line = client.stdout.readline().split()
+        done = client.stdout.readline().split()
+        assert client.wait(timeout=30) == 0, line
+        assert sender.flush(5)  # counted consumed by the binder
+    assert line == ["k_0_0", "64", "1"]
+    assert done == ["done", "StageClient", "client"]  # nobody else bound the endpoint
