@@ -133,22 +133,37 @@ def test_closing_a_holder_wakes_its_own_waiting_get_and_not_the_others(
     assert results["staying"] is not None and results["staying"][0] == "v"
 
 
-def test_another_process_still_cannot_take_a_shared_endpoint(connectors: list[ZmqConnector], short_tmp: Path) -> None:
+def test_another_process_becomes_a_local_client_of_a_shared_endpoint(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
     endpoint = f"ipc://{short_tmp}/s1"
     extra = {"stage_id": 1, "role": "receiver", "endpoints": {"1": endpoint}}
-    make(connectors, **extra)
+    here = make(connectors, **extra)
     make(connectors, **extra)
     code = (
-        "import sys\n"
+        "import sys, time\n"
         "from zmq_omni.connectors.zmq import ZmqConnector\n"
-        "from zmq_omni.errors import TransportError\n"
-        "try:\n"
-        f"    ZmqConnector({extra!r}).close()\n"
-        "except TransportError as exc:\n"
-        "    print(exc)\n"
+        f"c = ZmqConnector({extra!r})\n"
+        "print(type(c._receiver).__name__, flush=True)\n"
+        "got = c.get_with_deadline('0', '1', 'x', deadline=time.monotonic() + 30)\n"
+        "print(got and got[0], flush=True)\n"
+        "c.close()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
-    assert "another process is listening" in out
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "StageClient"
+        upstream = make(connectors, role="sender", from_stage=0, to_stage=1, endpoints={"1": endpoint})
+        assert upstream.put("0", "1", "x", "for the other process")[0]
+        assert child.stdout.readline().strip() == "for the other process"
+        assert child.wait(timeout=30) == 0
+        assert here.get("0", "1", "x") is None  # taken once, by the process that asked
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
 
 
 def test_connectors_with_other_settings_cannot_share_an_endpoint(

@@ -250,28 +250,34 @@ def test_load_omni_transfer_config_takes_vllm_omnis_call_forms(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_a_second_bind_on_a_live_ipc_path_is_refused(mode: str, short_tmp: Path) -> None:
+def test_a_second_process_on_a_live_ipc_path_joins_push_and_is_refused_pull(mode: str, short_tmp: Path) -> None:
     endpoint = f"ipc://{short_tmp}/live"
     role = "receiver" if mode == "push" else "sender"
     stage = 1 if mode == "push" else 0
     extra = {"stage_id": stage, "role": role, "mode": mode, "endpoints": {"1": endpoint, "0": endpoint}}
     with ZmqConnector(extra) as first:
         assert first.endpoint == endpoint
-        # Another process is refused (in this process the second connector shares the endpoint:
-        # tests/test_shared_endpoint.py).
+        # Another process of the stage: push mode, it becomes a local client of this one (the stage
+        # endpoint is shared, tests/test_stage_endpoint.py); pull mode, it is refused (in this process
+        # the second connector shares the endpoint: tests/test_shared_endpoint.py).
         code = (
             "import json, sys\n"
             "from zmq_omni.connectors.zmq import ZmqConnector\n"
             "from zmq_omni.errors import TransportError\n"
             "try:\n"
-            "    ZmqConnector(json.loads(sys.argv[1])).close()\n"
+            "    c = ZmqConnector(json.loads(sys.argv[1]))\n"
+            "    print(type(c._receiver).__name__)\n"
+            "    c.close()\n"
             "except TransportError as exc:\n"
             "    print(exc)\n"
         )
         out = subprocess.run(
             [sys.executable, "-c", code, json.dumps(extra)], capture_output=True, text=True, timeout=60, check=True
         ).stdout
-        assert "another process is listening" in out and endpoint in out
+        if mode == "push":
+            assert out.strip() == "StageClient", out
+        else:
+            assert "another process is listening" in out and endpoint in out
         assert first.health()["status"] == "ok"
     # a stale socket file (its process gone) is replaced as before
     stale = short_tmp / "stale"
@@ -587,18 +593,21 @@ def test_the_docs_page_yaml_loads_and_builds_the_edge(short_tmp: Path) -> None:
 
     from zmq_omni.config.zmq import ZmqConnectorConfig
 
-    full, tcp = (yaml.safe_load(block) for block in _blocks("yaml"))
+    full, tcp, replicas = (yaml.safe_load(block) for block in _blocks("yaml"))
+    # section 5's one configuration: one endpoint per stage, no per-process placeholder
+    shared = replicas["connectors"]["connector_of_shared_memory"]["extra"]["endpoints"]
+    assert sorted(shared) == ["0", "1", "2"] and not any("{" in e for e in shared.values())
     cfg = load_omni_transfer_config(config_dict=full)
     assert cfg is not None
     assert cfg.get_connector_for_edge(0, 1).name == "ZmqConnector"
     assert cfg.get_connector_for_edge(1, 2).name == "SharedMemoryConnector"  # filled in, as vllm-omni does
     stage_extra = {**get_connectors_config_for_stage(cfg, 1)["from_stage_0"]["spec"]["extra"], "stage_id": 1}
     resolved = ZmqConnectorConfig.from_dict({**stage_extra, "replica_id": 2, "local_rank": 0})
-    assert resolved.endpoints["1"] == "ipc:///tmp/omni-stage1-r2-t0.sock" and resolved.role == "receiver"
+    assert resolved.endpoints["1"] == "ipc:///tmp/omni-stage1.sock" and resolved.role == "receiver"
     # the same extra, with the socket moved into this test's directory, builds and binds
-    ours = {**stage_extra, "endpoints": {"1": f"ipc://{short_tmp}/s1-r{{replica}}-t{{rank}}.sock"}}
-    with ZmqConnector(ours) as receiver:  # this test's process is no TP worker: {rank} is "engine"
-        assert receiver.stage_id == 1 and receiver.endpoint == f"ipc://{short_tmp}/s1-r0-tengine.sock"
+    ours = {**stage_extra, "endpoints": {"1": f"ipc://{short_tmp}/s1.sock"}}
+    with ZmqConnector(ours) as receiver:
+        assert receiver.stage_id == 1 and receiver.endpoint == f"ipc://{short_tmp}/s1.sock"
     tcp_extra = tcp["runtime"]["connectors"]["zmq_edge"]["extra"]
     assert ZmqConnectorConfig.from_dict(tcp_extra).bind == "tcp://0.0.0.0:5601"
     # the diff's "after" side is the same edge choice as the full config

@@ -24,7 +24,10 @@ the receiver reads them back as dicts. Here, what arrives is handed to
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
@@ -283,3 +286,84 @@ class RunnerConnectorMixin:
         for thread in self._threads:
             thread.join(timeout=5)
         self._connector.close()
+
+
+def main_tp_rank() -> int:
+    """Main's ``kv_utils.get_local_tp_rank``: vLLM's TP rank, else ``$LOCAL_RANK``, else 0."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None:
+        try:
+            return int(state.get_tensor_model_parallel_rank())
+        except Exception:
+            pass
+    value = os.environ.get("LOCAL_RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
+class KVManagerStandIn:
+    """The KV transfer manager of a TP worker (``kv_transfer_manager.py`` + the mixin's rank-aware keys).
+
+    Its connector is built from ``{**extra, "role": sender|receiver}`` without a
+    stage id (``resolve_omni_kv_config_for_stage``); its rank is
+    :func:`main_tp_rank`. Keys are ``{req}_{from_stage}_0_{from_rank}_{to_rank}``
+    (``get_kv_connector_key``); a source rank sends to the ranks of
+    ``get_kv_target_ranks_for_send``, a destination rank gets from those of
+    ``get_kv_remote_ranks``, polling ``get`` by key alone until ``recv_timeout``.
+    """
+
+    def __init__(self, extra: dict[str, Any], from_stage: str, to_stage: str, from_tp: int, to_tp: int) -> None:
+        self.connector = create_connector({"name": "ZmqConnector", "extra": extra})
+        self.from_stage, self.to_stage = from_stage, to_stage
+        self.from_tp, self.to_tp = from_tp, to_tp
+        self.rank = main_tp_rank()
+
+    def key(self, request_id: str, from_rank: int, to_rank: int) -> str:
+        """Main's ``get_kv_connector_key`` (chunk 0)."""
+        return f"{request_id}_{self.from_stage}_0_{from_rank}_{to_rank}"
+
+    def target_ranks(self) -> list[int]:
+        """Main's ``get_kv_target_ranks_for_send``."""
+        if self.from_tp == self.to_tp:
+            return [self.rank]
+        if self.from_tp > self.to_tp:
+            return [self.rank // (self.from_tp // self.to_tp)]
+        ratio = self.to_tp // self.from_tp
+        return [self.rank * ratio + i for i in range(ratio)]
+
+    def remote_ranks(self) -> list[int]:
+        """Main's ``get_kv_remote_ranks``."""
+        if self.from_tp == self.to_tp:
+            return [self.rank]
+        if self.from_tp > self.to_tp:
+            ratio = self.from_tp // self.to_tp
+            return [self.rank * ratio + i for i in range(ratio)]
+        return [self.rank // (self.to_tp // self.from_tp)]
+
+    def send(self, request_id: str, shard: Callable[[str, int, int], Any]) -> list[str]:
+        """Put this rank's shard for every target rank; what failed."""
+        failed = []
+        for target in self.target_ranks():
+            key = self.key(request_id, self.rank, target)
+            data = shard(request_id, self.rank, target)
+            ok, _size, _meta = self.connector.put(self.from_stage, self.to_stage, key, data)
+            if not ok:
+                failed.append(f"KV put {key} failed")
+        return failed
+
+    def receive(self, request_id: str, timeout_s: float) -> tuple[list[Any], list[str]]:
+        """Poll this rank's shards of ``request_id`` until all arrived or ``timeout_s`` passed."""
+        wanted = {self.key(request_id, s, self.rank) for s in self.remote_ranks()}
+        got: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        while wanted and time.monotonic() < deadline:
+            for key in sorted(wanted):
+                result = self.connector.get(self.from_stage, self.to_stage, key)
+                if result is not None:
+                    got.append(result[0])
+                    wanted.discard(key)
+            time.sleep(0.005)
+        return got, [f"KV {key} never arrived" for key in sorted(wanted)]
+
+    def close(self) -> None:
+        """Close the connector."""
+        self.connector.close()

@@ -15,8 +15,19 @@ from typing import Any
 
 from ..config.zmq import ZmqConnectorConfig
 from ..shm import sweep_dead_once
-from ..transport import Curve, Driver, IoLoop, PullServer, PushReceiver, ShmReceive, ShmSend
-from ..wire import DecodeLimits, decode_each
+from ..transport import (
+    Curve,
+    Driver,
+    IoLoop,
+    PullServer,
+    PushReceiver,
+    ShmReceive,
+    ShmSend,
+    StageClient,
+    StageLock,
+    StageService,
+)
+from ..wire import DecodeLimits, decode_each, encode
 from ._shared_endpoint import SharedEndpoint
 
 #: Most frames one message may have (a receiver refuses more; its decode limits say the same).
@@ -71,6 +82,11 @@ def shm_pool(cfg: ZmqConnectorConfig, loop: Driver) -> ShmSend:
     return pool
 
 
+def stage_shareable(address: str) -> bool:
+    """Whether the processes of a stage can share ``address`` (a fixed ipc path or tcp port, not ``:0`` / ``*``)."""
+    return address.startswith("ipc://") or (address.startswith("tcp://") and not address.endswith((":0", ":*")))
+
+
 def open_endpoint(
     cfg: ZmqConnectorConfig,
     stage: str,
@@ -97,6 +113,7 @@ def open_endpoint(
     fast_path = cfg.shm != "off"
     shm_receive: ShmReceive | None = None
     shm_send: ShmSend | None = None
+    lock: StageLock | None = None
     try:
         if fast_path and cfg.mode == "push":
             shm_receive = ShmReceive(directory=cfg.shm_dir)
@@ -109,8 +126,12 @@ def open_endpoint(
         shared = SharedEndpoint(
             bind_at, agreed, loop, shm_receive=shm_receive, shm_send=shm_send, exclusive=not threaded
         )
-        if cfg.mode == "push":
-            shared.part = PushReceiver(
+        # The stage endpoint is shared by the stage's processes on this host: the holder of its stage lock
+        # binds it and serves the others, which become its local clients (transport/_stage_lock.py).
+        lock = StageLock(bind_at) if cfg.mode == "push" and threaded and stage_shareable(bind_at) else None
+
+        def bind_here(held: StageLock | None) -> PushReceiver:
+            receiver = PushReceiver(
                 loop,
                 bind_at,
                 incarnation=uuid.uuid4().hex[:16],
@@ -130,6 +151,38 @@ def open_endpoint(
                 curve=curve,
                 shm=shm_receive,
             )
+            if held is not None:
+                StageService(
+                    loop,
+                    receiver.mailbox,
+                    held.paths.service,
+                    encode=functools.partial(
+                        encode, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle
+                    ),
+                    peer_timeout_s=cfg.peer_timeout_s,
+                )
+                loop.on_term(held.release)
+            return receiver
+
+        if lock is not None and not lock.try_acquire():
+            shared.part = StageClient(
+                loop,
+                advertised or bind_at,
+                lock.paths.service,
+                decode=decode,
+                counters=shared.counters,
+                heartbeat_s=cfg.heartbeat_s,
+                peer_timeout_s=cfg.peer_timeout_s,
+                ack_delay_s=cfg.ack_delay_s,
+                unclaimed_ttl_s=cfg.unclaimed_ttl_s,
+                tombstone_ttl_s=cfg.tombstone_ttl_s,
+                max_tombstones=cfg.max_tombstones,
+                shm=shm_receive,
+                lock=lock,
+                become_binder=bind_here,
+            )
+        elif cfg.mode == "push":
+            shared.part = bind_here(lock)
         else:
             fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
             shared.part = PullServer(
@@ -154,6 +207,8 @@ def open_endpoint(
     except BaseException:
         if threaded:
             loop.stop(timeout=1.0)
+        if lock is not None:
+            lock.release()
         for shm in (shm_send, shm_receive):
             if shm is not None:
                 shm.close()

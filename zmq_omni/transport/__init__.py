@@ -19,6 +19,9 @@ from ._sender import PushSender
 from ._shm import ShmReceive, ShmSend
 from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import listening, reserve_loopback_port, tune_malloc
+from ._stage_client import StageClient
+from ._stage_lock import StageLock
+from ._stage_service import StageService
 from ._tombstones import Tombstones
 
 __all__ = [
@@ -40,6 +43,9 @@ __all__ = [
     "PushSender",
     "ShmReceive",
     "ShmSend",
+    "StageClient",
+    "StageLock",
+    "StageService",
     "Tombstones",
     "WouldBlock",
     "check_endpoint",

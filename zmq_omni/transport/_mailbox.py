@@ -43,6 +43,9 @@ __all__ = ["Mailbox"]
 
 log = logging.getLogger("zmq_omni.transport")
 
+#: Most puts taken through a previous binder remembered (a binder change resends at most a window's worth).
+_ELSEWHERE_MAX = 65536
+
 
 class Mailbox:
     """Items waiting for ``get``, in arrival order (see the module docstring).
@@ -86,11 +89,14 @@ class Mailbox:
         self._heavy_bytes = 0  # taken since on_left(True) was last called (ACK_BYTES)
         self._told = False  # on_left was called since the last handover
         self._on_left = on_left
+        self._elsewhere: dict[tuple[str, int], None] = {}  # puts taken through a previous binder (in order)
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
         self.closed = False
         self._opening = 0  # shared-memory items taken and not yet mapped: a seal waits for them (close)
         self.waiting = 0  # threads waiting on the condition
         self.on_arrivals: Callable[[list[Slot]], None] | None = None
+        #: A shared stage endpoint's binder: called by the driver with what arrived, to lend it to local clients.
+        self.on_lendable: Callable[[list[Slot]], None] | None = None
         self.gets = 0
         self.bytes_taken = 0
         self.drops = {"unclaimed": 0, "late": 0, "cleanup": 0}
@@ -106,6 +112,8 @@ class Mailbox:
         with self.lock:
             if self._tombs.entries:
                 arrivals = self._drop_buried(arrivals, gone, now)
+            if self._elsewhere:
+                arrivals = self._drop_taken_elsewhere(arrivals)
             box = self._box
             for slot, item in arrivals:
                 old = box.pop(slot, None)
@@ -118,9 +126,10 @@ class Mailbox:
                 self._cv.notify_all()
         if gone:
             self._discard(gone)
-        hook = self.on_arrivals
-        if hook is not None and arrivals:
-            hook([slot for slot, _ in arrivals])
+        if arrivals:
+            for hook in (self.on_arrivals, self.on_lendable):
+                if hook is not None:
+                    hook([slot for slot, _ in arrivals])
 
     def _drop_buried(self, arrivals: list[tuple[Slot, Item]], gone: list[Item], now: float) -> list[tuple[Slot, Item]]:
         kept = []
@@ -133,6 +142,37 @@ class Mailbox:
             else:
                 kept.append((slot, item))
         return kept
+
+    def _drop_taken_elsewhere(self, arrivals: list[tuple[Slot, Item]]) -> list[tuple[Slot, Item]]:
+        kept = []
+        for slot, item in arrivals:
+            if self._elsewhere.pop((item.sid, item.seq), None) is None:
+                kept.append((slot, item))
+            else:  # a resend of a put a get took through the previous binder: consumed, not delivered again
+                self._consumed.append((item.sid, item.seq))  # (its slot, if any, was read there: nothing to free)
+                self._left()
+        return kept
+
+    def consumed_elsewhere(self, pairs: list[tuple[str, int]]) -> None:
+        """Puts ``(sid, seq)`` a get took through a previous binder of this endpoint: counted consumed here.
+
+        Their senders may not have heard so before that binder died, and resend them: each is
+        counted consumed (its sender hears so) instead of delivered a second time, whether it is
+        here already or arrives later. At most ``_ELSEWHERE_MAX`` are remembered (the oldest go).
+        """
+        taken = 0
+        with self.lock:
+            for pair in pairs:
+                self._elsewhere[pair] = None
+            while len(self._elsewhere) > _ELSEWHERE_MAX:
+                del self._elsewhere[next(iter(self._elsewhere))]
+            for slot, item in list(self._box.items()):
+                if self._elsewhere.pop((item.sid, item.seq), None) is not None:
+                    del self._box[slot]
+                    self._consumed.append((item.sid, item.seq))
+                    taken += 1
+            if taken:
+                self._left()
 
     def _left(self) -> None:
         """Something left the mailbox (holds the lock): tell the driver once until its next handover."""
@@ -171,6 +211,57 @@ class Mailbox:
             else:
                 self._opening += 1  # its consumption is noted once mapped (result)
         return item
+
+    # -- a shared stage endpoint's binder (its driver) ---------------------------------------
+    def lend(self, slot: Slot) -> Item | None:
+        """Take ``slot``'s item out for a local client, not counted consumed (:meth:`settle`, :meth:`restore`)."""
+        with self.lock:
+            if self.closed:
+                return None
+            if self._tombs.entries:
+                self._tombs.lift(slot[2])
+            return self._box.pop(slot, None)
+
+    def settle(self, item: Item) -> None:
+        """A lent item was taken by the client's get: count it consumed, as a take here does."""
+        with self.lock:
+            self._note_taken(item)
+
+    def settle_dropped(self, item: Item, code: int) -> None:
+        """A lent item was dropped at the client unconsumed (``code``, a ``DROPPED_*`` code): its sender hears so."""
+        with self.lock:
+            self._dropped.append((item.sid, item.seq, code))
+            self._left()
+
+    def restore(self, slot: Slot, item: Item) -> None:
+        """A lent item comes back (given back, or its client gone): a get can take it again."""
+        with self.lock:
+            if self.closed:  # not consumed: its sender resends it to the next binder
+                return
+            if slot in self._box:  # a newer put replaced it, as in store
+                self._consumed.append((item.sid, item.seq))
+                self._left()
+                return
+            self._box[slot] = item
+            self.generation += 1
+            if self.waiting:
+                self._cv.notify_all()
+        for hook in (self.on_arrivals, self.on_lendable):
+            if hook is not None:
+                hook([slot])
+
+    def withdraw(self) -> int:
+        """Empty the mailbox counting nothing consumed or dropped, freeing no slot; seal it; how many went.
+
+        A local client whose binder died: the items it held on lease were never counted consumed, so
+        their senders resend them to the next binder (a slot freed here would be lost to that resend).
+        """
+        with self.lock:
+            count = len(self._box)
+            self._box.clear()
+            self.closed = True
+            self._cv.notify_all()
+        return count
 
     def _note_taken(self, item: Item) -> None:
         """Record a consumption (holds the lock)."""

@@ -131,6 +131,11 @@ class PushReceiver:
     def on_arrivals(self, hook: Callable[[list[Slot]], None] | None) -> None:
         self._mailbox.on_arrivals = hook
 
+    @property
+    def mailbox(self) -> Mailbox:
+        """The mailbox gets take from (a shared stage endpoint's service lends from it too)."""
+        return self._mailbox
+
     # -- gets (any thread) ------------------------------------------------------------------
     def take(
         self,
