@@ -11,7 +11,9 @@ reached only through them, ``hand_over`` touches no socket, and ``watch`` and
 ``unwatch`` register its descriptor with the driver.
 
 A message is read across turns (:class:`~zmq_omni.transport._router.RoutedReader`)
-within a time budget a turn. A message past ``max_frames`` closes the ROUTER,
+within a time budget a turn, shared by every read the turn runs (the descriptor's
+handler, a queued serve, a flush timer): the first read of a turn sets the
+deadline and a call on the driver's next turn clears it. A message past ``max_frames`` closes the ROUTER,
 the only way to make libzmq let go of the rest of it (it queues a multipart
 message whole before its first frame can be read), and a new one is bound on the
 same endpoint: the protocol's state stays, senders reconnect by themselves and
@@ -112,6 +114,7 @@ class ReceiveSocket:
         self._poll_in = [(self.socket, zmq.POLLIN)]
         # A message of up to max_frames frames is kept whole (after its header); past it the socket is bound anew.
         self._reader = RoutedReader(self.socket, max_frames + 1, max_frames)
+        self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
 
     def _open(self, endpoint: str) -> Any:
         sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=self._max_message_bytes)
@@ -148,7 +151,7 @@ class ReceiveSocket:
             return True
         reader, protocol, mailbox, poll_in = self._reader, self.protocol, self._mailbox, self._poll_in
         now = time.monotonic()
-        until = now + _DRAIN_BUDGET_S
+        until = self._read_until(now)
         receive = protocol.receive
         drained = False
         for _ in range(_MAX_DRAIN):
@@ -173,6 +176,18 @@ class ReceiveSocket:
         self._store(now)
         protocol.schedule(now)  # (a settle sends what is due now; the driver times the rest)
         return drained
+
+    def _read_until(self, now: float) -> float:
+        """When reading stops this turn: one budget for every read of a driver turn, on the driver's thread."""
+        if not self._loop.in_loop():  # (before a loop drives it: each read its own budget)
+            return now + _DRAIN_BUDGET_S
+        if not self._turn_until:
+            self._turn_until = now + _DRAIN_BUDGET_S
+            self._loop.call_soon(self._end_turn)  # (runs on the driver's next turn)
+        return self._turn_until
+
+    def _end_turn(self) -> None:
+        self._turn_until = 0.0
 
     def _rebind(self) -> None:
         """Close the ROUTER (the message past ``max_frames`` goes with it) and bind a new one on its endpoint."""
