@@ -143,10 +143,9 @@ async def test_an_event_loop_receiver_never_stalls_beside_ten_million_frames(sho
     )
     assert health["rebinds"] == 1
     assert sent == {"failed": [], "delivery_failures": 0, "unconfirmed": []}, sent
-    # The reads stay within 10 ms a turn (a loop's iteration runs two or three); the longest gap is the
-    # C heap handing ~640 MB back (malloc_trim, on a thread of its own 1 s after the rebind): 40-120 ms on
-    # 2 loaded cores, where the process's threads share the main thread's malloc arena and wait on its lock.
-    assert ticker.worst < 0.25, (
+    # The reads of a loop's turn share 10 ms; the C heap's ~640 MB go back to the OS 32 MB a call, on a
+    # thread of its own 1 s after the rebind (the loop's thread waits on the heap's lock during each call).
+    assert ticker.worst < 0.1, (
         f"the loop stalled {ticker.worst * 1000:.0f} ms ({ticker.worst_wall * 1000:.0f} by the clock)"
     )
     assert rss_mb() - start_rss < 100

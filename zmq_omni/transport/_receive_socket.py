@@ -36,7 +36,7 @@ from ._loop import Driver
 from ._mailbox import Mailbox
 from ._push_protocol import _MAX_DRAIN
 from ._receive_protocol import ReceiveProtocol, Reply
-from ._router import RoutedReader, trim_malloc
+from ._router import RoutedReader, trim_malloc_in_steps
 from ._security import Curve, watch_refusals
 from ._shm import ShmReceive
 from ._sockets import bind, close_bound, close_socket, make_socket
@@ -223,8 +223,9 @@ class ReceiveSocket:
         if handler is not None and self._handler is handler:
             self._loop.add_reader(self.fd, handler)
             self._loop.call_soon(handler)  # what reconnected senders sent meanwhile (its signal may be spent)
-        # Off the driver's thread: handing ~GBs of pages back takes a while (~0.3 s for 640 MB).
-        self._loop.call_later(_TRIM_AFTER_S, lambda: threading.Thread(target=trim_malloc, daemon=True).start())
+        # Off the driver's thread and a slice at a time: handing ~640 MB back holds the heap's lock ~60-130 ms.
+        trim = threading.Thread(target=trim_malloc_in_steps, daemon=True)
+        self._loop.call_later(_TRIM_AFTER_S, trim.start)
 
     def _answer(self, now: float) -> None:
         """Answer the PINGs and HEALTH requests the protocol holds: the I/O they need, then the replies."""
