@@ -124,8 +124,9 @@ def trim_malloc_in_steps(step_bytes: int = _TRIM_STEP_BYTES, pause_s: float = _T
 
     ``malloc_trim`` holds the main heap's lock while it hands pages back (~60-130 ms for
     640 MB on 2 loaded cores), and the loop's thread allocates from that heap: it waits
-    as long. Trimming the heap's top ``step_bytes`` at a time (the ``pad`` of
-    ``malloc_trim`` keeps the rest), with ``pause_s`` between calls, makes each wait short.
+    as long. Trimming the heap's free top ``step_bytes`` at a time (the ``pad`` of
+    ``malloc_trim`` keeps the rest), with ``pause_s`` between calls, makes each wait short
+    (3-7 ms for 32 MB). Free memory below a live block goes back in the last call, whole.
     """
     libc = _load_libc()
     if not libc or not hasattr(libc, "malloc_trim"):
