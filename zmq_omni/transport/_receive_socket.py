@@ -11,7 +11,9 @@ reached only through them, ``hand_over`` touches no socket, and ``watch`` and
 ``unwatch`` register its descriptor with the driver.
 
 A message is read across turns (:class:`~zmq_omni.transport._router.RoutedReader`)
-within a time budget a turn. A message past ``max_frames`` closes the ROUTER,
+within a time budget a turn, shared by every read the turn runs (the descriptor's
+handler, a queued serve, a flush timer): the first read of a turn sets the
+deadline and a call on the driver's next turn clears it. A message past ``max_frames`` closes the ROUTER,
 the only way to make libzmq let go of the rest of it (it queues a multipart
 message whole before its first frame can be read), and a new one is bound on the
 same endpoint: the protocol's state stays, senders reconnect by themselves and
@@ -34,7 +36,7 @@ from ._loop import Driver
 from ._mailbox import Mailbox
 from ._push_protocol import _MAX_DRAIN
 from ._receive_protocol import ReceiveProtocol, Reply
-from ._router import RoutedReader, trim_malloc
+from ._router import RoutedReader, trim_malloc_in_steps
 from ._security import Curve, watch_refusals
 from ._shm import ShmReceive
 from ._sockets import bind, close_bound, close_socket, make_socket
@@ -112,6 +114,7 @@ class ReceiveSocket:
         self._poll_in = [(self.socket, zmq.POLLIN)]
         # A message of up to max_frames frames is kept whole (after its header); past it the socket is bound anew.
         self._reader = RoutedReader(self.socket, max_frames + 1, max_frames)
+        self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
 
     def _open(self, endpoint: str) -> Any:
         sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=self._max_message_bytes)
@@ -148,7 +151,7 @@ class ReceiveSocket:
             return True
         reader, protocol, mailbox, poll_in = self._reader, self.protocol, self._mailbox, self._poll_in
         now = time.monotonic()
-        until = now + _DRAIN_BUDGET_S
+        until = self._read_until(now)
         receive = protocol.receive
         drained = False
         for _ in range(_MAX_DRAIN):
@@ -173,6 +176,18 @@ class ReceiveSocket:
         self._store(now)
         protocol.schedule(now)  # (a settle sends what is due now; the driver times the rest)
         return drained
+
+    def _read_until(self, now: float) -> float:
+        """When reading stops this turn: one budget for every read of a driver turn, on the driver's thread."""
+        if not self._loop.in_loop():  # (before a loop drives it: each read its own budget)
+            return now + _DRAIN_BUDGET_S
+        if not self._turn_until:
+            self._turn_until = now + _DRAIN_BUDGET_S
+            self._loop.call_soon(self._end_turn)  # (runs on the driver's next turn)
+        return self._turn_until
+
+    def _end_turn(self) -> None:
+        self._turn_until = 0.0
 
     def _rebind(self) -> None:
         """Close the ROUTER (the message past ``max_frames`` goes with it) and bind a new one on its endpoint."""
@@ -208,8 +223,9 @@ class ReceiveSocket:
         if handler is not None and self._handler is handler:
             self._loop.add_reader(self.fd, handler)
             self._loop.call_soon(handler)  # what reconnected senders sent meanwhile (its signal may be spent)
-        # Off the driver's thread: handing ~GBs of pages back takes a while (~0.3 s for 640 MB).
-        self._loop.call_later(_TRIM_AFTER_S, lambda: threading.Thread(target=trim_malloc, daemon=True).start())
+        # Off the driver's thread and a slice at a time: handing ~640 MB back holds the heap's lock ~60-130 ms.
+        trim = threading.Thread(target=trim_malloc_in_steps, daemon=True)
+        self._loop.call_later(_TRIM_AFTER_S, trim.start)
 
     def _answer(self, now: float) -> None:
         """Answer the PINGs and HEALTH requests the protocol holds: the I/O they need, then the replies."""
