@@ -305,7 +305,7 @@ def test_calls_on_a_closed_connector_write_to_no_file_that_reuses_its_descriptor
             f.close()
 
 
-def test_last_acknowledgements_refused_at_close_are_logged(
+def test_last_acknowledgements_without_a_route_at_close_are_logged(
     connectors: list[ZmqConnector], short_tmp: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     endpoint = f"ipc://{short_tmp}/refused.sock"
@@ -316,6 +316,10 @@ def test_last_acknowledgements_refused_at_close_are_logged(
     sender.close()
     time.sleep(0.2)  # libzmq's I/O thread drops the sender's route: its consumption can no longer be told
     assert receiver.get("0", "1", "k") is not None
-    with caplog.at_level(logging.WARNING, logger="zmq_omni.transport"):
+    with caplog.at_level(logging.INFO, logger="zmq_omni.transport"):
         receiver.close()
-    assert re.search(rf"{endpoint} closed: ZeroMQ refused [1-9]\d* of its last acknowledgement", caplog.text)
+    # A gone sender needs no acknowledgement (it reported its own unconfirmed puts): said, not warned.
+    found = [
+        r for r in caplog.records if re.search(rf"{endpoint} closed: [1-9]\d* of its last acknowledgement", r.message)
+    ]
+    assert [r.levelname for r in found] == ["INFO"], caplog.text

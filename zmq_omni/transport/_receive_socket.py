@@ -277,10 +277,14 @@ class ReceiveSocket:
         """Give the protocol what left the mailbox since the last hand-over."""
         self.protocol.taken(*self._mailbox.handover())
 
-    def send(self, replies: Iterable[Reply]) -> int:
-        """Send ``replies`` without waiting; how many ZeroMQ refused (each told to the protocol)."""
+    def send(self, replies: Iterable[Reply]) -> tuple[int, int]:
+        """Send ``replies`` without waiting; how many ZeroMQ refused as unroutable and as full.
+
+        Each refusal is told to the protocol. Unroutable: a sender whose control socket is not connected
+        yet, reconnecting, or gone; full: a sender not reading its acknowledgements.
+        """
         sock, sent = self.socket, self.protocol.sent
-        refused = 0
+        unroutable = full = 0
         for reply in replies:
             if self._rebinding:  # no socket: as unroutable as a sender reconnecting
                 sent(reply, False)
@@ -288,11 +292,14 @@ class ReceiveSocket:
             try:
                 sock.send_multipart([reply.identity, reply.frame], zmq.NOBLOCK)
                 routed = True
-            except zmq.ZMQError:  # unroutable (a sender whose control socket is not connected yet, or gone) or full
+            except zmq.ZMQError as exc:
                 routed = False
-                refused += 1
+                if exc.errno == zmq.EAGAIN:
+                    full += 1
+                else:
+                    unroutable += 1
             sent(reply, routed)
-        return refused
+        return unroutable, full
 
     def close(self) -> None:
         """The last acknowledgements (every consumption not yet confirmed), then the socket."""
@@ -300,13 +307,23 @@ class ReceiveSocket:
         if self._stop_refusals is not None:
             self._stop_refusals()
         self.hand_over()
-        refused = self.send(self.protocol.flush()) + self.send(self.protocol.last_words())
-        if refused:  # (the protocol's counters close with it)
+        flushed, last = self.send(self.protocol.flush()), self.send(self.protocol.last_words())
+        unroutable, full = flushed[0] + last[0], flushed[1] + last[1]
+        # (The protocol's counters close with it, so the log is the trace.) A sender that is gone needs no
+        # acknowledgement: it reported its own unconfirmed puts at its close; one that was reconnecting resends
+        # them to the next incarnation, which may deliver them again.
+        if full:
             log.warning(
-                "%s closed: ZeroMQ refused %d of its last acknowledgement(s) (sender gone or full); those "
-                "senders are not told of the arrivals and consumptions they carried",
+                "%s closed: %d of its last acknowledgement(s) found a sender's queue full; those senders are "
+                "not told of the arrivals and consumptions they carried (they resend to the next incarnation)",
                 self.endpoint,
-                refused,
+                full,
+            )
+        if unroutable:
+            log.info(
+                "%s closed: %d of its last acknowledgement(s) found no route (a sender gone or reconnecting)",
+                self.endpoint,
+                unroutable,
             )
         # A running event loop does not wait here for the listener to go: its aclose awaits that (aio._closing).
         on_a_loop = not self._loop.threaded and self._loop.in_loop()
