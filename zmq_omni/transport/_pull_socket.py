@@ -24,9 +24,9 @@ import zmq
 from ..errors import ZmqOmniError
 from ..metrics import Counters
 from ._loop import Driver
-from ._router import RoutedReader, trim_malloc
-from ._security import Curve, watch_refusals
-from ._sockets import bind, close_bound, close_socket, make_socket
+from ._router import RoutedReader, open_router, trim_malloc
+from ._security import Curve
+from ._sockets import close_bound, close_socket
 
 __all__ = ["READ_BUDGET_S", "PullRouter"]
 
@@ -76,16 +76,9 @@ class PullRouter:
 
     def _open(self, endpoint: str) -> Any:
         # FETCH requests are tiny; a peer sending more is hostile.
-        sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=1 << 20)
-        try:
-            if self._curve is not None:
-                self._curve.make_server(sock)
-                self._stop_refusals = watch_refusals(self._loop, sock, self._counters, stop_on_stop=False)
-            bind(sock, endpoint)
-        except BaseException:
-            self._stop_watching()
-            close_socket(sock)
-            raise
+        sock, self._stop_refusals = open_router(
+            self._loop, endpoint, hwm=self._hwm, max_message_bytes=1 << 20, curve=self._curve, counters=self._counters
+        )
         return sock
 
     def _stop_watching(self) -> None:

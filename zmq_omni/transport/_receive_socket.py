@@ -36,10 +36,10 @@ from ._loop import Driver
 from ._mailbox import Mailbox
 from ._push_protocol import _MAX_DRAIN
 from ._receive_protocol import ReceiveProtocol, Reply
-from ._router import RoutedReader, trim_malloc_in_steps
-from ._security import Curve, watch_refusals
+from ._router import RoutedReader, open_router, trim_malloc_in_steps
+from ._security import Curve
 from ._shm import ShmReceive
-from ._sockets import bind, close_bound, close_socket, make_socket
+from ._sockets import close_bound, close_socket
 
 __all__ = ["ReceiveSocket"]
 
@@ -117,17 +117,14 @@ class ReceiveSocket:
         self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
 
     def _open(self, endpoint: str) -> Any:
-        sock = make_socket(self._loop.ctx, zmq.ROUTER, hwm=self._hwm, max_message_bytes=self._max_message_bytes)
-        try:
-            if self._curve is not None:
-                self._curve.make_server(sock)
-                # Stopped by whoever closes the socket, holding it (the monitor is the socket's too).
-                self._stop_refusals = watch_refusals(self._loop, sock, self._counters, stop_on_stop=False)
-            bind(sock, endpoint)
-        except BaseException:
-            self._stop_watching()
-            close_socket(sock)
-            raise
+        sock, self._stop_refusals = open_router(
+            self._loop,
+            endpoint,
+            hwm=self._hwm,
+            max_message_bytes=self._max_message_bytes,
+            curve=self._curve,
+            counters=self._counters,
+        )
         return sock
 
     def _stop_watching(self) -> None:

@@ -5,9 +5,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
+
+from ..metrics import Counters
+from ._loop import Driver
+from ._security import Curve, watch_refusals
+from ._sockets import bind, close_socket, make_socket
 
 _TRIM_STEP_BYTES = 32 << 20  # the heap's top handed back a call at a time
 _TRIM_PAUSE_S = 0.005  # between those calls: the loop's thread takes the heap's lock meanwhile
@@ -178,3 +184,27 @@ def _load_libc() -> Any:
 
 
 _libc: Any = None
+
+
+def open_router(
+    loop: Driver, endpoint: str, *, hwm: int, max_message_bytes: int, curve: Curve | None, counters: Counters
+) -> tuple[Any, Callable[[], None] | None]:
+    """A bound ROUTER at ``endpoint`` (a CURVE server when ``curve`` is given) and how to stop watching it.
+
+    With CURVE its refusals are counted in ``counters`` by a monitor the returned stop ends; whoever
+    closes the socket calls it first, on the driver (the monitor is the socket's too). A failed bind
+    closes both and raises.
+    """
+    sock = make_socket(loop.ctx, zmq.ROUTER, hwm=hwm, max_message_bytes=max_message_bytes)
+    stop_refusals: Callable[[], None] | None = None
+    try:
+        if curve is not None:
+            curve.make_server(sock)
+            stop_refusals = watch_refusals(loop, sock, counters, stop_on_stop=False)
+        bind(sock, endpoint)
+    except BaseException:
+        if stop_refusals is not None:
+            stop_refusals()
+        close_socket(sock)
+        raise
+    return sock, stop_refusals
