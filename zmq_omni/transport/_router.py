@@ -18,35 +18,7 @@ from ._sockets import bind, close_socket, make_socket
 _TRIM_STEP_BYTES = 32 << 20  # the heap's top handed back a call at a time
 _TRIM_PAUSE_S = 0.005  # between those calls: the loop's thread takes the heap's lock meanwhile
 
-__all__ = ["RoutedReader", "recv_routed", "trim_malloc", "trim_malloc_in_steps"]
-
-
-def recv_routed(sock: Any, max_frames: int) -> tuple[bytes, list[Any], bool] | None:
-    """Read ``(identity, frames, ok)`` without blocking, or None when nothing is queued.
-
-    Frame 0 (the small transport header) is copied, which is the cheap path for
-    small messages; later frames come as zero-copy ``zmq.Frame`` objects. A
-    message with more than ``max_frames`` frames is drained and returned with
-    ``ok=False`` so one hostile message cannot desynchronise the socket.
-    """
-    try:
-        identity = sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
-    # A routed message always has a frame after the identity. Received as a Frame, whose ``more``
-    # is read from the message itself: ``getsockopt(RCVMORE)`` is a call into ZeroMQ (~0.4 us more).
-    head = sock.recv(copy=False)
-    frames: list[Any] = [head.bytes]
-    ok = True
-    more = head.more
-    while more:
-        frame = sock.recv(copy=False)
-        more = frame.more
-        if len(frames) > max_frames:
-            ok = False
-        else:
-            frames.append(frame)
-    return identity, frames, ok
+__all__ = ["RoutedReader", "open_router", "trim_malloc", "trim_malloc_in_steps"]
 
 
 class RoutedReader:
