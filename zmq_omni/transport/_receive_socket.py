@@ -18,6 +18,10 @@ the only way to make libzmq let go of the rest of it (it queues a multipart
 message whole before its first frame can be read), and a new one is bound on the
 same endpoint: the protocol's state stays, senders reconnect by themselves and
 resend what no REPLY acknowledged (``rebinds`` in health, a logged warning).
+The frames read of that message are let go a slice a driver turn, and a second
+after the last rebind of a burst the C heap's free pages go back to the OS in
+short steps on a thread of their own
+(:func:`~zmq_omni.transport._router.trim_malloc_later`).
 """
 
 from __future__ import annotations
