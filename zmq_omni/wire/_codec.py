@@ -19,7 +19,6 @@ constant small for the shapes a pipeline sends again and again.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import math
 import operator
@@ -109,7 +108,10 @@ _ExtType = msgpack.ExtType
 # ExtType.__new__ re-validates its arguments in Python; ours are valid by
 # construction, and this path runs once per array.
 _new_ext = tuple.__new__
-_string_at = ctypes.string_at
+_byte_arrays = _staging.byte_arrays
+byte_array = _staging.byte_array
+# An encoding with at least this many bytes of inline arrays, and at most this many others, is walked at once.
+_WALK_INLINE_BYTES: Final = 1024
 _DEFAULT_LIMITS = DecodeLimits()
 _unpackb = msgpack.unpackb
 # Frame 0 of a plain-msgpack encoding (no extension types, no out-of-band frames) starts with exactly this.
@@ -198,7 +200,7 @@ class _Encoder:
     call (a ``__reduce__`` that encodes, under ``allow_pickle``) gets a fresh one.
     """
 
-    __slots__ = ("allow_pickle", "busy", "flags", "frames", "pack", "threshold")
+    __slots__ = ("allow_pickle", "busy", "flags", "frames", "inline", "pack", "threshold")
 
     def __init__(self) -> None:
         # strict_types routes tuples, numpy scalars (np.float64 is a float
@@ -212,6 +214,7 @@ class _Encoder:
         self.frames: list[bytes | memoryview] = _NO_FRAMES
         self.flags = 0
         self.threshold = DEFAULT_INLINE_THRESHOLD
+        self.inline = 0  # bytes of arrays copied into the header by the call in progress
         self.allow_pickle = False
         self.busy = False
 
@@ -244,6 +247,7 @@ class _Encoder:
                         head += _SHAPES[1].pack(shape[0])  # type: ignore[index]
                     elif ndim:
                         head += _SHAPES[ndim].pack(*shape)  # type: ignore[misc]
+                    self.inline += nbytes
                     return _new_ext(_ExtType, (EXT_ARRAY, head + view.tobytes()))
             return self._array(obj)
         plan = _registry.struct_plans.get(cls)
@@ -395,7 +399,9 @@ class _Encoder:
                 if ndim <= 64 and nbytes:
                     self.flags |= FLAG_EXT
                     if nbytes < self.threshold:
-                        data = _string_at(tensor.data_ptr(), nbytes)
+                        # The bytes at the tensor's address, without ctypes.string_at's foreign call.
+                        data = (_byte_arrays.get(nbytes) or byte_array(nbytes)).from_address(tensor.data_ptr()).raw
+                        self.inline += nbytes
                         return _new_ext(_ExtType, (EXT_TENSOR, heads[0][ndim] + _SHAPES[ndim].pack(*shape) + data))
                     frames = self.frames
                     index = len(frames)
@@ -457,6 +463,7 @@ class _Encoder:
                     + _SHAPE_AND_REF[ndim].pack(*shape, index, nbytes),
                 ),
             )
+        self.inline += nbytes
         # tobytes(order="A") keeps Fortran order for F-contiguous data.
         return _new_ext(
             _ExtType,
@@ -606,6 +613,7 @@ def encode(
     encoder.frames = frames
     encoder.flags = 0
     encoder.threshold = inline_threshold
+    encoder.inline = 0
     encoder.allow_pickle = allow_pickle
     encoder.busy = True
     try:
@@ -619,7 +627,14 @@ def encode(
         # Drop the references so this thread's encoder does not pin the arrays.
         encoder.frames = _NO_FRAMES
     lim = _DEFAULT_LIMITS if limits is None else limits
-    if len(body) > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
+    # Bytes of inline arrays look like msgpack containers (one in seven at random), so counting them would only
+    # send a header that holds some to the walk anyway; when the rest of the header is short, walk it at once.
+    inline = encoder.inline
+    if (
+        len(body) > lim.max_objects
+        or (inline >= _WALK_INLINE_BYTES and len(body) - inline <= _WALK_INLINE_BYTES)
+        or body.translate(CONTAINER_MAP).count(1) > lim.max_depth
+    ):
         try:
             walk_shape(body, lim.max_depth, lim.max_objects)
         except DecodeError as exc:
