@@ -22,7 +22,6 @@ only the loop's thread uses the sockets: :meth:`Wiring.check_sockets_here` and
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -35,8 +34,6 @@ from ..wire import DecodeLimits, decode, resolve_device
 from ._expected_puts import settle
 from ._zmq_bind import MAX_FRAMES
 from .base import Slot
-
-log = logging.getLogger("zmq_omni.connectors")
 
 #: Longest a part built on the I/O thread waits for it (it only creates and binds or connects sockets).
 _BUILD_WAIT_S = 10.0
