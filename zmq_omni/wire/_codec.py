@@ -93,6 +93,8 @@ __all__ = [
     "frames_nbytes",
 ]
 
+# An encoding with at least this many bytes of inline arrays, and at most this many others, is walked at once.
+_WALK_INLINE_BYTES: Final = 1024
 _DEFAULT_LIMITS = DecodeLimits()
 _unpackb = msgpack.unpackb
 # Frame 0 of a plain-msgpack encoding (no extension types, no out-of-band frames) starts with exactly this.
@@ -154,6 +156,7 @@ def encode(
     encoder.frames = frames
     encoder.flags = 0
     encoder.threshold = inline_threshold
+    encoder.inline = 0
     encoder.allow_pickle = allow_pickle
     encoder.busy = True
     try:
@@ -167,7 +170,14 @@ def encode(
         # Drop the references so this thread's encoder does not pin the arrays.
         encoder.frames = _NO_FRAMES
     lim = _DEFAULT_LIMITS if limits is None else limits
-    if len(body) > lim.max_objects or body.translate(CONTAINER_MAP).count(1) > lim.max_depth:
+    # Bytes of inline arrays look like msgpack containers (one in seven at random), so counting them would only
+    # send a header that holds some to the walk anyway; when the rest of the header is short, walk it at once.
+    inline = encoder.inline
+    if (
+        len(body) > lim.max_objects
+        or (inline >= _WALK_INLINE_BYTES and len(body) - inline <= _WALK_INLINE_BYTES)
+        or body.translate(CONTAINER_MAP).count(1) > lim.max_depth
+    ):
         try:
             walk_shape(body, lim.max_depth, lim.max_objects)
         except DecodeError as exc:

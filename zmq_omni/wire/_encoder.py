@@ -11,7 +11,6 @@ small constant. :func:`~zmq_omni.wire.encode` (in :mod:`._codec`) drives it.
 
 from __future__ import annotations
 
-import ctypes
 import operator
 import pickle
 import sys
@@ -56,7 +55,8 @@ _ExtType = msgpack.ExtType
 # ExtType.__new__ re-validates its arguments in Python; ours are valid by
 # construction, and this path runs once per array.
 _new_ext = tuple.__new__
-_string_at = ctypes.string_at
+_byte_arrays = _staging.byte_arrays
+byte_array = _staging.byte_array
 
 _SLICE_EXT = msgpack.ExtType(EXT_SLICE, b"")
 _IMAGE_EXT = msgpack.ExtType(EXT_IMAGE, b"")
@@ -85,7 +85,7 @@ class _Encoder:
     call (a ``__reduce__`` that encodes, under ``allow_pickle``) gets a fresh one.
     """
 
-    __slots__ = ("allow_pickle", "busy", "flags", "frames", "pack", "threshold")
+    __slots__ = ("allow_pickle", "busy", "flags", "frames", "inline", "pack", "threshold")
 
     def __init__(self) -> None:
         # strict_types routes tuples, numpy scalars (np.float64 is a float
@@ -99,6 +99,7 @@ class _Encoder:
         self.frames: list[bytes | memoryview] = _NO_FRAMES
         self.flags = 0
         self.threshold = DEFAULT_INLINE_THRESHOLD
+        self.inline = 0  # bytes of arrays copied into the header by the call in progress
         self.allow_pickle = False
         self.busy = False
 
@@ -131,6 +132,7 @@ class _Encoder:
                         head += _SHAPES[1].pack(shape[0])  # type: ignore[index]
                     elif ndim:
                         head += _SHAPES[ndim].pack(*shape)  # type: ignore[misc]
+                    self.inline += nbytes
                     return _new_ext(_ExtType, (EXT_ARRAY, head + view.tobytes()))
             return self._array(obj)
         plan = _registry.struct_plans.get(cls)
@@ -282,7 +284,9 @@ class _Encoder:
                 if ndim <= 64 and nbytes:
                     self.flags |= FLAG_EXT
                     if nbytes < self.threshold:
-                        data = _string_at(tensor.data_ptr(), nbytes)
+                        # The bytes at the tensor's address, without ctypes.string_at's foreign call.
+                        data = (_byte_arrays.get(nbytes) or byte_array(nbytes)).from_address(tensor.data_ptr()).raw
+                        self.inline += nbytes
                         return _new_ext(_ExtType, (EXT_TENSOR, heads[0][ndim] + _SHAPES[ndim].pack(*shape) + data))
                     frames = self.frames
                     index = len(frames)
@@ -344,6 +348,7 @@ class _Encoder:
                     + _SHAPE_AND_REF[ndim].pack(*shape, index, nbytes),
                 ),
             )
+        self.inline += nbytes
         # tobytes(order="A") keeps Fortran order for F-contiguous data.
         return _new_ext(
             _ExtType,
