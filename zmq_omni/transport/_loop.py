@@ -26,6 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any, ClassVar
 
 import zmq
@@ -176,6 +177,7 @@ class IoLoop(Driver):
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ident: int | None = None  # the loop thread's, once it runs
 
     # -- any thread ----------------------------------------------------------
     def start(self) -> None:
@@ -197,17 +199,22 @@ class IoLoop(Driver):
                     os.eventfd_write(self._wake_fd, 1)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread as soon as possible."""
+        """Run ``fn`` on the loop thread as soon as possible.
+
+        From the loop thread itself nothing is written to the eventfd: the loop runs the calls
+        queued before it polls again (and polls without waiting while any is left).
+        """
         self._calls.append(fn)
-        self.wake()
+        if get_ident() != self._ident:
+            self.wake()
 
     def in_loop(self) -> bool:
         """True when called from the loop thread."""
-        return threading.current_thread() is self._thread
+        return get_ident() == self._ident
 
     def owns_sockets_here(self) -> bool:
         """True on the loop thread, or while it does not run (before :meth:`start`, or after it ended)."""
-        return threading.current_thread() is self._thread or not self._thread.is_alive()
+        return get_ident() == self._ident or not self._thread.is_alive()
 
     def stop(self, timeout: float = 1.0) -> bool:
         """Run the on-stop callbacks on the loop thread, end it, terminate the context.
@@ -279,6 +286,7 @@ class IoLoop(Driver):
         self._on_term.append(fn)
 
     def _run(self) -> None:
+        self._ident = get_ident()
         try:
             while not self._stopping:
                 now = time.monotonic()
@@ -317,3 +325,4 @@ class IoLoop(Driver):
             if orphaned:
                 log.warning("%s: its stop ran late (after a long handler); its sockets are closed now", self._name)
                 self._finish(wait=False)
+            self._ident = None  # (a thread started later may get the same number)
