@@ -18,12 +18,10 @@ and host** (no ``{replica}``, no ``{rank}``). A shape passes when every request'
 chunks (or KV shards) reach the process that asks for them, exactly once, and
 every process builds, confirms its puts and exits cleanly.
 
-In push mode the stage endpoint is shared by the stage's processes on a host:
-the holder of the stage lock binds it, the others become its local clients.
-Pull mode has no such sharing yet: shapes whose sending stage has several
-processes on a host are marked ``xfail(strict=True)`` (the second process
-fails with "another process is listening"), and turn into failures the day it
-lands.
+The stage endpoint is shared by the stage's processes on a host: the holder
+of the stage lock binds it, the others become its local clients (push: they
+ask the binder for keys; pull: they store their puts in the binder's pull
+server, which answers every FETCH of the stage).
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ CHUNKS = 4
 RESULT_WAIT_S = 60.0
 EXIT_WAIT_S = 15.0
 PROCESS_DEADLINE_S = 30.0
-NEEDS_SHARED = "pull mode: the sending stage's processes on a host cannot share its pull endpoint yet (issue 46)"
 
 
 def one_configuration(stage_ids: list[str], tmp: Path, mode: str, transport: str = "ipc") -> dict[str, Any]:
@@ -194,31 +191,25 @@ def kv_between(from_tp: int, to_tp: int) -> Callable[[Shape], None]:
 
 @dataclass
 class Row:
-    """One row of the issue's table: its YAML, its processes, and which modes pass without a shared endpoint."""
+    """One row of the issue's table: its YAML and its processes."""
 
     yaml: str
     build: Callable[[Shape], None]
-    passes: tuple[str, ...]
 
 
 ROWS = {
-    "replicas-receiving": Row("qwen3_omni_moe.yaml", replicas_receiving, ("push", "pull")),
-    "replicas-sending": Row("minicpmo_4_5_3gpu_stage1_replicas.yaml", replicas_sending, ("push",)),
-    "tp2-receiving": Row("qwen3_omni_moe.yaml", tp_receiving, ("push", "pull")),
-    "tp2-sending": Row("qwen3_omni_moe.yaml", tp_sending, ("push",)),
-    "kv-tp2-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(2, 2), ("push",)),
-    "kv-tp2-to-tp1": Row("qwen3_omni_moe.yaml", kv_between(2, 1), ("push",)),
-    "kv-tp1-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(1, 2), ("push", "pull")),
+    "replicas-receiving": Row("qwen3_omni_moe.yaml", replicas_receiving),
+    "replicas-sending": Row("minicpmo_4_5_3gpu_stage1_replicas.yaml", replicas_sending),
+    "tp2-receiving": Row("qwen3_omni_moe.yaml", tp_receiving),
+    "tp2-sending": Row("qwen3_omni_moe.yaml", tp_sending),
+    "kv-tp2-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(2, 2)),
+    "kv-tp2-to-tp1": Row("qwen3_omni_moe.yaml", kv_between(2, 1)),
+    "kv-tp1-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(1, 2)),
 }
 
 
 def _cases() -> list[Any]:
-    cases = []
-    for row_id, row in ROWS.items():
-        for mode in ("push", "pull"):
-            marks = [] if mode in row.passes else [pytest.mark.xfail(strict=True, reason=NEEDS_SHARED)]
-            cases.append(pytest.param(row_id, mode, id=f"{row_id}-{mode}", marks=marks))
-    return cases
+    return [pytest.param(row_id, mode, id=f"{row_id}-{mode}") for row_id in ROWS for mode in ("push", "pull")]
 
 
 def run_shape(shape: Shape) -> tuple[dict[str, dict[str, Any]], dict[str, int], str]:

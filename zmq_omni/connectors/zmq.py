@@ -257,7 +257,7 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
                 if buried != key:
                     receiver.forget(functools.partial(operator.eq, buried), key=buried, firm=True)
         if self._server is not None:
-            dropped += self._server.forget(match)
+            dropped += self._server.forget(match, key=key, prefix=prefix)
         if self._sender is not None:
             # A push sender's copies of delivered puts only serve redelivery: release them. Puts still
             # on their way go on (#6670). None counts: the receiver's cleanup counts what it drops.
