@@ -265,10 +265,10 @@ def check(shape: Shape) -> None:
     problems = {name: r["problems"] for name, r in results.items() if r["problems"]}
     assert not problems, f"{problems}\n{outputs}"
     assert set(results) == {p.name for p in shape.procs}, f"processes without a result\n{outputs}"
-    # each request's chunks reached the one process that asked for them, all of them, once, in order
-    asked = {r: p.name for p in shape.procs for r, _ in p.plan.get("receive", [])}
-    got = {r: (name, chunks) for name, res in results.items() for r, chunks in res["received"].items()}
-    assert got == {r: (name, list(range(CHUNKS))) for r, name in asked.items()}, outputs
+    # each request's chunks reached each process that asked for them, all of them, once, in order
+    asked = {(p.name, r) for p in shape.procs for r, _ in p.plan.get("receive", [])}
+    got = {(name, r): chunks for name, res in results.items() for r, chunks in res["received"].items()}
+    assert got == {key: list(range(CHUNKS)) for key in asked}, outputs
     for proc in shape.procs:
         if proc.plan.get("kv_receive"):
             assert results[proc.name]["kv"] == dict.fromkeys(REQUESTS, True), outputs
@@ -279,6 +279,41 @@ def check(shape: Shape) -> None:
 @pytest.mark.parametrize(("row_id", "mode"), _cases())
 def test_every_shape_moves_every_chunk_with_one_configuration(row_id: str, mode: str, short_tmp: Path) -> None:
     row = ROWS[row_id]
+    shape = Shape(row.yaml, short_tmp, mode)
+    row.build(shape)
+    check(shape)
+
+
+def minicpmo_stage1_replicas(shape: Shape) -> None:
+    """Main's ``minicpmo_4_5_3gpu_stage1_replicas.yaml`` whole: stage 0 builds no connector (its YAML names
+    none for it), stage 1's two replicas stream to stage 2."""
+    assert shape.config(0)["name"] != "ZmqConnector" and not shape.edges.get(("0", "1"))
+    replicas_sending(shape)
+
+
+def qwen3_omni_tp2(shape: Shape) -> None:
+    """``qwen3_omni_moe.yaml`` laid out as its NPU platform section does: the thinker (stage 0) with TP = 2
+    (an EngineCore and two ranks) streams to the talker (stage 1), which streams to code2wav (stage 2)."""
+    engine, rank0 = leader_split(REQUESTS)
+    shape.tp_stage("s0", 0, 2, {"send": engine}, {"send": rank0})
+    shape.add("s1", 1, ["adapter", "mixin"], receive=split(REQUESTS, mover_of), send=split(REQUESTS, mover_of))
+    shape.add("s2", 2, ["adapter", "mixin"], receive=split(REQUESTS, mover_of))
+
+
+PIPELINES = {
+    "minicpmo_4_5_3gpu_stage1_replicas": Row("minicpmo_4_5_3gpu_stage1_replicas.yaml", minicpmo_stage1_replicas),
+    "qwen3_omni_moe-tp2": Row("qwen3_omni_moe.yaml", qwen3_omni_tp2),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_main_deploys_switched_by_the_recipe_stream_every_chunk_once_to_the_right_stage(
+    pipeline: str, mode: str, short_tmp: Path
+) -> None:
+    """Every stage process of the deploy builds its connectors; every chunk reaches its next stage, once."""
+    row = PIPELINES[pipeline]
     shape = Shape(row.yaml, short_tmp, mode)
     row.build(shape)
     check(shape)
