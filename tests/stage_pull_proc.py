@@ -5,7 +5,7 @@
 It builds its connector from ``EXTRA`` and prints ``up binds`` or ``up client``; then it puts ``COUNT``
 keys ``PREFIX-i`` (every fourth one above the shared-memory threshold), ``PACE_S`` apart, printing
 ``ok KEY`` for each confirmed put and ``failed KEY`` for each refused one; then ``flushed BOOL PENDING
-BINDS`` once every put was fetched (or 30 s passed). It closes its connector when stdin ends.
+BINDS SHM_PUTS`` once every put was fetched (or 30 s passed). It closes its connector when stdin ends.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def main(argv: list[str]) -> int:
         print(f"{'ok' if ok else 'failed'} {key}", flush=True)
         time.sleep(pace)
     flushed = connector.flush(30.0)
-    pending = connector.health().get("pending")
-    print(f"flushed {flushed} {pending} {getattr(part, 'binds', True)}", flush=True)
+    health = connector.health()
+    print(
+        f"flushed {flushed} {health.get('pending')} {getattr(part, 'binds', True)} {health.get('shm_puts')}", flush=True
+    )
     sys.stdin.read()
     connector.close()
     return 0

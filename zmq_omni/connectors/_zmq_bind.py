@@ -120,6 +120,8 @@ def open_endpoint(
             shm_receive = ShmReceive(directory=cfg.shm_dir)
         if fast_path and cfg.mode == "pull":
             shm_send = shm_pool(cfg, loop)
+            if threaded and stage_shareable(bind_at):  # opens the handles of the stage's other processes
+                shm_receive = ShmReceive(directory=cfg.shm_dir)
         if curve is not None:
             auth = curve.start_authenticator(loop.ctx)
             if auth is not None:
@@ -198,6 +200,8 @@ def open_endpoint(
                     on_failure=shared.on_owned_failure,
                     put_timeout_s=cfg.put_timeout_s,
                     heartbeat_s=cfg.heartbeat_s,
+                    shm=shm_send,
+                    reader=shm_receive,
                 )
             )
         elif lock is not None and not lock.try_acquire():

@@ -10,7 +10,9 @@ them put. So, as push mode's receive endpoint
 (:class:`~zmq_omni.transport._stage_pull_service.StagePullService`); every
 other process of the stage on the host is its **local client**: its puts go
 over the service socket into the binder's store (``PUT``), and a put is
-confirmed only once the binder holds it (``STORED``).
+confirmed only once the binder holds it (``STORED``). A payload at or above
+the shared-memory threshold is written into a slot of this process's pool and
+only its handle crosses, once the binder said it reads this process's memory.
 
 A :class:`StagePull` is the pull part of a connector in either role: it
 stands in for the :class:`PullServer` (the same ``store``, ``forget``,
@@ -50,6 +52,7 @@ from ..metrics import Counters
 from ._loop import Driver
 from ._pull_protocol import Slot
 from ._pull_server import OwnedFailureCallback, PullServer
+from ._shm import ShmReceive, ShmSend
 from ._signal import NotifyingCondition, WouldBlock
 from ._stage_lock import StageLock
 from ._stage_pull_service import StagePullService
@@ -65,10 +68,11 @@ _MARGIN_S = 0.05  # a PUT asks the binder to wait for room this much less than t
 class _Put:
     """A payload this process handed to the binder, kept until it was fetched there."""
 
-    __slots__ = ("frames", "nbytes", "owner", "put_id", "slot", "state")
+    __slots__ = ("frames", "loc", "nbytes", "owner", "put_id", "slot", "state")
 
-    def __init__(self, put_id: int, slot: Slot, frames: list[Any], nbytes: int, owner: Any) -> None:
+    def __init__(self, put_id: int, slot: Slot, frames: list[Any], nbytes: int, owner: Any, loc: bytes | None) -> None:
         self.put_id = put_id
+        self.loc = loc  # its slot in this process's pool, while the binder was handed the handle
         self.slot = slot
         self.frames = frames
         self.nbytes = nbytes
@@ -88,6 +92,8 @@ class StagePull(PullServer):
         on_failure: a payload's failure, with its owner first (as :class:`PullServer`'s).
         put_timeout_s: longest a put waits for the binder's confirmation (and its room).
         heartbeat_s: how often the binder is pinged and the stage lock looked at.
+        shm: this process's slot pool (large payloads go to the binder as handles), or None.
+        reader: opens the clients' handles while this process binds, or None.
     """
 
     def __init__(
@@ -101,6 +107,8 @@ class StagePull(PullServer):
         on_failure: OwnedFailureCallback,
         put_timeout_s: float,
         heartbeat_s: float,
+        shm: ShmSend | None = None,
+        reader: ShmReceive | None = None,
     ) -> None:
         # Not PullServer.__init__: the server, when this process binds, is ``_inner``.
         self._loop = loop
@@ -110,6 +118,9 @@ class StagePull(PullServer):
         self._counters = counters
         self._on_failure = on_failure
         self._put_timeout = put_timeout_s
+        self._shm = shm
+        self._reader = reader
+        self._shm_ok = False  # the binder reads this process's shared memory (its PONG says)
         self._cv = NotifyingCondition()
         self._kept: dict[int, _Put] = {}
         self._bytes = 0
@@ -164,16 +175,22 @@ class StagePull(PullServer):
             WouldBlock: ``block=False`` and the binder's store is full (nothing kept).
         """
         slot = (from_stage, to_stage, key)
+        shm = self._shm
+        loc = None
+        if shm is not None and self._shm_ok and self._inner is None and nbytes >= shm.threshold:
+            loc = shm.write(frames)  # one copy into our slot; only its handle crosses
+            self._counters.add("shm_fallbacks" if loc is None else "shm_puts")
         with self._cv:
             inner = self._inner
             if inner is None:
                 if self._closed:
                     raise ClosedResourceError("connector closed", endpoint=self.endpoint)
                 self._next_id += 1
-                put = _Put(self._next_id, slot, frames, nbytes, owner)
+                put = _Put(self._next_id, slot, frames, nbytes, owner, loc)
                 self._kept[put.put_id] = put
                 self._bytes += nbytes
         if inner is not None:
+            self._discard(loc)
             return inner.store(from_stage, to_stage, key, frames, nbytes, block=block, owner=owner)
         deadline = time.monotonic() + self._put_timeout
         wait_s = max(0.0, self._put_timeout - _MARGIN_S) if block else 0.0
@@ -192,6 +209,7 @@ class StagePull(PullServer):
             if self._kept.pop(put.put_id, None) is not None:
                 self._bytes -= nbytes
             state, closed = put.state, self._closed
+        self._discard(put.loc)  # unless the binder opened it
         if closed:
             raise ClosedResourceError("connector closed", endpoint=self.endpoint)
         if state == _FULL:
@@ -275,11 +293,17 @@ class StagePull(PullServer):
             return inner.close()
         return self._lost(kept, "connector closed before stage {to} fetched the payload")
 
+    def _discard(self, loc: bytes | None) -> None:
+        """Free a slot of ours the binder never opened (a no-op once it leased it)."""
+        if loc is not None and self._shm is not None:
+            self._shm.discard(loc)
+
     def _drop(self, puts: list[_Put], *, cancel: bool = False) -> None:
         """Forget ``puts`` (caller holds ``_cv``); with ``cancel``, the binder drops them too."""
         for put in puts:
             if self._kept.pop(put.put_id, None) is not None:
                 self._bytes -= put.nbytes
+                self._discard(put.loc)
                 if cancel:
                     self._cancels.append(put.put_id)
         if self._cancels:
@@ -298,7 +322,7 @@ class StagePull(PullServer):
     def _bind(self) -> None:
         """Bind, holding the stage lock: bind the endpoint and serve the stage's other processes."""
         server = self._build()
-        service = StagePullService(self._loop, server, self._stage_lock.paths.service)
+        service = StagePullService(self._loop, server, self._stage_lock.paths.service, self._reader)
         self._loop.on_term(self._stage_lock.release)
         with self._cv:
             self._inner, self._service = server, service
@@ -314,17 +338,21 @@ class StagePull(PullServer):
         self._loop.add_reader(sock, self._drive)
         self._binder_pid = self._stage_lock.holder()
         self._incarnation = None
-        self._send(b"HELLO", [os.getpid()])
+        self._shm_ok = False  # until the new binder's PONG says it reads our memory
+        self._send(b"HELLO", [os.getpid(), None if self._shm is None else self._shm.probe])
         with self._cv:
             kept = sorted(self._kept.values(), key=lambda put: put.put_id)
         for put in kept:
+            self._discard(put.loc)  # the last binder's lease, if any, is reclaimed when its process is gone
+            put.loc = None
             self._send_put(put, self._put_timeout)
 
     def _send_put(self, put: _Put, wait_s: float) -> None:
         if self._sock is None or self._kept.get(put.put_id) is not put:
             return  # stored in this process's own server since, or given up
-        body = [put.put_id, *put.slot, put.nbytes, wait_s]
-        self._sock.send_multipart([b"PUT", msgpack.packb(body), *put.frames], copy=False)
+        body = [put.put_id, *put.slot, put.nbytes, wait_s, put.loc]
+        frames = put.frames if put.loc is None else []
+        self._sock.send_multipart([b"PUT", msgpack.packb(body), *frames], copy=False)
 
     def _send(self, verb: bytes, body: list[Any]) -> None:
         if self._sock is not None and not self._shut:
@@ -345,6 +373,14 @@ class StagePull(PullServer):
             verb, body = frames[0], msgpack.unpackb(frames[1])
             if verb == b"PONG":
                 self._ponged(int(body[0]), bytes(body[1]))
+                self._shm_ok = bool(body[2]) if len(body) > 2 else False
+                continue
+            if verb == b"FRAMES":  # the binder cannot read that slot: the payload goes as frames
+                put = self._kept.get(int(body[0]))
+                if put is not None and put.loc is not None:
+                    self._discard(put.loc)
+                    put.loc = None
+                    self._send_put(put, self._put_timeout)
                 continue
             failed: _Put | None = None
             with self._cv:
@@ -356,6 +392,7 @@ class StagePull(PullServer):
                 elif verb == b"FULL":
                     if put.state == _WAIT:
                         put.state = _FULL
+                        self._discard(put.loc)
                 else:  # FETCHED, FAILED, GONE: the binder let go of it
                     del self._kept[put.put_id]
                     self._bytes -= put.nbytes
@@ -400,7 +437,7 @@ class StagePull(PullServer):
             self._stage_lock.release()
             log.exception("the binder of %s is gone and binding it here failed", self.endpoint)
             return
-        service = StagePullService(self._loop, server, self._stage_lock.paths.service)
+        service = StagePullService(self._loop, server, self._stage_lock.paths.service, self._reader)
         self._loop.on_term(self._stage_lock.release)
         if self._sock is not None:
             self._loop.remove_reader(self._sock)
@@ -411,6 +448,7 @@ class StagePull(PullServer):
         with self._cv:
             kept = sorted(self._kept.values(), key=lambda put: put.put_id)
             for put in kept:
+                self._discard(put.loc)
                 try:
                     server.store(*put.slot, put.frames, put.nbytes, block=False, owner=put.owner)
                 except WouldBlock:

@@ -13,9 +13,11 @@ answered from one store. The wire is a multipart message
 ==========  ====================================  ==========================================
 verb        body                                  meaning
 ==========  ====================================  ==========================================
-``HELLO``   ``[pid]``                             a client (on a new socket after a binder change)
-``PING``    ``[]``                                alive; both answered ``PONG [pid, incarnation]``
-``PUT``     ``[id, from, to, key, nbytes, wait]``  + the encoded payload: store it (``wait``: s of room)
+``HELLO``   ``[pid, probe]``                      a client (on a new socket after a binder change)
+``PING``    ``[]``                                alive; both answered ``PONG [pid, incarnation, shm]``
+``PUT``     ``[id, from, to, key, nbytes, wait,   + the encoded payload, or none with ``loc``: store it
+            loc]``                                (``wait``: s of room; ``loc``: a slot of the client's)
+``FRAMES``  ``[id]``                              its ``loc`` cannot be read here: send the frames
 ``CANCEL``  ``[id]``                              the put is given up there: drop it
 ``FORGET``  ``[key, prefix]``                     a cleanup (firm for a key, digits for a prefix)
 ``STORED``  ``[id]``                              held here: the client's put is confirmed
@@ -24,6 +26,13 @@ verb        body                                  meaning
 ``FAILED``  ``[id, reason]``                      expired or given up here (reported by the client)
 ``GONE``    ``[id]``                              dropped by a cleanup: the client lets go silently
 ==========  ====================================  ==========================================
+
+A payload at or above the shared-memory threshold crosses as the handle of a
+slot in the client's pool, once the binder has read the client's probe (its
+``HELLO``) in its own shared-memory directory (``PONG``'s ``shm``): the
+binder leases the slot and stores views of it, so nothing is copied through
+the socket; a handle is accepted only for a segment of the client's own
+process (:meth:`~zmq_omni.transport._shm.ShmReceive.size`).
 
 Each stored client payload's owner in the pull server is a :class:`ClientPut`
 (it carries the failure back). A client keeps its payload until ``FETCHED``,
@@ -48,10 +57,11 @@ from typing import Any
 import msgpack
 import zmq
 
-from ..errors import ClosedResourceError, ZmqOmniError
+from ..errors import ClosedResourceError, DecodeError, ZmqOmniError
 from ._loop import Driver
 from ._pull_protocol import Slot
 from ._pull_server import PullServer
+from ._shm import ShmReceive
 from ._signal import WouldBlock
 from ._stage_service import key_rule
 
@@ -87,10 +97,13 @@ class StagePullService:
         loop: the driver of the stage endpoint (it owns this service's socket too).
         server: the bound pull server.
         address: the service address (``ipc://...``).
+        reader: opens the slots of payloads the clients hand over as handles (None: frames only).
     """
 
-    def __init__(self, loop: Driver, server: PullServer, address: str) -> None:
+    def __init__(self, loop: Driver, server: PullServer, address: str, reader: ShmReceive | None = None) -> None:
         self.loop = loop
+        self._reader = reader
+        self._probes: dict[bytes, Any] = {}  # clients whose shared memory this process reads: their probes
         self.server = server
         self.address = address
         #: Set before the server closes: its clients' puts are not reported failed, they go to the next binder.
@@ -122,13 +135,20 @@ class StagePullService:
 
     def _handle(self, client: bytes, verb: bytes, body: Any, payload: list[Any]) -> None:
         if verb == b"PUT":
-            put_id, from_stage, to_stage, key, nbytes, wait_s = body
+            put_id, from_stage, to_stage, key, nbytes, wait_s, loc = body
             slot = (str(from_stage), str(to_stage), str(key))
             put = self._puts.get((client, int(put_id)))
             if put is None:
                 put = ClientPut(self, client, int(put_id), slot)
-            # Views of the received frames: the server sends them on tracked (a received frame is not trackable).
-            frames = [frame.buffer for frame in payload]
+            if loc is not None:
+                views = self._open(client, bytes(loc))
+                if views is None:
+                    self._send(client, b"FRAMES", [put.put_id])
+                    return
+                frames: list[Any] = list(views)
+            else:
+                # Views of the received frames: the server sends them tracked (a received frame is not trackable).
+                frames = [frame.buffer for frame in payload]
             self._store(put, frames, int(nbytes), time.monotonic() + float(wait_s))
         elif verb == b"CANCEL":
             put = self._puts.pop((client, int(body[0])), None)
@@ -144,8 +164,30 @@ class StagePullService:
                     del self._puts[ident]
                     self._send(put.client, b"GONE", [put.put_id])
             self._waiting = [w for w in self._waiting if not rule(w[0].slot[2])]
-        elif verb in (b"PING", b"HELLO"):
-            self._send(client, b"PONG", [os.getpid(), self.incarnation])
+        elif verb == b"HELLO":
+            self._probes.pop(client, None)
+            probe = body[1] if len(body) > 1 else None
+            if probe is not None and self._reader is not None:
+                try:
+                    if self._reader.probe(probe):
+                        self._probes[client] = probe
+                except DecodeError as exc:
+                    log.warning("a local client of %s sent a bad probe: %s", self.address, exc)
+            self._send(client, b"PONG", [os.getpid(), self.incarnation, client in self._probes])
+        elif verb == b"PING":
+            self._send(client, b"PONG", [os.getpid(), self.incarnation, client in self._probes])
+
+    def _open(self, client: bytes, loc: bytes) -> list[memoryview] | None:
+        """Lease the slot of a client's handle (one of its own segments) and return its views; None: send frames."""
+        probe = self._probes.get(client)
+        if probe is None or self._reader is None:
+            return None
+        try:
+            ShmReceive.size(loc, probe)
+        except DecodeError as exc:
+            log.warning("a local client of %s handed over a handle it does not own: %s", self.address, exc)
+            return None
+        return self._reader.open(loc)
 
     def _store(self, put: ClientPut, frames: list[Any], nbytes: int, deadline: float) -> None:
         try:
