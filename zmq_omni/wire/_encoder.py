@@ -139,7 +139,7 @@ class _Encoder:
         if plan is not None and cls not in _registry.by_type:
             # A Struct class seen before and not registered (vllm-omni's payloads): its RECORD at once.
             self.flags |= FLAG_EXT | FLAG_OBJECT
-            return [_named_ext(EXT_RECORD, plan.name), _registry.struct_value(plan, obj)]
+            return [plan.marker, _registry.struct_value(plan, obj)]
         if cls is tuple:
             self.flags |= FLAG_EXT | FLAG_TUPLE
             return [_TUPLE_EXT, *obj]
