@@ -172,7 +172,7 @@ class Bound:
                 if buried != key:
                     receiver.forget(functools.partial(operator.eq, buried), key=buried, firm=True)
         if self.server is not None:
-            dropped += self.server.forget(match)
+            dropped += self.server.forget(match, key=key, prefix=prefix)
         return dropped
 
     def abandon(self, key: str) -> None:
