@@ -34,6 +34,7 @@ from zmq_omni.transport._sockets import tune_malloc
 from .conftest import wait_until
 
 _FRAMES = 10_000_000
+PIPE = asyncio.subprocess.PIPE
 _PACE_S = 0.005
 
 
@@ -141,6 +142,7 @@ async def test_an_event_loop_receiver_never_stalls_beside_ten_million_frames(sho
     attack = (
         "import sys\n"
         "from tests.test_pull_bounds import zmtp_flood\n"
+        "print('ready', flush=True)\n"
         "sys.stdin.readline()\n"  # the test's word to begin
         f"zmtp_flood(sys.argv[1][len('ipc://'):], {_FRAMES})\n"
     )
@@ -150,12 +152,13 @@ async def test_an_event_loop_receiver_never_stalls_beside_ten_million_frames(sho
         took: list[float] = []
         rebound_at, attacked_at = 0.0, 0.0
         attacker = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", attack, endpoint, cwd=ROOT, stdin=asyncio.subprocess.PIPE
+            sys.executable, "-c", attack, endpoint, cwd=ROOT, stdin=PIPE, stdout=PIPE
         )
+        assert attacker.stdin is not None and attacker.stdout is not None
+        assert await asyncio.wait_for(attacker.stdout.readline(), 60) == b"ready\n"  # its imports done
         sender = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _SENDER, endpoint, str(n), cwd=ROOT, stdout=asyncio.subprocess.PIPE
+            sys.executable, "-c", _SENDER, endpoint, str(n), cwd=ROOT, stdout=PIPE
         )
-        assert attacker.stdin is not None
         with _Ticker() as ticker:
             for i in range(n):
                 got = await conn.get("0", "1", f"k{i}", timeout=20)
