@@ -259,9 +259,12 @@ async def test_an_event_loop_pull_server_never_stalls_whatever_a_peer_sends(
                     assert got is not None and got[0] == {"i": i}
                 return took
 
-            attack = (  # in a process of its own, as an attacker is: its sends take no turn of this loop
+            # In a process of its own, as an attacker is (its sends take no turn of this loop), started before the
+            # ticker: a spawn waits for the child's exec (under load, 100 ms and more), a wait of the test's.
+            attack = (
                 "import sys, zmq\n"
                 "from tests.test_pull_bounds import fetch, zmtp_flood\n"
+                "sys.stdin.readline()\n"  # the test's word to begin
                 "sock = zmq.Context().socket(zmq.DEALER)\n"
                 "sock.connect(sys.argv[1])\n"
                 "for i in range(300):\n"  # FETCHes of 10k frames each (6 MB)
@@ -272,8 +275,13 @@ async def test_an_event_loop_pull_server_never_stalls_whatever_a_peer_sends(
 
             before = await rounds("before", 30)
             rejected = conn.health()["rejected_frames"]
+            attacker = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", attack, endpoint, cwd=ROOT, stdin=asyncio.subprocess.PIPE
+            )
+            assert attacker.stdin is not None
             with Ticker() as ticker:
-                attacker = await asyncio.create_subprocess_exec(sys.executable, "-c", attack, endpoint, cwd=ROOT)
+                attacker.stdin.write(b"go\n")
+                await attacker.stdin.drain()
                 during = await rounds("during", 60)
                 assert await asyncio.wait_for(attacker.wait(), 120) == 0
                 for _ in range(3000):

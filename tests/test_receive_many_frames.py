@@ -34,6 +34,7 @@ from zmq_omni.transport._sockets import tune_malloc
 from .conftest import wait_until
 
 _FRAMES = 10_000_000
+PIPE = asyncio.subprocess.PIPE
 _PACE_S = 0.005
 
 
@@ -57,6 +58,10 @@ class _Ticker(Ticker):
     """:class:`Ticker` that also keeps when its longest gap ended (``time.monotonic()``), for the failure message."""
 
     worst_at = 0.0
+
+    def __enter__(self) -> _Ticker:
+        super().__enter__()
+        return self
 
     async def _run(self) -> None:
         last, queued = time.monotonic(), _runqueue_wait_s()
@@ -127,11 +132,18 @@ print(json.dumps({"failed": failed, "delivery_failures": health["delivery_failur
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_event_loop_receiver_never_stalls_beside_ten_million_frames(short_tmp: Path) -> None:
     endpoint = f"ipc://{short_tmp}/loop.sock"
-    spec = {"name": "ZmqConnector", "extra": {"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}}}
+    spec: dict[str, Any] = {
+        "name": "ZmqConnector",
+        "extra": {"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}},
+    }
     n, attack_at = 1500, 100  # puts every 5 ms: the attack starts after the 100th, the stream runs ~7 s
-    attack = (  # the sender and the attacker in processes of their own, as they are: no turn of this loop
+    # The sender and the attacker in processes of their own, as they are, started before the ticker: a spawn
+    # waits for the child's exec (under load, 100 ms and more), a wait of the test's, not of the receiver's.
+    attack = (
         "import sys\n"
         "from tests.test_pull_bounds import zmtp_flood\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"  # the test's word to begin
         f"zmtp_flood(sys.argv[1][len('ipc://'):], {_FRAMES})\n"
     )
     async with AsyncConnector.create({**spec, "extra": {**spec["extra"], "shm": "off"}}) as conn:
@@ -139,19 +151,25 @@ async def test_an_event_loop_receiver_never_stalls_beside_ten_million_frames(sho
         start_rss = rss_mb()
         took: list[float] = []
         rebound_at, attacked_at = 0.0, 0.0
+        attacker = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", attack, endpoint, cwd=ROOT, stdin=PIPE, stdout=PIPE
+        )
+        assert attacker.stdin is not None and attacker.stdout is not None
+        assert await asyncio.wait_for(attacker.stdout.readline(), 60) == b"ready\n"  # its imports done
+        sender = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _SENDER, endpoint, str(n), cwd=ROOT, stdout=PIPE
+        )
         with _Ticker() as ticker:
-            sender = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _SENDER, endpoint, str(n), cwd=ROOT, stdout=asyncio.subprocess.PIPE
-            )
             for i in range(n):
                 got = await conn.get("0", "1", f"k{i}", timeout=20)
                 assert got is not None and got[0]["i"] == i, (i, got)
                 took.append(time.monotonic() - got[0]["t"])
-                if not rebound_at and conn.health()["rebinds"]:
+                if attacked_at and not rebound_at and conn.health()["rebinds"]:
                     rebound_at = time.monotonic()
                 if i == attack_at:
                     attacked_at = time.monotonic()
-                    attacker = await asyncio.create_subprocess_exec(sys.executable, "-c", attack, endpoint, cwd=ROOT)
+                    attacker.stdin.write(b"go\n")
+                    await attacker.stdin.drain()
             out, _ = await asyncio.wait_for(sender.communicate(), 60)
             assert await asyncio.wait_for(attacker.wait(), 60) == 0
         health = conn.health()
