@@ -18,12 +18,10 @@ and host** (no ``{replica}``, no ``{rank}``). A shape passes when every request'
 chunks (or KV shards) reach the process that asks for them, exactly once, and
 every process builds, confirms its puts and exits cleanly.
 
-In push mode the stage endpoint is shared by the stage's processes on a host:
-the holder of the stage lock binds it, the others become its local clients.
-Pull mode has no such sharing yet: shapes whose sending stage has several
-processes on a host are marked ``xfail(strict=True)`` (the second process
-fails with "another process is listening"), and turn into failures the day it
-lands.
+The stage endpoint is shared by the stage's processes on a host: the holder
+of the stage lock binds it, the others become its local clients (push: they
+ask the binder for keys; pull: they store their puts in the binder's pull
+server, which answers every FETCH of the stage).
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ CHUNKS = 4
 RESULT_WAIT_S = 60.0
 EXIT_WAIT_S = 15.0
 PROCESS_DEADLINE_S = 30.0
-NEEDS_SHARED = "pull mode: the sending stage's processes on a host cannot share its pull endpoint yet (issue 46)"
 
 
 def one_configuration(stage_ids: list[str], tmp: Path, mode: str, transport: str = "ipc") -> dict[str, Any]:
@@ -194,31 +191,25 @@ def kv_between(from_tp: int, to_tp: int) -> Callable[[Shape], None]:
 
 @dataclass
 class Row:
-    """One row of the issue's table: its YAML, its processes, and which modes pass without a shared endpoint."""
+    """One row of the issue's table: its YAML and its processes."""
 
     yaml: str
     build: Callable[[Shape], None]
-    passes: tuple[str, ...]
 
 
 ROWS = {
-    "replicas-receiving": Row("qwen3_omni_moe.yaml", replicas_receiving, ("push", "pull")),
-    "replicas-sending": Row("minicpmo_4_5_3gpu_stage1_replicas.yaml", replicas_sending, ("push",)),
-    "tp2-receiving": Row("qwen3_omni_moe.yaml", tp_receiving, ("push", "pull")),
-    "tp2-sending": Row("qwen3_omni_moe.yaml", tp_sending, ("push",)),
-    "kv-tp2-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(2, 2), ("push",)),
-    "kv-tp2-to-tp1": Row("qwen3_omni_moe.yaml", kv_between(2, 1), ("push",)),
-    "kv-tp1-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(1, 2), ("push", "pull")),
+    "replicas-receiving": Row("qwen3_omni_moe.yaml", replicas_receiving),
+    "replicas-sending": Row("minicpmo_4_5_3gpu_stage1_replicas.yaml", replicas_sending),
+    "tp2-receiving": Row("qwen3_omni_moe.yaml", tp_receiving),
+    "tp2-sending": Row("qwen3_omni_moe.yaml", tp_sending),
+    "kv-tp2-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(2, 2)),
+    "kv-tp2-to-tp1": Row("qwen3_omni_moe.yaml", kv_between(2, 1)),
+    "kv-tp1-to-tp2": Row("qwen3_omni_moe.yaml", kv_between(1, 2)),
 }
 
 
 def _cases() -> list[Any]:
-    cases = []
-    for row_id, row in ROWS.items():
-        for mode in ("push", "pull"):
-            marks = [] if mode in row.passes else [pytest.mark.xfail(strict=True, reason=NEEDS_SHARED)]
-            cases.append(pytest.param(row_id, mode, id=f"{row_id}-{mode}", marks=marks))
-    return cases
+    return [pytest.param(row_id, mode, id=f"{row_id}-{mode}") for row_id in ROWS for mode in ("push", "pull")]
 
 
 def run_shape(shape: Shape) -> tuple[dict[str, dict[str, Any]], dict[str, int], str]:
@@ -274,10 +265,10 @@ def check(shape: Shape) -> None:
     problems = {name: r["problems"] for name, r in results.items() if r["problems"]}
     assert not problems, f"{problems}\n{outputs}"
     assert set(results) == {p.name for p in shape.procs}, f"processes without a result\n{outputs}"
-    # each request's chunks reached the one process that asked for them, all of them, once, in order
-    asked = {r: p.name for p in shape.procs for r, _ in p.plan.get("receive", [])}
-    got = {r: (name, chunks) for name, res in results.items() for r, chunks in res["received"].items()}
-    assert got == {r: (name, list(range(CHUNKS))) for r, name in asked.items()}, outputs
+    # each request's chunks reached each process that asked for them, all of them, once, in order
+    asked = {(p.name, r) for p in shape.procs for r, _ in p.plan.get("receive", [])}
+    got = {(name, r): chunks for name, res in results.items() for r, chunks in res["received"].items()}
+    assert got == {key: list(range(CHUNKS)) for key in asked}, outputs
     for proc in shape.procs:
         if proc.plan.get("kv_receive"):
             assert results[proc.name]["kv"] == dict.fromkeys(REQUESTS, True), outputs
@@ -288,6 +279,41 @@ def check(shape: Shape) -> None:
 @pytest.mark.parametrize(("row_id", "mode"), _cases())
 def test_every_shape_moves_every_chunk_with_one_configuration(row_id: str, mode: str, short_tmp: Path) -> None:
     row = ROWS[row_id]
+    shape = Shape(row.yaml, short_tmp, mode)
+    row.build(shape)
+    check(shape)
+
+
+def minicpmo_stage1_replicas(shape: Shape) -> None:
+    """Main's ``minicpmo_4_5_3gpu_stage1_replicas.yaml`` whole: stage 0 builds no connector (its YAML names
+    none for it), stage 1's two replicas stream to stage 2."""
+    assert shape.config(0)["name"] != "ZmqConnector" and not shape.edges.get(("0", "1"))
+    replicas_sending(shape)
+
+
+def qwen3_omni_tp2(shape: Shape) -> None:
+    """``qwen3_omni_moe.yaml`` laid out as its NPU platform section does: the thinker (stage 0) with TP = 2
+    (an EngineCore and two ranks) streams to the talker (stage 1), which streams to code2wav (stage 2)."""
+    engine, rank0 = leader_split(REQUESTS)
+    shape.tp_stage("s0", 0, 2, {"send": engine}, {"send": rank0})
+    shape.add("s1", 1, ["adapter", "mixin"], receive=split(REQUESTS, mover_of), send=split(REQUESTS, mover_of))
+    shape.add("s2", 2, ["adapter", "mixin"], receive=split(REQUESTS, mover_of))
+
+
+PIPELINES = {
+    "minicpmo_4_5_3gpu_stage1_replicas": Row("minicpmo_4_5_3gpu_stage1_replicas.yaml", minicpmo_stage1_replicas),
+    "qwen3_omni_moe-tp2": Row("qwen3_omni_moe.yaml", qwen3_omni_tp2),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_main_deploys_switched_by_the_recipe_stream_every_chunk_once_to_the_right_stage(
+    pipeline: str, mode: str, short_tmp: Path
+) -> None:
+    """Every stage process of the deploy builds its connectors; every chunk reaches its next stage, once."""
+    row = PIPELINES[pipeline]
     shape = Shape(row.yaml, short_tmp, mode)
     row.build(shape)
     check(shape)

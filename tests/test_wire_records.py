@@ -180,3 +180,11 @@ def test_a_header_walked_at_once_for_its_inline_arrays_still_meets_the_limits() 
     with pytest.raises(EncodeError, match="refuse"):
         encode(many, limits=DecodeLimits(max_objects=50))
     assert decode(encode(many))["b"] == list(range(100))
+
+
+def test_the_registry_marks_records_with_the_codec_s_record_code() -> None:
+    from zmq_omni.wire._codec import EXT_RECORD
+
+    assert _registry.RECORD_CODE == EXT_RECORD
+    encode(Leaf())
+    assert _registry.struct_plans[Leaf].marker.code == EXT_RECORD

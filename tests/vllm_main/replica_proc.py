@@ -28,6 +28,7 @@ build is a problem written at once.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -153,10 +154,11 @@ class Process:
                 break
             time.sleep(0.01)
         else:
-            self.problems.append(f"never arrived: {self._missing()}")
+            health = {name: mover.connector.health() for name, mover in self.movers.items()}
+            self.problems.append(f"never arrived: {self._missing()} {health}")
         for name, mover in self.movers.items():
             if not mover.connector.flush(self.deadline_s):
-                self.problems.append(f"{name}: puts not confirmed")
+                self.problems.append(f"{name}: puts not confirmed: {mover.connector.health()}")
             if mover.failed_puts:
                 self.problems.append(f"{name}: puts that failed: {mover.failed_puts[:10]}")
             if mover.errors:
@@ -184,6 +186,7 @@ def write_result(path: str, result: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     """Build, move, report, and close when stdin closes."""
     plan: Plan = json.loads(argv[0])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     if "tp_rank" in plan:
         vllm_state.install(plan["tp_rank"], plan.get("tp_size", 1))
     try:

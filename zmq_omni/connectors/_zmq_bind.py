@@ -3,7 +3,7 @@
 The bound part (a push receiver or a pull server) lives in a :class:`SharedEndpoint`
 held by every connector of this process bound at that address; the connectors on
 it must agree on the settings in :data:`BOUND_SETTINGS`. Plain functions: the
-connector hands them what they use.
+connector's parts (``Bound`` in ``_zmq_bound``, ``Sending``'s pool) hand them what they use.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..transport import (
     ShmSend,
     StageClient,
     StageLock,
+    StagePull,
     StageService,
 )
 from ..wire import DecodeLimits, decode_each, encode
@@ -119,6 +120,8 @@ def open_endpoint(
             shm_receive = ShmReceive(directory=cfg.shm_dir)
         if fast_path and cfg.mode == "pull":
             shm_send = shm_pool(cfg, loop)
+            if threaded and stage_shareable(bind_at):  # opens the handles of the stage's other processes
+                shm_receive = ShmReceive(directory=cfg.shm_dir)
         if curve is not None:
             auth = curve.start_authenticator(loop.ctx)
             if auth is not None:
@@ -128,7 +131,7 @@ def open_endpoint(
         )
         # The stage endpoint is shared by the stage's processes on this host: the holder of its stage lock
         # binds it and serves the others, which become its local clients (transport/_stage_lock.py).
-        lock = StageLock(bind_at) if cfg.mode == "push" and threaded and stage_shareable(bind_at) else None
+        lock = StageLock(bind_at) if threaded and stage_shareable(bind_at) else None
 
         def bind_here(held: StageLock | None) -> PushReceiver:
             receiver = PushReceiver(
@@ -164,28 +167,10 @@ def open_endpoint(
                 loop.on_term(held.release)
             return receiver
 
-        if lock is not None and not lock.try_acquire():
-            shared.part = StageClient(
-                loop,
-                advertised or bind_at,
-                lock.paths.service,
-                decode=decode,
-                counters=shared.counters,
-                heartbeat_s=cfg.heartbeat_s,
-                peer_timeout_s=cfg.peer_timeout_s,
-                ack_delay_s=cfg.ack_delay_s,
-                unclaimed_ttl_s=cfg.unclaimed_ttl_s,
-                tombstone_ttl_s=cfg.tombstone_ttl_s,
-                max_tombstones=cfg.max_tombstones,
-                shm=shm_receive,
-                lock=lock,
-                become_binder=bind_here,
-            )
-        elif cfg.mode == "push":
-            shared.part = bind_here(lock)
-        else:
+        if cfg.mode == "pull":
             fixed = advertised if advertised and not advertised.endswith((":0", ":*")) else None
-            shared.part = PullServer(
+            serve = functools.partial(
+                PullServer,
                 loop,
                 bind_at,
                 fixed,
@@ -202,6 +187,42 @@ def open_endpoint(
                 curve=curve,
                 shm=shm_send,
             )
+            # The stage's processes on this host share the pull endpoint as they share push's (_stage_pull.py).
+            shared.part = (
+                serve()
+                if lock is None
+                else StagePull(
+                    loop,
+                    fixed or bind_at,
+                    lock=lock,
+                    build_server=serve,
+                    counters=shared.counters,
+                    on_failure=shared.on_owned_failure,
+                    put_timeout_s=cfg.put_timeout_s,
+                    heartbeat_s=cfg.heartbeat_s,
+                    shm=shm_send,
+                    reader=shm_receive,
+                )
+            )
+        elif lock is not None and not lock.try_acquire():
+            shared.part = StageClient(
+                loop,
+                advertised or bind_at,
+                lock.paths.service,
+                decode=decode,
+                counters=shared.counters,
+                heartbeat_s=cfg.heartbeat_s,
+                peer_timeout_s=cfg.peer_timeout_s,
+                ack_delay_s=cfg.ack_delay_s,
+                unclaimed_ttl_s=cfg.unclaimed_ttl_s,
+                tombstone_ttl_s=cfg.tombstone_ttl_s,
+                max_tombstones=cfg.max_tombstones,
+                shm=shm_receive,
+                lock=lock,
+                become_binder=bind_here,
+            )
+        else:
+            shared.part = bind_here(lock)
         if threaded:
             loop.start()
     except BaseException:

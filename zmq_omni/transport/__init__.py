@@ -21,6 +21,7 @@ from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import listening, reserve_loopback_port, tune_malloc
 from ._stage_client import StageClient
 from ._stage_lock import StageLock
+from ._stage_pull import StagePull
 from ._stage_service import StageService
 from ._tombstones import Tombstones
 
@@ -45,6 +46,7 @@ __all__ = [
     "ShmSend",
     "StageClient",
     "StageLock",
+    "StagePull",
     "StageService",
     "Tombstones",
     "WouldBlock",

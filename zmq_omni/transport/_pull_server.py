@@ -114,6 +114,9 @@ class PullServer:
             counters.add(name, 0)
         self._probed_at = 0.0
         self._closed = False
+        #: Called (on the driver, with the store lock held) as a fetched payload's reply goes to ZeroMQ:
+        #: ``(slot, owner)``. A stage's shared endpoint tells the process that stored it (``_stage_pull_service``).
+        self.on_fetched: Callable[[Slot, Any], None] | None = None
         self._router = PullRouter(
             loop,
             bind_endpoint,
@@ -186,8 +189,11 @@ class PullServer:
                 self._loop.call_soon(lambda: self._serve_waiter(slot))
         return {"endpoint": self.endpoint, "from_stage": from_stage, "to_stage": to_stage, "key": key, "size": nbytes}
 
-    def forget(self, match: Callable[[str], bool]) -> int:
-        """Drop stored payloads whose key matches; return how many."""
+    def forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
+        """Drop stored payloads whose key matches; return how many.
+
+        ``key`` / ``prefix``: the cleanup ``match`` stands for (a stage's shared endpoint forwards them).
+        """
         with self._cv:
             slots = [slot for slot in self._store if match(slot[2])]
             for slot in slots:
@@ -388,6 +394,8 @@ class PullServer:
             if tracker is not None:
                 self._counters.add("fetched")
                 leaving.tracker, leaving.loc = tracker, loc
+                if self.on_fetched is not None:
+                    self.on_fetched(slot, entry.owner)
                 return
             self._leaving.remove(leaving)
         if loc is not None and self._shm is not None:

@@ -113,54 +113,48 @@ def trim_malloc() -> None:
 def trim_malloc_in_steps(step_bytes: int = _TRIM_STEP_BYTES, pause_s: float = _TRIM_PAUSE_S) -> None:
     """:func:`trim_malloc` in short steps with pauses between them: for a thread beside an event loop.
 
-    One ``malloc_trim`` holds the heap's lock while it hands every free page back (40-130 ms
+    One ``malloc_trim`` holds the heap's lock while it hands every free page back (90-140 ms
     for 640 MB on 2 loaded cores), and an event loop's thread allocates from that heap: it
-    waits as long. In steps, no lock is held long:
-
-    - free memory inside the heap (below a live block) is taken out of it a block of up to
-      8 MiB at a time (``malloc``) and, the block being ours, its pages are handed back
-      (``madvise(MADV_DONTNEED)``) with no lock held; the blocks are freed together at the
-      end. Only on a heap tuned by :func:`~zmq_omni.transport._sockets.tune_malloc` (one
-      heap, no block ``mmap``'d), where such a block is always carved from that heap;
-    - the heap's free top goes back ``step_bytes`` a ``malloc_trim`` call (its ``pad`` keeps
-      the rest; 3-7 ms for 32 MB);
-    - a last ``malloc_trim(0)`` hands back what is left (free blocks under 256 KiB; pages
-      already handed back cost it nothing).
+    waits as long. In steps, no lock is held long. On a heap tuned by
+    :func:`~zmq_omni.transport._sockets.tune_malloc` (one heap, no block ``mmap``'d, so every
+    block is carved from it) the free memory is taken out of the heap a block of up to 8 MiB
+    at a time (``malloc``, a few microseconds under the lock) and, the block being ours, its
+    pages are handed back (``madvise(MADV_DONTNEED)``) with no lock held; the blocks are freed
+    together at the end. Elsewhere the heap's free top goes back ``step_bytes`` a
+    ``malloc_trim`` call (its ``pad`` keeps the rest; 3-7 ms for 32 MB). A last
+    ``malloc_trim(0)`` hands back what is left (free blocks under 256 KiB, the top's address
+    range); pages already handed back cost it nothing.
     """
     libc = _load_libc()
     if not libc or not hasattr(libc, "malloc_trim"):
         return
     if all(hasattr(libc, name) for name in ("mallinfo2", "madvise", "sbrk")) and malloc_tuned():
-        _hand_back_inside(libc, _TAKE_PAUSE_S if pause_s else 0.0)
-    pad = _mallinfo(libc).keepcost - step_bytes if hasattr(libc, "mallinfo2") else 0
-    while pad > 0:
-        libc.malloc_trim(ctypes.c_size_t(pad))
-        time.sleep(pause_s)
-        pad -= step_bytes
+        _hand_back_free(libc, _TAKE_PAUSE_S if pause_s else 0.0)
+    else:
+        pad = _mallinfo(libc).keepcost - step_bytes if hasattr(libc, "mallinfo2") else 0
+        while pad > 0:
+            libc.malloc_trim(ctypes.c_size_t(pad))
+            time.sleep(pause_s)
+            pad -= step_bytes
     libc.malloc_trim(0)
 
 
-def _hand_back_inside(libc: Any, pause_s: float) -> None:
-    """Hand back the pages of the free blocks below the heap's top, a block at a time (see the caller)."""
+def _hand_back_free(libc: Any, pause_s: float) -> None:
+    """Hand back the pages of the heap's free memory a block at a time, no lock held meanwhile (see the caller)."""
     held: list[int] = []
     size, budget = _TAKE_BYTES, -1
     try:
         while size >= _TAKE_FLOOR:
             info = _mallinfo(libc)
-            inside = info.fordblks - info.keepcost  # free bytes below the heap's top
             if budget < 0:
-                budget = inside + _TAKE_BYTES  # never more than was free at the start: the loop ends
-            if inside < size or budget < size:
+                budget = info.fordblks + _TAKE_BYTES  # never more than was free at the start: the loop ends
+            if budget < size or info.fordblks < size:
                 size //= 2
                 continue
-            top = libc.sbrk(0) - info.keepcost  # where the heap's free top begins
-            block = libc.malloc(size)
+            end = libc.sbrk(0)  # the heap's end
+            block = libc.malloc(size)  # the best-fitting free block, else the heap's free top
             if not block:
                 return
-            if block >= top:  # carved from the top: no free block of this size is left below it
-                libc.free(block)
-                size //= 2
-                continue
             held.append(block)
             budget -= size
             # Pages wholly inside the block: its header (and what ``free`` writes past it) stays.
@@ -168,6 +162,8 @@ def _hand_back_inside(libc: Any, pause_s: float) -> None:
             last = (block + size - _CHUNK_HEAD) & -_PAGE
             if last > first:
                 libc.madvise(first, last - first, mmap.MADV_DONTNEED)
+            if block + size > end:  # the heap grew for it: no free block of this size is left
+                size //= 2
             time.sleep(pause_s)  # the heap's lock is free meanwhile: the loop's thread allocates
     finally:
         for block in held:
