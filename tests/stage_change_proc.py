@@ -56,7 +56,7 @@ def _lend(connector: ZmqConnector, key: str) -> None:
     _say("asked")
     if connector.wait_for_change(generation, timeout=20) != generation:
         _say("lent")
-    part = connector._receiver
+    part = connector._bound.receiver
     token = getattr(part, "_binder_token", None)
     for line in sys.stdin:
         command = line.strip()
@@ -72,12 +72,12 @@ def main(argv: list[str]) -> int:
     mode, extra, key = argv[0], json.loads(argv[1]), argv[2]
     seconds = float(argv[3]) if len(argv) > 3 else 0.0
     connector = ZmqConnector(extra)
-    _say("up", type(connector._receiver).__name__)
+    _say("up", type(connector._bound.receiver).__name__)
     if mode == "lend":
         _lend(connector, key)
     elif mode == "poll":
         got = _poll(connector, key, seconds)
-        binds = "binds" if getattr(connector._receiver, "binds", True) else "client"
+        binds = "binds" if getattr(connector._bound.receiver, "binds", True) else "client"
         _say(f"got {key}" if got is not None else "none", binds)
     elif mode == "block":
         got = connector.get_with_deadline("0", "1", key, deadline=time.monotonic() + seconds)
