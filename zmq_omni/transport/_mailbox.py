@@ -92,7 +92,7 @@ class Mailbox:
         self._heavy_bytes = 0  # taken since on_left(True) was last called (ACK_BYTES)
         self._told = False  # on_left was called since the last handover
         self._on_left = on_left
-        self._elsewhere: dict[tuple[str, int], None] = {}  # puts taken through a previous binder (in order)
+        self._elsewhere: dict[tuple[str, int], bool] = {}  # puts taken through a previous binder (in order)
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
         self.closed = False
         self._opening = 0  # shared-memory items taken and not yet mapped: a seal waits for them (close)
@@ -166,7 +166,7 @@ class Mailbox:
         taken = 0
         with self.lock:
             for pair in pairs:
-                self._elsewhere[pair] = None
+                self._elsewhere[pair] = True  # (a value pop can tell from its default)
             while len(self._elsewhere) > _ELSEWHERE_MAX:
                 del self._elsewhere[next(iter(self._elsewhere))]
             for slot, item in list(self._box.items()):
