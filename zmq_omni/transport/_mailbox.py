@@ -89,7 +89,8 @@ class Mailbox:
         self._heavy_bytes = 0  # taken since on_left(True) was last called (ACK_BYTES)
         self._told = False  # on_left was called since the last handover
         self._on_left = on_left
-        self._elsewhere: dict[tuple[str, int], None] = {}  # puts taken through a previous binder (in order)
+        # Puts taken through a previous binder (in order); the value is True (a pop's default tells absence).
+        self._elsewhere: dict[tuple[str, int], bool] = {}
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
         self.closed = False
         self._opening = 0  # shared-memory items taken and not yet mapped: a seal waits for them (close)
@@ -163,7 +164,7 @@ class Mailbox:
         taken = 0
         with self.lock:
             for pair in pairs:
-                self._elsewhere[pair] = None
+                self._elsewhere[pair] = True
             while len(self._elsewhere) > _ELSEWHERE_MAX:
                 del self._elsewhere[next(iter(self._elsewhere))]
             for slot, item in list(self._box.items()):

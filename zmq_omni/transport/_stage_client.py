@@ -50,6 +50,8 @@ log = logging.getLogger("zmq_omni.transport")
 
 #: How long a polling get's want stays open at the binder (renewed by a poll once half of it passed).
 POLL_WANT_S = 2.0
+#: Longest a binder change waits for gets mapping lent shared-memory slots (microseconds, unless stalled).
+_SEAL_WAIT_S = 5.0
 
 
 class StageClient(PushReceiver):
@@ -290,6 +292,9 @@ class StageClient(PushReceiver):
         next binder. Whoever of the stage's processes takes the stage lock first binds; the others
         ask it again for what their gets want.
         """
+        # Seal first: a get mapping a lent shared-memory slot right now notes its consumption when the
+        # mapping is done (Mailbox.result), and the seal waits for that, so the handover below names it.
+        self._mailbox.close(timeout=_SEAL_WAIT_S)
         self._settle()  # what gets took: the next binder counts it consumed when its sender resends it
         withdrawn = self._mailbox.withdraw()
         self._leases.clear()
