@@ -27,6 +27,15 @@ reader (what an event loop driving it would stall), the longest the real peer
 waited for an answer (the blackout), how many of its asks it sent again, and
 the process's RSS before, at its peak (libzmq holds the whole message), and 2 s
 after the attack.
+
+A second table (``--trims``; ``--trims-only`` skips the first) gives what handing
+the dropped message's memory back costs a thread beside it, as an event loop's
+thread would be: on a heap tuned as the connectors tune it (one arena, no mmap),
+640 MB in 16 KB blocks (libzmq's pipe chunks) are freed, either at the heap's top
+or below a live block, then a thread hands them back: ``one`` (a single
+``malloc_trim(0)``) or ``steps`` (``trim_malloc_in_steps``, as the receivers do
+after a rebind). A ticking thread allocates 2 KB every millisecond (from the same
+heap) and keeps its longest gap, less the time it waited for a CPU.
 """
 
 from __future__ import annotations
@@ -212,13 +221,87 @@ def run(how: str, frames: int, budget_s: float, max_frames: int) -> dict[str, An
     }
 
 
+def _runqueue_wait_s() -> float:
+    with open("/proc/thread-self/schedstat") as stats:
+        return int(stats.read().split()[1]) / 1e9
+
+
+def trim_cost(how: str, below_live: bool, megabytes: int = 640) -> dict[str, float]:
+    """One hand-back of ``megabytes`` freed 16 KB blocks: the ticking thread's worst gap, the trim's time, RSS."""
+    from zmq_omni.transport._router import trim_malloc_in_steps
+
+    _LIBC.malloc.restype = ctypes.c_void_p
+    _LIBC.malloc.argtypes = [ctypes.c_size_t]
+    _LIBC.free.argtypes = [ctypes.c_void_p]
+    _LIBC.malloc_trim(0)
+    blocks = [_LIBC.malloc(16 << 10) for _ in range(megabytes << 6)]
+    for block in blocks:
+        ctypes.memset(block, 1, 16 << 10)
+    live = _LIBC.malloc(1 << 20) if below_live else None
+    if live:
+        ctypes.memset(live, 1, 1 << 20)
+    for block in blocks:
+        _LIBC.free(block)
+    before, stop, worst = rss_mb(), threading.Event(), [0.0]
+
+    def tick() -> None:
+        last, queued = time.monotonic(), _runqueue_wait_s()
+        while not stop.is_set():
+            time.sleep(0.001)
+            bytearray(2048)  # from the C heap, as an event loop's objects are
+            now, queued_now = time.monotonic(), _runqueue_wait_s()
+            worst[0] = max(worst[0], now - last - (queued_now - queued))
+            last, queued = now, queued_now
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    time.sleep(0.05)
+    worst[0] = 0.0
+    start = time.monotonic()
+    trimmer = threading.Thread(target=(lambda: _LIBC.malloc_trim(0)) if how == "one" else trim_malloc_in_steps)
+    trimmer.start()
+    trimmer.join()
+    took = time.monotonic() - start
+    time.sleep(0.02)
+    stop.set()
+    ticker.join()
+    if live:
+        _LIBC.free(live)
+    return {"gap_ms": worst[0] * 1000, "trim_ms": took * 1000, "before": before, "after": rss_mb()}
+
+
+def trims(reps: int) -> None:
+    from zmq_omni.transport import tune_malloc
+
+    if not tune_malloc():
+        print("glibc's malloc not tunable here: no trim table")
+        return
+    print(f"\n{'trim':<6} {'freed':<12} {'worst gap ms':>13} {'trim ms':>8} {'RSS MB before/after':>20}")
+    for below_live in (False, True):
+        for how in ("one", "steps"):
+            for _ in range(reps):
+                row = trim_cost(how, below_live)
+                where = "below a live" if below_live else "at the top"
+                print(
+                    f"{how:<6} {where:<12} {row['gap_ms']:>13.1f} {row['trim_ms']:>8.0f} "
+                    f"{row['before']:>11.0f}/{row['after']:.0f}",
+                    flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--ways", nargs="+", default=["whole", "skip", "rebind"])
     parser.add_argument("--budget-ms", type=float, default=10.0)
     parser.add_argument("--max-frames", type=int, default=65536)
+    parser.add_argument("--trims", action="store_true", help="also the table of trims")
+    parser.add_argument("--trims-only", action="store_true", help="the table of trims alone")
+    parser.add_argument("--reps", type=int, default=3, help="runs of each trim")
     args = parser.parse_args()
+    if args.trims_only:
+        trims(args.reps)
+        return
     print(f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}; budget {args.budget_ms} ms, ", end="")
     print(f"max_frames {args.max_frames}")
     head = f"{'reader':<7} {'frames':>10} {'send s':>7} {'turn ms':>8} {'blackout ms':>12} {'lost':>5} {'rebinds':>8}"
@@ -232,6 +315,8 @@ def main() -> None:
                 f"{row['lost']:>5} {row['rebinds']:>8} {rss:>26}",
                 flush=True,
             )
+    if args.trims:
+        trims(args.reps)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     once = argv[2:] == ["once"]
     wait_s = float(argv[2]) if len(argv) > 2 and not once else None
     connector = ZmqConnector(extra)
-    print(f"up {type(connector._receiver).__name__}", flush=True)
+    print(f"up {type(connector._bound.receiver).__name__}", flush=True)
     if once:
         for key in keys:
             connector.get("0", "1", key)
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         value = got[0]["data"]
         print(f"{key} {value.nbytes} {int(value[0])}", flush=True)
         time.sleep(0.05)
-    part = connector._receiver
+    part = connector._bound.receiver
     print(f"done {type(part).__name__} {'binds' if getattr(part, 'binds', False) else 'client'}", flush=True)
     connector.close()
     return 0

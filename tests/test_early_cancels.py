@@ -82,7 +82,7 @@ def test_a_binding_receiver_takes_the_cleanups_over_and_the_record_keeps_none(
     made.append(conn)
     assert conn.cleanup_prefix("req_") == 0  # not bound yet: kept in the endpoint's record
     assert conn.get("0", "1", "other") is None  # its first get binds
-    shared, receiver = conn._shared, conn._receiver
+    shared, receiver = conn._bound.shared, conn._bound.receiver
     assert shared is not None and receiver is not None
     assert shared.expected.cancelled is None and shared.expected.bound is shared
     assert receiver.buries("req_7") and not receiver.buries("other")

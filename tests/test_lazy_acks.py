@@ -201,9 +201,9 @@ def test_ack_delay_s_is_a_config_key() -> None:
 
 def test_connectors_of_a_process_share_one_context(short_tmp: Path) -> None:
     with _edge(short_tmp) as (receiver, sender):
-        assert receiver._loop is not None and sender._loop is not None
-        ctx = receiver._loop.ctx
-        assert sender._loop.ctx is ctx
+        assert receiver.driver is not None and sender.driver is not None
+        ctx = receiver.driver.ctx
+        assert sender.driver.ctx is ctx
         receiver.close()  # the other connector's context stays open, and it still works
         assert not ctx.closed
         assert sender.put("0", "1", "k", 1)[0]
@@ -229,8 +229,8 @@ def test_a_connector_with_an_allow_list_has_a_context_of_its_own(short_tmp: Path
     )
     plain = ZmqConnector({"stage_id": "0", "role": "sender", "endpoints": {"2": f"ipc://{short_tmp}/x.sock"}})
     try:
-        assert guarded._loop is not None and plain._loop is not None
-        assert guarded._loop.ctx is not plain._loop.ctx
+        assert guarded.driver is not None and plain.driver is not None
+        assert guarded.driver.ctx is not plain.driver.ctx
     finally:
         guarded.close()
         plain.close()

@@ -185,13 +185,14 @@ def test_parked_fetches_are_bounded_in_bytes_and_long_keys_refused(
         hog.connect(endpoint)
         for i in range(2000):  # 4 KB keys: about 230 fit in 1 MiB
             hog.send(fetch(i + 1, f"{i:04}" + "k" * 4000))
-        rejected = server.health()["rejected_frames"]
+        rejected, rejected_keys = server.health()["rejected_frames"], server.health()["rejected_keys"]
         huge = "k" * 1_000_000  # under the socket's message limit, far over max_key_bytes
         for i in range(1000):
             hog.send(fetch(10_000 + i, huge + str(i)))
         try:
             during = threaded_rounds(server, client, "during", 30)
             assert wait_until(lambda: server.health()["rejected_frames"] - rejected == 1000, timeout=60)
+            assert server.health()["rejected_keys"] - rejected_keys == 1000
             assert wait_until(lambda: server.health()["fetches_not_parked"] >= 2000 - 256, timeout=10)
         finally:
             hog.close(linger=0)
@@ -201,6 +202,22 @@ def test_parked_fetches_are_bounded_in_bytes_and_long_keys_refused(
         print(f"parked {health['parked']} ({health['parked_bytes']} bytes); RSS {start_rss:.0f} -> {rss_mb():.0f} MB")
         assert health["parked_bytes"] <= 1 << 20
         assert rss_mb() - start_rss < 100
+
+
+def test_a_fetch_of_a_too_long_key_is_counted_as_a_rejected_key(short_tmp: Path, zmq_ctx: zmq.Context[Any]) -> None:
+    with pull_edge(short_tmp) as (server, client, endpoint):
+        health = server.health()
+        peer = zmq_ctx.socket(zmq.DEALER)
+        peer.connect(endpoint)
+        for i in range(3):  # one byte over max_key_bytes (4096), in characters of 1 and of 2 UTF-8 bytes
+            peer.send(fetch(i + 1, "k" * 4097 if i < 2 else "\u00e9" * 2049))
+        peer.send(b"not a request")
+        peer.send(fetch(9, "k" * 4096))  # at the limit: parked, not refused
+        assert wait_until(lambda: server.health()["rejected_frames"] - health["rejected_frames"] == 4)
+        assert wait_until(lambda: server.health()["parked"] == 1)
+        assert server.health()["rejected_keys"] - health["rejected_keys"] == 3
+        peer.close(linger=0)
+        threaded_rounds(server, client, "after", 5)
 
 
 # -- many frames and the read budget -------------------------------------------------------------------------------
@@ -242,9 +259,12 @@ async def test_an_event_loop_pull_server_never_stalls_whatever_a_peer_sends(
                     assert got is not None and got[0] == {"i": i}
                 return took
 
-            attack = (  # in a process of its own, as an attacker is: its sends take no turn of this loop
+            # In a process of its own, as an attacker is (its sends take no turn of this loop), started before the
+            # ticker: a spawn waits for the child's exec (under load, 100 ms and more), a wait of the test's.
+            attack = (
                 "import sys, zmq\n"
                 "from tests.test_pull_bounds import fetch, zmtp_flood\n"
+                "sys.stdin.readline()\n"  # the test's word to begin
                 "sock = zmq.Context().socket(zmq.DEALER)\n"
                 "sock.connect(sys.argv[1])\n"
                 "for i in range(300):\n"  # FETCHes of 10k frames each (6 MB)
@@ -255,8 +275,13 @@ async def test_an_event_loop_pull_server_never_stalls_whatever_a_peer_sends(
 
             before = await rounds("before", 30)
             rejected = conn.health()["rejected_frames"]
+            attacker = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", attack, endpoint, cwd=ROOT, stdin=asyncio.subprocess.PIPE
+            )
+            assert attacker.stdin is not None
             with Ticker() as ticker:
-                attacker = await asyncio.create_subprocess_exec(sys.executable, "-c", attack, endpoint, cwd=ROOT)
+                attacker.stdin.write(b"go\n")
+                await attacker.stdin.drain()
                 during = await rounds("during", 60)
                 assert await asyncio.wait_for(attacker.wait(), 120) == 0
                 for _ in range(3000):

@@ -144,7 +144,7 @@ def test_another_process_becomes_a_local_client_of_a_shared_endpoint(
         "import sys, time\n"
         "from zmq_omni.connectors.zmq import ZmqConnector\n"
         f"c = ZmqConnector({extra!r})\n"
-        "print(type(c._receiver).__name__, flush=True)\n"
+        "print(type(c._bound.receiver).__name__, flush=True)\n"
         "got = c.get_with_deadline('0', '1', 'x', deadline=time.monotonic() + 30)\n"
         "print(got and got[0], flush=True)\n"
         "c.close()\n"

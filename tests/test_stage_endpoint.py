@@ -183,7 +183,7 @@ def test_a_client_that_closes_gives_back_what_no_get_took(short_tmp: Path, shm_d
         "from zmq_omni.connectors.zmq import ZmqConnector\n"
         "c = ZmqConnector(json.loads(sys.argv[1]))\n"
         "gen = c.get_wakeup_generation()\n"
-        "print(type(c._receiver).__name__, c.get('0', '1', 'k'), flush=True)\n"  # asks the binder for k
+        "print(type(c._bound.receiver).__name__, c.get('0', '1', 'k'), flush=True)\n"  # asks the binder for k
         "print('lent' if c.wait_for_change(gen, timeout=20) != gen else 'nothing', flush=True)\n"
         "sys.stdin.readline()\n"
         "c.close()\n"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+from zmq_omni.transport._mailbox import Mailbox
+from zmq_omni.transport._receive_protocol import Item
 from zmq_omni.transport._stage_share import LeaseBook, WantBook
 
 A, B = b"client-a", b"client-b"
@@ -103,3 +107,16 @@ def test_a_hello_gives_back_the_leases_that_client_still_holds() -> None:
     lease = book.lend(A, S1, "item")
     assert book.hello(A, now=1.0, taken=[("sender", 1)], pid=100) == ([("sender", 1)], [lease])
     assert book.leases_of(A) == []
+
+
+def test_a_put_taken_through_a_previous_binder_is_counted_consumed_whether_its_resend_came_or_comes() -> None:
+    for resend_first in (False, True):
+        mailbox = Mailbox(tombstone_ttl_s=60.0, max_tombstones=100, on_left=lambda heavy: None)
+        resend = [(S1, Item("obj", 3, "sender", 7, None, time.monotonic()))]
+        if resend_first:
+            mailbox.store(resend, time.monotonic())
+        mailbox.consumed_elsewhere([("sender", 7)])
+        if not resend_first:
+            mailbox.store(resend, time.monotonic())
+        assert mailbox.pop(S1) is None  # not delivered again
+        assert mailbox.handover()[0] == [("sender", 7)]  # its sender hears it consumed

@@ -266,7 +266,7 @@ def test_a_second_process_on_a_live_ipc_path_joins_push_and_is_refused_pull(mode
             "from zmq_omni.errors import TransportError\n"
             "try:\n"
             "    c = ZmqConnector(json.loads(sys.argv[1]))\n"
-            "    print(type(c._receiver).__name__)\n"
+            "    print(type(c._bound.receiver).__name__)\n"
             "    c.close()\n"
             "except TransportError as exc:\n"
             "    print(exc)\n"

@@ -616,13 +616,13 @@ def test_memoized_descriptor_still_rejects_wrong_frames() -> None:
 
 
 def test_codec_memos_stay_bounded() -> None:
-    from zmq_omni.wire import _codec, decode, encode
+    from zmq_omni.wire import _decoder, _encoder, decode, encode
 
     for n in range(3000):
         arr = np.zeros(4096 + n, dtype=np.float32)  # a new shape every call
         decode(encode({"x": arr}))
-    assert len(_codec._oob_ext_memo) <= _codec._MEMO_SIZE
-    assert len(_codec._oob_descriptors) <= _codec._MEMO_SIZE
+    assert len(_encoder._oob_ext_memo) <= _encoder._MEMO_SIZE
+    assert len(_decoder._oob_descriptors) <= _encoder._MEMO_SIZE
 
 
 def test_a_tensor_frame_keeps_its_tensor_alive() -> None:

@@ -290,7 +290,7 @@ def test_pull_server_forgets_replies_that_left_without_being_asked(short_tmp: Pa
             ok, _, meta = server.put("0", "1", f"k{i}", {"x": np.full(4, i)})
             assert ok
             assert client.get("0", "1", f"k{i}", meta) is not None
-        part = server._server
+        part = server._bound.server
         assert part is not None
         # Nobody calls stats(), wait_fetched() or health(): the I/O thread prunes as replies leave.
         assert wait_until(lambda: len(part._leaving) == 0, timeout=5.0), len(part._leaving)
@@ -356,8 +356,8 @@ def test_pull_client_keeps_sockets_and_verdicts_for_a_bounded_number_of_servers(
             for i in range(2):  # the second fetch learned the probe from the first reply
                 ok, _, meta = server.put("0", "1", f"k{i}", {"x": np.ones(4)})
                 assert ok and client.get_with_deadline("0", "1", f"k{i}", meta, deadline=_soon()) is not None
-        assert client._client is not None
-        idle = client._client.idle_sockets()
+        assert client._fetching.client is not None
+        idle = client._fetching.client.idle_sockets()
         assert list(idle) == [f"ipc://{short_tmp}/s{n}.sock" for n in (2, 3)] and all(v == 1 for v in idle.values())
         assert len(client.health()["shm_servers"]) == 2
 

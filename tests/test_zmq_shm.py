@@ -355,7 +355,7 @@ def test_receiver_on_another_host_gets_frames_while_a_same_host_one_gets_shm(sho
         peers: dict[str, Any] = {}
         while time.monotonic() < deadline:  # auto: wait until both receivers answered the probe
             for stage in ("1", "2"):
-                sender._sender.reads_shm(stage)
+                sender._sending.sender.reads_shm(stage)
             peers = sender.health().get("peers", {})
             if all(peers.get(s, {}).get("shm") is not None for s in ("1", "2")):
                 break
@@ -616,7 +616,7 @@ def test_a_peer_whose_socket_fails_stops_neither_the_beat_nor_the_ack_requests_o
         assert receiver.get_with_deadline("1", "2", "k", deadline=time.monotonic() + 30) is not None
         assert pings_reach(sender, "2", 5)  # each beat reaches stage 2, after the failing stage 0
         assert sender.flush(30)  # its ack requests ping stage 0 first, then stage 2, and go on until done
-        core = sender._sender._core
+        core = sender._sending.sender._core
         deadline = time.monotonic() + 30
         while core.acks_wanted and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -631,7 +631,7 @@ def test_a_peer_whose_socket_fails_stops_neither_the_beat_nor_the_ack_requests_o
 
 def pings_reach(sender: ZmqConnector, stage: str, count: int, timeout: float = 30) -> bool:
     """Wait until ``sender`` sent ``count`` PINGs to ``stage``'s receiver (the I/O thread's beats)."""
-    peers = sender._sender._core.peers
+    peers = sender._sending.sender._core.peers
     deadline = time.monotonic() + timeout
     while peers[stage].ping_no < count and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -662,7 +662,7 @@ def test_the_first_slot_waits_for_a_put_on_its_way_a_bounded_number_of_times(sho
         assert sender.put("0", "2", "stuck", {"v": 1})[0]  # stage 2 is never bound
         with ZmqConnector(rcfg):
             assert wait_for_verdict(sender, "1")["peers"]["1"]["shm"] is True
-            io = sender._sender._io
+            io = sender._sending.sender._io
             deadline = time.monotonic() + 60
             while io._preparing and time.monotonic() < deadline:
                 time.sleep(0.05)

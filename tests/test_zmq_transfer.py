@@ -230,7 +230,7 @@ def test_puts_queued_while_a_flush_is_armed_ride_along_without_waking_the_io_thr
         assert sender.put("0", "1", "hello", 1)[0]  # the receiver's first ack announces its batch limit
         assert receiver.get_with_deadline("0", "1", "hello", deadline=time.monotonic() + 5) is not None
         assert wait_for_empty(sender)
-        loop = sender._loop
+        loop = sender.driver
         assert loop is not None
         wakes = [0]
         wake = loop.wake

@@ -314,10 +314,10 @@ def io_paused(conn: Any) -> Iterator[None]:
     two puts come within ``LONE_GAP_S`` of each other.
     """
     release = threading.Event()
-    loop = conn._loop
+    loop = conn.driver
     assert loop is not None
     loop.call_soon(lambda: release.wait(5))
-    held = [peer.data_lock for peer in conn._sender._core.peers.values()]
+    held = [peer.data_lock for peer in conn._sending.sender._core.peers.values()]
     for lock in held:
         assert lock.acquire(timeout=5)
     try:

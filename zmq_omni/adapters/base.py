@@ -23,10 +23,9 @@ for that key and within ``recv_wait_s`` for any other, costs nothing when no
 load is pending, and a few non-blocking ``get`` calls per slice otherwise;
 vllm-omni's 1 ms polling costs a thousand passes a second instead.
 
-Failures a connector finds after ``put`` returned (a delivery never
-acknowledged) are kept by the connector; the adapter drains them with
-``connector.drain_failures()`` whenever failures are collected or a put fails,
-and books them as send failures of the request that owns the key.
+The failures and finished requests an adapter reports to its scheduler are
+booked by :class:`~zmq_omni.adapters._failure_book.FailureBook`, which this
+base extends; this module re-exports their public names.
 """
 
 from __future__ import annotations
@@ -37,11 +36,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..config import ConnectorSpec
 from ..connectors import (
-    FailureSource,
     Flushable,
     Lingering,
     OmniConnectorBase,
@@ -49,67 +47,15 @@ from ..connectors import (
     WakeupSource,
     create_connector,
 )
-from ..errors import ClosedResourceError, ConfigError, TransportError, format_seconds
+from ..errors import ClosedResourceError, ConfigError, TransportError
 from ..metrics import Counters
+from ._failure_book import FailureBook, FinishedRequests
+from ._warning_burst import WARNING_INTERVAL_S, WarningBurst  # noqa: F401 - WARNING_INTERVAL_S is importable from here too
 from .retry import RetryPolicy
 
 __all__ = ["FinishedRequests", "OmniTransferAdapterBase", "RecvTarget", "WarningBurst"]
 
 logger = logging.getLogger("zmq_omni.adapters")
-
-#: Like warnings past the first within this many seconds are counted, then summed up in one line.
-WARNING_INTERVAL_S = 5.0
-
-
-class WarningBurst:
-    """One WARNING per interval for a stream of like failures, the rest counted and summed up.
-
-    A downstream stage that stops fails every chunk in flight to it, each a
-    failure the scheduler must hear of but a person need not read 800 times:
-    the first of an interval is logged in full, the others are counted and the
-    next interval's first line (or :meth:`flush`, at shutdown) says how many
-    there were, for how many requests, and the last reason. Pure state; the
-    owner serializes calls (the adapters hold ``_failures_lock``).
-    """
-
-    def __init__(self, interval_s: float = WARNING_INTERVAL_S) -> None:
-        self.interval_s = interval_s
-        self._window_start: float | None = None
-        self._count = 0
-        self._requests: set[str] = set()
-        self._last = ""
-
-    def note(self, request_id: str | None, reason: str, now: float) -> tuple[bool, str | None]:
-        """``(log this one in full, the summary of the interval that ended or None)``."""
-        if self._window_start is not None and now - self._window_start < self.interval_s:
-            self._count += 1
-            if request_id is not None:
-                self._requests.add(request_id)
-            self._last = reason
-            return False, None
-        summary = self.flush()
-        self._window_start = now
-        return True, summary
-
-    def flush(self) -> str | None:
-        """The summary of the failures counted but not logged yet (None when there are none)."""
-        if not self._count:
-            return None
-        line = (
-            f"{self._count} more like the one logged {format_seconds(self.interval_s)} or less before "
-            f"({len(self._requests)} requests); the last: {self._last}"
-        )
-        self._count, self._requests, self._last = 0, set(), ""
-        return line
-
-
-class FinishedRequests(NamedTuple):
-    """Requests whose transfer finished since the last call (each reported once)."""
-
-    saved: frozenset[str]
-    """Requests whose last item (the terminal chunk) was put successfully."""
-    loaded: frozenset[str]
-    """Requests whose last item (the terminal chunk) was received."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +71,7 @@ class _AttemptFailed(TransportError):
     """A put returned False and the connector kept no typed cause."""
 
 
-class OmniTransferAdapterBase(ABC):
+class OmniTransferAdapterBase(FailureBook, ABC):
     """Base of the transfer adapters: two daemon workers, retries and failure reporting.
 
     Subclasses implement the data handling (chunks, KV blocks) through the
@@ -244,75 +190,6 @@ class OmniTransferAdapterBase(ABC):
     def save_async(self, *args: Any, **kwargs: Any) -> Any:
         """Queue data to save; returns at once. Subclasses define the signature."""
         raise NotImplementedError
-
-    def get_finished_requests(self) -> FinishedRequests:
-        """Drain the requests that finished saving / loading since the last call."""
-        with self._failures_lock:
-            out = FinishedRequests(frozenset(self._finished_saved), frozenset(self._finished_loaded))
-            self._finished_saved.clear()
-            self._finished_loaded.clear()
-        return out
-
-    def record_send_failure(self, request_id: str | None, reason: str) -> None:
-        """Note that data of ``request_id`` will never be delivered.
-
-        Called from the save thread (or when connector failures are drained);
-        the scheduler drains with :meth:`collect_failed_send_request_ids`. The
-        first reason of a request is kept. ``None`` means the failure could
-        not be tied to a request: it is logged and counted, never lost silently.
-        """
-        self.counters.add("send_failures")
-        if request_id is None:
-            self.counters.add("unattributed_send_failures")
-        with self._failures_lock:
-            if request_id is not None:
-                self._failed_send.setdefault(request_id, reason)
-            full, summary = self._send_warnings.note(request_id, reason, time.monotonic())
-        if summary:
-            logger.warning("stage %s: send failures: %s", self.stage_id, summary)
-        if full:
-            if request_id is None:
-                logger.warning("stage %s: send failure for no known request: %s", self.stage_id, reason)
-            else:
-                logger.warning("stage %s: request %s send failed: %s", self.stage_id, request_id, reason)
-        if request_id is not None:
-            self._on_send_failure(request_id)
-
-    def record_receive_failure(self, request_id: str, reason: str) -> None:
-        """Note that data for ``request_id`` will never arrive (stall, bad chunk)."""
-        self.counters.add("receive_failures")
-        with self._failures_lock:
-            self._failed_recv.setdefault(request_id, reason)
-            full, summary = self._recv_warnings.note(request_id, reason, time.monotonic())
-        if summary:
-            logger.warning("stage %s: receive failures: %s", self.stage_id, summary)
-        if full:
-            logger.warning("stage %s: request %s receive failed: %s", self.stage_id, request_id, reason)
-
-    def _flush_warnings(self) -> None:
-        """Log what the warning bursts counted but did not log yet (at shutdown)."""
-        with self._failures_lock:
-            sends, receives = self._send_warnings.flush(), self._recv_warnings.flush()
-        if sends:
-            logger.warning("stage %s: send failures: %s", self.stage_id, sends)
-        if receives:
-            logger.warning("stage %s: receive failures: %s", self.stage_id, receives)
-
-    def collect_failed_send_request_ids(self) -> dict[str, str]:
-        """Drain and return ``{request_id: reason}`` for requests whose send gave up."""
-        self._absorb_connector_failures()
-        with self._failures_lock:
-            out = dict(self._failed_send)
-            self._failed_send.clear()
-        return out
-
-    def collect_failed_receive_request_ids(self) -> dict[str, str]:
-        """Drain and return ``{request_id: reason}`` for requests whose data will never arrive."""
-        self._absorb_connector_failures()
-        with self._failures_lock:
-            out = dict(self._failed_recv)
-            self._failed_recv.clear()
-        return out
 
     def health(self) -> dict[str, Any]:
         """Adapter counters, worker liveness and the connector's own health."""
@@ -511,33 +388,9 @@ class OmniTransferAdapterBase(ABC):
         self.counters.add("puts")
         return True
 
-    def _absorb_connector_failures(self) -> None:
-        """Turn failures the connector kept into send / receive failures of their requests."""
-        if not isinstance(self.connector, FailureSource):
-            return
-        failures: list[TransferFailure] = self.connector.drain_failures()
-        for failure in failures:
-            if failure.op == "put":
-                with self._failures_lock:
-                    if failure.key == self._attempt_key:
-                        self._attempt_cause = failure
-                        continue
-                self.record_send_failure(
-                    self._request_id_for_key(failure.key, "put"), f"{failure.reason} [key={failure.key!r}]"
-                )
-            else:
-                request_id = self._request_id_for_key(failure.key, "get")
-                if request_id is None:
-                    logger.warning("stage %s: receive failure for no known request: %s", self.stage_id, failure.reason)
-                else:
-                    self.record_receive_failure(request_id, f"{failure.reason} [key={failure.key!r}]")
-
     # -- hooks for subclasses --------------------------------------------------------------
     def _on_stopping(self) -> None:
         """Wake the subclass's own waiters at shutdown (called with ``self._lock`` held)."""
-
-    def _on_send_failure(self, request_id: str) -> None:
-        """Called after a send failure of ``request_id`` was booked (drop its queued items)."""
 
     @abstractmethod
     def _next_save_item(self) -> Any | None:
@@ -581,7 +434,3 @@ class OmniTransferAdapterBase(ABC):
         ``abandon_get``, not a cleanup's); a subclass whose stream of that key was given
         up while the get ran lays them again here.
         """
-
-    @abstractmethod
-    def _request_id_for_key(self, key: str, op: str) -> str | None:
-        """Which request a put/get key belongs to, or None when unknown."""

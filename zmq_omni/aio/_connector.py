@@ -33,7 +33,8 @@ FETCH cannot be called back). A put cancelled while it waits for room is not mad
 
 Who owns what: every field is touched on the event loop's thread only (the
 watch's own lock covers its notifications from other threads). The waiting
-calls' bookkeeping is in ``_waiters``, closing the wrapped connector in ``_closing``.
+calls' bookkeeping is in ``_waiters``, awaited flushes in ``_flushes``, closing the wrapped
+connector in ``_closing``.
 """
 
 from __future__ import annotations
@@ -54,14 +55,12 @@ from ._closing import address_freed, close_in_thread, close_without_linger, runn
 from ._driver import LoopDriver
 from ._expiry import Deadlines
 from ._fetches import Fetches
+from ._flushes import Flushes
 from ._waiters import GetWaiter, GetWaiters, HandedBack, Metadata, PutLine, PutResult, PutWaiter
 
 __all__ = ["AsyncConnector"]
 
 log = logging.getLogger("zmq_omni.aio")
-
-# An awaited flush looks again this often between wake-ups (a pull server's replies leaving wake nobody).
-_FLUSH_SLICE_S = 0.01
 
 
 class AsyncConnector:
@@ -106,8 +105,7 @@ class AsyncConnector:
         driver = getattr(connector, "driver", None)
         self._driver: LoopDriver | None = driver if isinstance(driver, LoopDriver) else None
         self._expiries: Deadlines[GetWaiter] = Deadlines(self._get_timed_out)  # one loop timer for all gets
-        self._flushing = 0  # awaited flushes in progress (they want the watch's room notices too)
-        self._acked: asyncio.Event | None = None  # set by room notices while a flush waits
+        self._flushes = Flushes(connector, pull=self._pull, puts_wait=lambda: bool(self._puts))
         watch = connector.watch_arrivals()
         if watch is None:
             raise TypeError(f"{type(connector).__name__} offers no wake-up hook (watch_arrivals() returned None)")
@@ -318,8 +316,8 @@ class AsyncConnector:
         if watch is None:
             return
         arrived, room = watch.drain()
-        if room and self._acked is not None:  # (an awaited flush, aclose's too, waits for acknowledgements)
-            self._acked.set()
+        if self._flushes and (room or self.closed):  # an awaited flush (aclose's too) looks again
+            self._flushes.wake()
         if self.closed:
             self._wake_all()
             return
@@ -328,7 +326,7 @@ class AsyncConnector:
         if room:
             if self._puts:
                 self._puts.serve()
-            if not self._puts and not self._flushing:  # (set again by the next put that finds no room)
+            if not self._puts and not self._flushes:  # (set again by the next put that finds no room)
                 watch.want_room(False)
 
     def _arrived_inline(self, arrived: list[Slot]) -> None:
@@ -373,29 +371,7 @@ class AsyncConnector:
         loop = self._loop
         if loop is None or loop is not asyncio.get_running_loop():
             self._bind()
-        return await self._flush(bounded_timeout(timeout_s))
-
-    async def _flush(self, timeout_s: float) -> bool:
-        connector, loop, watch = self.connector, asyncio.get_running_loop(), self._watch
-        self._flushing += 1
-        if watch is not None:  # before the first look: an acknowledgement after it is heard
-            watch.want_room(True)
-        acked = self._acked = self._acked or asyncio.Event()
-        deadline = loop.time() + timeout_s
-        try:
-            # Acknowledgements wake it (the watch's room notices); the slices catch what wakes nobody.
-            while not connector.flush(0):
-                remaining = deadline - loop.time()
-                if remaining <= 0 or connector.closed:
-                    return False
-                acked.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(acked.wait(), min(remaining, _FLUSH_SLICE_S))
-            return True
-        finally:
-            self._flushing -= 1
-            if not self._flushing and not self._puts and watch is not None and self._watch is watch:
-                watch.want_room(False)
+        return await self._flushes.wait(self._watch, bounded_timeout(timeout_s))
 
     async def aclose(self) -> None:
         """Wake every waiting get with None and every waiting put with a failure, then close the connector.
@@ -426,7 +402,7 @@ class AsyncConnector:
                 linger = 0.0
         try:
             if linger > 0:
-                await self._flush(bounded_timeout(linger))
+                await self._flushes.wait(self._watch, bounded_timeout(linger))
         finally:  # (cancelled in its linger too: the connector closes, without the rest of it)
             connector = self._release()
             if connector is not None and self._driver is not None:

@@ -52,8 +52,10 @@ log = logging.getLogger("zmq_omni.aio")
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _FD = int(zmq.FD)
-# A foreign thread's stop() checks this often whether the loop it handed the stop to still runs.
-_STOP_SLICE_S = 0.05
+# A foreign thread's stop() waits for the loop to run the stop handed to it (an event: the loop sets it), and
+# looks this often whether that loop still runs. The clock is the only event there: asyncio signals nothing when
+# a loop stops running (``loop.stop()``, ``run_until_complete`` returning) with calls still queued.
+_LOOP_END_LOOK_S = 0.05
 _FAILED_RETRY_S = 0.05  # a handler that raised is served again after this, not at once
 
 
@@ -203,9 +205,11 @@ class LoopDriver(Driver):
 
         On the loop's thread (or where no loop runs it any more) it all happens here, and the
         context is terminated in a short-lived thread, so the loop never waits for a linger. From
-        another thread while the loop runs, the stop is handed to the loop and waited for; a loop
-        still busy after ``timeout`` is logged (an ERROR: the sockets stay open, the address bound),
-        and the stop runs when the loop next runs, or, should it stop first, on a watching thread.
+        another thread while the loop runs, the stop is handed to the loop and waited for: it returns
+        as the loop runs it; should the loop stop running first, the stop runs here, seen within
+        ``_LOOP_END_LOOK_S`` (asyncio signals no loop's end). A loop still busy after ``timeout`` is
+        logged (an ERROR: the sockets stay open, the address bound), and the stop runs when the loop
+        next runs, or, should it stop first, on a watching thread.
 
         Returns:
             True when it stopped within ``timeout``.
@@ -226,7 +230,7 @@ class LoopDriver(Driver):
             self._stop_here()
             return True
         deadline = time.monotonic() + timeout
-        while not done.wait(_STOP_SLICE_S):
+        while not done.wait(_LOOP_END_LOOK_S):
             if not loop.is_running():  # it ended before our call ran: the sockets are ours to close
                 self._stop_here()
                 return True
@@ -244,7 +248,7 @@ class LoopDriver(Driver):
 
     def _stop_once_idle(self, loop: asyncio.AbstractEventLoop, done: threading.Event) -> None:
         """After a stop that timed out: stop here if the loop ends before it runs the stop handed to it."""
-        while not done.wait(_STOP_SLICE_S):
+        while not done.wait(_LOOP_END_LOOK_S):
             if not loop.is_running():
                 self._stop_here()
                 return

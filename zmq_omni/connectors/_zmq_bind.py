@@ -3,7 +3,7 @@
 The bound part (a push receiver or a pull server) lives in a :class:`SharedEndpoint`
 held by every connector of this process bound at that address; the connectors on
 it must agree on the settings in :data:`BOUND_SETTINGS`. Plain functions: the
-connector hands them what they use.
+connector's parts (``Bound`` in ``_zmq_bound``, ``Sending``'s pool) hand them what they use.
 """
 
 from __future__ import annotations

@@ -1,71 +1,96 @@
-"""``health()`` of :class:`~zmq_omni.connectors.zmq.ZmqConnector`: counters, state, and why it is degraded.
+"""``HealthReport``: ``health()`` of a :class:`~zmq_omni.connectors.zmq.ZmqConnector`.
 
-The reasons and the fields are listed in ``docs/zmq-connector.md``. A failed put
-keeps the connector degraded for ``degraded_hold_s`` unless a put succeeds
-meanwhile (``_record_failure`` notes it; a put that goes through clears it).
+Counters, state, and why it is degraded.
+
+What it owns: the receiver's drops last seen (``dropped_unclaimed`` keeps the connector
+degraded for ``degraded_hold_s`` after it grows). Everything else it reads from the
+other parts: the ``Sending`` part's stats and last put failure (a failed put keeps the
+connector degraded for ``degraded_hold_s`` unless a put succeeds meanwhile), the
+``Bound`` part's receiver or server and its endpoint's counters, the ``Fetching``
+part's shared-memory verdicts. The reasons and the fields are listed in
+``docs/zmq-connector.md``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
-from ..errors import DeliveryError, ZmqOmniError
-from ._zmq_parts import ZmqParts
+from ._zmq_bound import Bound
+from ._zmq_parts import Wiring
+from ._zmq_pull import Fetching
+from ._zmq_puts import Sending
 
 
-class ZmqHealth(ZmqParts):
-    """The health report of a :class:`~zmq_omni.connectors.zmq.ZmqConnector` (see the module docstring)."""
+class HealthReport:
+    """The health report of one connector (see the module docstring).
 
-    def _record_failure(
+    Args:
+        wiring: the connector's shared settings and counters.
+        sending, bound, fetching: the parts it reports on.
+        stage_id: the connector's stage id, as given.
+        counted: the connector's status and counters (``OmniConnectorBase.health``), read after the
+            transport's own counts were folded into the counters.
+    """
+
+    def __init__(
         self,
-        op: Literal["put", "get"],
-        from_stage: str,
-        to_stage: str,
-        key: str,
-        reason: str,
-        error: ZmqOmniError | None = None,
+        wiring: Wiring,
+        sending: Sending,
+        bound: Bound,
+        fetching: Fetching,
+        *,
+        stage_id: Any,
+        counted: Callable[[], dict[str, Any]],
     ) -> None:
-        """Keep the failure (see the base class); a failed put also makes ``health()`` degraded for a while."""
-        super()._record_failure(op, from_stage, to_stage, key, reason, error)
-        # A put its receiver dropped because it cancelled the request says nothing about the link.
-        cancelled = isinstance(error, DeliveryError) and error.dropped == "cancelled"
-        if op == "put" and not self._closed and not cancelled:
-            self._put_failure = f"put of {key!r} to stage {to_stage!r} failed: {reason}"
-            self._put_failed_at = time.monotonic()
+        self._wiring = wiring
+        self._sending = sending
+        self._bound = bound
+        self._fetching = fetching
+        self._stage_id = stage_id
+        self._counted = counted
+        self._unclaimed_seen = 0  # the receiver's dropped_unclaimed last seen
+        self._unclaimed_at = 0.0  # when it last grew
 
     def health(self) -> dict[str, Any]:
         """Status, counters (puts, gets, bytes, errors, timeouts, resends, rejected_frames, ...) and state."""
+        counters, bound = self._wiring.counters, self._bound
         # Hot-path counts live under the locks the transport already holds; fold them in here.
-        sending = self._sender.stats() if self._sender else self._server.stats() if self._server else None
-        receiving = self._receiver.stats() if self._receiver else None
+        sending = self._sending.stats()
+        if sending is None and bound.server is not None:
+            sending = bound.server.stats()
+        receiver = bound.receiver
+        receiving = None if receiver is None else receiver.stats()
         if sending is not None:
-            self._counters.set("puts", sending["puts"])
-            self._counters.set("bytes_sent", sending["bytes_sent"])
+            counters.set("puts", sending["puts"])
+            counters.set("bytes_sent", sending["bytes_sent"])
             if "batches_sent" in sending:
-                self._counters.set("batches_sent", sending["batches_sent"])
+                counters.set("batches_sent", sending["batches_sent"])
         if receiving is not None:
-            self._counters.set("gets", receiving["gets"])
-            self._counters.set("bytes_received", receiving["bytes_received"])
-            self._counters.set("batches_received", receiving["batches_received"])
-        base = super().health()
-        if self._shared is not None:  # what the bound part counted (shared by the connectors bound there)
-            for name, value in self._shared.counters.snapshot().items():
+            counters.set("gets", receiving["gets"])
+            counters.set("bytes_received", receiving["bytes_received"])
+            counters.set("batches_received", receiving["batches_received"])
+        base = self._counted()
+        if bound.shared is not None:  # what the bound part counted (shared by the connectors bound there)
+            for name, value in bound.shared.counters.snapshot().items():
                 base[name] = base.get(name, 0) + value
         for name in ("resends", "rejected_frames", "rejected_keys", "duplicates_dropped", "delivery_failures"):
             base.setdefault(name, 0)
-        if self._sender is not None:  # what its receivers dropped unconsumed (and acknowledged, freeing the window)
+        if (
+            self._sending.sender is not None
+        ):  # what its receivers dropped unconsumed (and acknowledged, freeing the window)
             for name in ("receiver_dropped_unclaimed", "receiver_dropped_cancelled"):
                 base.setdefault(name, 0)
-        cfg = self.settings
-        base.update({"stage_id": self.stage_id, "role": cfg.role, "mode": cfg.mode, "endpoint": self.endpoint})
+        cfg = self._wiring.settings
+        base.update({"stage_id": self._stage_id, "role": cfg.role, "mode": cfg.mode, "endpoint": bound.endpoint})
         base["pending"] = 0 if sending is None else sending["pending"]
         if sending is not None:
             base["pending_bytes"] = sending["pending_bytes"]
             for name in ("undelivered", "peers"):
                 if name in sending:
                     base[name] = sending[name]
-        if receiving is not None and self._receiver is not None:
+        if receiving is not None and receiver is not None:
             for name in (
                 "mailbox",
                 "mailbox_oldest_s",
@@ -78,7 +103,7 @@ class ZmqHealth(ZmqParts):
                 base[name] = receiving[name]
             base.setdefault("acks_dropped", 0)  # REPLYs ZeroMQ could not route (their content waits for the next)
             base.setdefault("acks_given_up", 0)  # ...arrivals such REPLYs named once 4 in a row to one sender failed
-            base["incarnation"] = self._receiver.incarnation
+            base["incarnation"] = receiver.incarnation
         reasons = self._reasons(sending, receiving)
         if reasons:
             base["reasons"] = reasons
@@ -95,7 +120,7 @@ class ZmqHealth(ZmqParts):
         ``degraded_hold_s``, and a put that failed within ``degraded_hold_s`` with none
         succeeding since.
         """
-        cfg, now = self.settings, time.monotonic()
+        cfg, now = self._wiring.settings, time.monotonic()
         problems = []
         if sending is not None:
             if sending.get("window_full"):
@@ -123,9 +148,9 @@ class ZmqHealth(ZmqParts):
                     f"an item waits unclaimed for {receiving['mailbox_oldest_s']:.1f}s "
                     f"(dropped at unclaimed_ttl_s={cfg.unclaimed_ttl_s}s)"
                 )
-        failed_at = self._put_failed_at
+        failed_at = self._sending.failed_at
         if failed_at is not None and now - failed_at < cfg.degraded_hold_s:
-            problems.append(f"{self._put_failure} ({now - failed_at:.1f}s ago; no put succeeded since)")
+            problems.append(f"{self._sending.failure} ({now - failed_at:.1f}s ago; no put succeeded since)")
         return problems
 
     def _shm_health(self, base: dict[str, Any]) -> None:
@@ -134,29 +159,29 @@ class ZmqHealth(ZmqParts):
         Degraded: our pool cannot take large puts, or, with ``shm: on``, a receiver we put to cannot read
         our shared memory (push) or we cannot read a server's (pull).
         """
-        base["shm"] = self.settings.shm
+        cfg = self._wiring.settings
+        base["shm"] = cfg.shm
         for name in ("shm_puts", "shm_fallbacks", "shm_stale"):
             base.setdefault(name, 0)
         problems = []
-        if self._client is not None and self._shm_receive is not None:
-            # A pull receiver learns each server's verdict from its first reply.
-            servers = self._client.shm_verdicts()
+        servers = self._fetching.shm_verdicts()  # a pull receiver learns each server's verdict from its first reply
+        if servers is not None:
             base["shm_servers"] = servers
             unread = sorted(endpoint for endpoint, readable in servers.items() if not readable)
-            if unread and self.settings.shm == "on":
+            if unread and cfg.shm == "on":
                 problems.append(f"we cannot read the shared memory of pull servers {unread}: their replies are frames")
-        shm = self._shm_send  # a push sender's pool, or the bound pull server's
-        if shm is None and self._shared is not None:
-            shm = self._shared.shm_send
+        shm = self._sending.shm  # a push sender's pool, or the bound pull server's
+        if shm is None and self._bound.shared is not None:
+            shm = self._bound.shared.shm_send
         if shm is not None:
             base.update({f"shm_{k}": v for k, v in shm.stats().items()})
             if shm.error is not None:
                 problems.append(shm.error)
-            if self._shm_degraded:
+            if self._sending.shm_degraded:
                 problems.append(
                     "large puts fall back to frames: no shared-memory slot (shm_dir full or pool at its limit)"
                 )
-            if self.settings.shm == "on":
+            if cfg.shm == "on":
                 # Only stages we put to: a sender meets every stage it can name as it is built (for the
                 # verdict before its first put), among them stages it never sends to, which may well be
                 # on another host.

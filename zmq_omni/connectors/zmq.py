@@ -27,49 +27,42 @@ the sockets under the transport's locks. Built with ``driver=LoopDriver``
 loop drives every part of the connector and its sockets are the loop's alone
 (see :meth:`ZmqConnector.__init__` for what that means for each call).
 
-The class is assembled from layers, one module each: ``_zmq_parts`` (what it is
-made of, lazy binds, who may use the sockets), ``_zmq_bind`` (the bound part),
-``_zmq_puts`` (put), ``_zmq_gets`` and ``_zmq_pull`` (get, push and pull mode),
-``_zmq_health`` (``health()``); this module builds it, cleans up and closes it.
+The connector holds its parts, one module each, each owning its state (the list is
+in ``_zmq_parts``, with the :class:`~zmq_omni.connectors._zmq_parts.Wiring` they
+share): ``Bound`` (the bound endpoint, cleanups), ``Sending`` (put), ``Fetching``
+(pull-mode fetches), ``Gets`` (every get) and ``HealthReport``. This module builds
+them, hands each public call to its part, and closes them.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from ..config import ConnectorExtra
 from ..config.zmq import ZmqConnectorConfig
-from ..errors import format_seconds
-from ..transport import (
-    Curve,
-    Driver,
-    EndpointMap,
-    IoLoop,
-    PushReceiver,
-    insecure_from_env,
-    require_curve,
-    tune_malloc,
-)
-from ..wire import DecodeLimits, decode, resolve_device
-from ._expected_puts import BoundEndpoint, cancel_early
-from ._zmq_bind import MAX_FRAMES
-from ._zmq_gets import ZmqGets
-from ._zmq_health import ZmqHealth
-from ._zmq_puts import ZmqSending
-from .base import bounded_timeout, key_matches_prefix, key_matches_request
+from ..errors import ZmqOmniError, format_seconds
+from ..transport import Driver, FetchChannel, IoLoop
+from ._zmq_bound import Bound
+from ._zmq_gets import Gets
+from ._zmq_health import HealthReport
+from ._zmq_parts import Wiring, plan_parts
+from ._zmq_pull import Fetching
+from ._zmq_puts import Sending
+from .arrivals import ArrivalWatch
+from .base import OmniConnectorBase, bounded_timeout, key_matches_prefix, key_matches_request
 
 __all__ = ["ZmqConnector"]
 
 log = logging.getLogger("zmq_omni.connectors")
 
+Got = tuple[Any, int] | None
 
-class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
+
+class ZmqConnector(OmniConnectorBase):
     """Put/get between stages over ZeroMQ with confirmed delivery (see the module docstring).
 
     Args:
@@ -104,25 +97,8 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
     def __init__(self, config: dict[str, Any], *, driver: type[Driver] = IoLoop) -> None:
         super().__init__()
         self._closed = True  # until fully built: close() must be safe after a failed __init__
-        self._loop = None
-        self._sender = None
-        self._receiver = None
-        self._server = None
-        self._client = None
-        self._shm_send = None
-        self._shm_receive = None
-        self._shm_degraded = False
-        self._shared = None  # the bound part's endpoint, held with the other connectors on it
-        # Push puts made before this connector bound the endpoint they go to (it binds at its first get):
-        # slot -> until when a get may wait for it; handed to the endpoint when bound (under _bind_lock).
+        self._wiring: Wiring | None = None  # (None: nothing to close)
         self._close_lock = threading.Lock()
-        self._bind_lock = threading.Lock()  # one lazy bind at a time (the receive and save threads race to it)
-        self._idle = threading.Event()  # set by close(): ends wait_for_change without a receiver
-        # health(): when a put last failed (None: one succeeded since), and the receiver's drops last seen.
-        self._put_failed_at = None
-        self._put_failure = ""
-        self._unclaimed_seen = 0
-        self._unclaimed_at = 0.0
         cfg = ZmqConnectorConfig.from_dict(config)
         #: The typed settings (see :class:`~zmq_omni.config.zmq.ZmqConnectorConfig`).
         self.settings = cfg
@@ -134,64 +110,222 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         self.stage_id = config.get("stage_id")
         if self.stage_id is None:
             self.stage_id = config.get({"receiver": "to_stage", "sender": "from_stage"}.get(cfg.role or "", ""))
-        self._endpoints = EndpointMap(cfg.endpoints)
-        self._curve = Curve.from_config(
-            cfg.curve_secret_key, cfg.curve_public_key, cfg.curve_server_key, cfg.curve_allowed_clients
-        )
+        #: This connector's sender id (its puts' dedupe stream at each receiver).
         self.sid = uuid.uuid4().hex[:16]
-        self._limits = DecodeLimits(
-            max_header_bytes=min(cfg.max_message_bytes, 64 << 20),
-            max_frames=MAX_FRAMES,
-            max_total_bytes=cfg.max_message_bytes,
-            max_depth=cfg.max_header_depth,
-            max_objects=cfg.max_header_objects,
+        # What to build now; checked before any socket exists (a refused plaintext endpoint never sends a byte).
+        plan = plan_parts(cfg, f"{type(self).__name__}.decode_device")
+        loop = driver(f"zmq-omni-{cfg.stage_id}", private_context=plan.own_context)
+        wiring = self._wiring = Wiring(
+            cfg,
+            plan,
+            sid=self.sid,
+            counters=self._counters,
+            driver=loop,
+            closed=self._is_closed,
+            record_failure=self._record_failure,
+            notify_arrivals=self._notify_watches,
+            notify_room=self._notify_room,
         )
-        self._device = device = resolve_device(cfg.decode_device, f"{type(self).__name__}.decode_device")
-        # One call per received message (a partial saves a Python frame on the receive hot path).
-        self._decode = functools.partial(decode, allow_pickle=cfg.allow_pickle, limits=self._limits, device=device)
-        # Without a role the connector can do both, but binds only when it first has to (a get in push
-        # mode, a put in pull mode): one extra then serves both ends of an edge, and the end that never
-        # receives never takes the endpoint. A role says which side binds at once; the other direction
-        # is built at its first use (a middle stage's "receiver" puts downstream).
-        sends = cfg.role != "receiver"
-        receives = cfg.role != "sender"
-        bind_stage = self._bind_stage(None)
-        binds_now = cfg.role in ("dual", "receiver" if cfg.mode == "push" else "sender") and bind_stage is not None
-        connects = (cfg.mode == "push" and sends) or (cfg.mode == "pull" and receives)
-        self._insecure = cfg.insecure or insecure_from_env()
-        exposed = list(self._endpoints.items()) if connects else []
-        if binds_now:
-            assert bind_stage is not None
-            bind_at = self._endpoints.env_bind or cfg.bind or self._endpoints.get(bind_stage)
-            if bind_at is not None:
-                exposed.append(("bind", bind_at))
-        # Before any socket exists: a refused plaintext endpoint never sends or accepts a byte.
-        require_curve(exposed, curve=self._curve is not None, insecure=self._insecure)
-        if cfg.malloc_tuning and receives:
-            tune_malloc()  # before the context's I/O threads first allocate
-        self.endpoint = None
-        # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
-        own_context = self._curve is not None and self._curve.allowed_clients is not None
-        loop = self._loop = driver(f"zmq-omni-{cfg.stage_id}", private_context=own_context)
+        self._bound = Bound(wiring, self)
+        self._sending = Sending(wiring, self._bound)
+        self._fetching = Fetching(wiring)
+        self._gets = Gets(wiring, self._bound, self._fetching)
+        self._health = HealthReport(
+            wiring,
+            self._sending,
+            self._bound,
+            self._fetching,
+            stage_id=self.stage_id,
+            counted=super().health,
+        )
         self._closed = False
         try:
-            if binds_now:
-                assert bind_stage is not None
-                self._bind(bind_stage)
-            if cfg.mode == "push" and sends:
-                self._sender = self._build_sender()
-                self._meet_receivers()
-            if cfg.mode == "pull" and receives:
-                self._client = self._build_client()
+            if plan.bind_stage is not None:
+                self._bound.bind(plan.bind_stage)
+            if plan.sends:
+                self._sending.start()
+            if plan.fetches:
+                self._fetching.start()
             # A threaded connector that only receives drives no socket of its own (its bound endpoint has its
             # I/O thread): its thread starts with its first part that needs one (a put's sender).
-            if not loop.threaded or self._sender is not None:
+            if not loop.threaded or self._sending.sender is not None:
                 loop.start()
         except BaseException:
             self.close()
             raise
         log.info("ZmqConnector stage=%s role=%s mode=%s endpoint=%s", cfg.stage_id, cfg.role, cfg.mode, self.endpoint)
 
+    # -- what it is ---------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str | None:
+        """Where peers reach this connector's bound endpoint (None until it binds, or never)."""
+        bound = getattr(self, "_bound", None)
+        return None if bound is None else bound.endpoint
+
+    @property
+    def driver(self) -> Driver | None:
+        """What drives this connector's sockets (None once closed).
+
+        Its I/O thread (an :class:`~zmq_omni.transport.IoLoop`), or an event loop's ``LoopDriver`` (``zmq_omni.aio``).
+        """
+        return None if self._wiring is None else self._wiring.driver
+
+    @property
+    def pull_receiver(self) -> bool:
+        """True when gets fetch from the sender (pull mode): wait for them with a :class:`FetchChannel`."""
+        return self.settings.mode == "pull"
+
+    def _is_closed(self) -> bool:
+        return self._closed
+
+    # -- put ------------------------------------------------------------------------------------
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        """Send ``data`` to ``to_stage`` under ``put_key``; ``(True, nbytes, metadata)`` once ZeroMQ has it.
+
+        Push mode returns when the put is in the send window and handed to
+        ZeroMQ, not when it is acknowledged; a delivery that is never confirmed,
+        or a put its receiver dropped unconsumed (its request cancelled there, or
+        unclaimed past its ``unclaimed_ttl_s``), is reported later through
+        :meth:`drain_failures` (a ``DeliveryError``; ``dropped`` says which). Large arrays are sent
+        without copying and pinned until the receiver consumed them: do not
+        modify them in place after ``put`` unless ``copy_on_put`` is set, or
+        the put took the same-host fast path (its bytes were copied into
+        shared memory; ``health()["shm_puts"]`` counts those).
+
+        A pull-mode connector without a role, or with role ``receiver``, binds its
+        server at its first put (joining the connector of this process bound there,
+        if any); a push-mode ``receiver`` builds its sender then.
+
+        Driven by an event loop, on the loop's thread: a put that finds no room
+        fails at once (``await AsyncConnector.put`` waits for room).
+
+        Raises:
+            EncodeError: ``data`` holds an unsupported type (a programming error).
+            ConfigError: a ``receiver``'s first put finds an endpoint it may not reach in plaintext
+                (see ``docs/security.md``), or its bind finds other settings on that address.
+            TransportError: a first put had to bind and the bind failed (the endpoint is named).
+            RuntimeError: driven by an event loop, called on another thread than the loop's.
+        """
+        return self._sending.put(from_stage, to_stage, put_key, data)
+
+    def try_put(
+        self, from_stage: str, to_stage: str, put_key: str, data: Any, give_up: bool = False
+    ) -> tuple[bool, int, dict[str, Any] | None] | None:
+        """:meth:`put` without waiting for window room: None (nothing sent, nothing kept) when there is none.
+
+        For callers that wait on an event loop: they retry when an
+        :class:`~zmq_omni.connectors.base.ArrivalWatch` of :meth:`watch_arrivals`
+        reports room. With ``give_up`` a full window fails the put as
+        :meth:`put` does after ``put_timeout_s`` (a ``TransportTimeoutError``
+        kept for the adapters). A put refused at ZeroMQ's high-water mark is
+        None too. It may still wait, briefly, while another thread holds the
+        peer's socket (bounded by ``put_timeout_s``). With ``shm: on`` the first
+        put to a peer does not wait for its shared-memory verdict (it goes as frames).
+        """
+        return self._sending.try_put(from_stage, to_stage, put_key, data, give_up)
+
+    # -- get ------------------------------------------------------------------------------------
+    def get(self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None) -> Got:
+        """Take the object put under ``get_key``: ``(obj, nbytes)``, or None when it is not there (yet).
+
+        Push mode: without metadata (or with metadata that is not ours, such as
+        vllm-omni's ``{source_host, source_port}`` hints) it never waits. With the
+        metadata one of our puts returned it waits up to ``metadata_get_timeout_s``
+        for that put to arrive, and records a timeout failure if it does not
+        (vllm-omni's orchestrator hands a stage that metadata and calls ``get`` once).
+        Pull mode asks the sender (one round trip; at most ``fetch_timeout_s``
+        when the sender does not answer). A connector without a role binds at its
+        first push-mode ``get``.
+
+        Driven by an event loop, on the loop's thread a push-mode ``get`` never
+        waits, with metadata or not (``await AsyncConnector.get`` waits).
+
+        Raises:
+            RuntimeError: driven by an event loop, a pull-mode get (a round trip the loop does:
+                await it), or a first get that binds, off the loop's thread.
+        """
+        return self._gets.get(from_stage, to_stage, get_key, metadata)
+
+    def get_with_deadline(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None, *, deadline: float
+    ) -> Got:
+        """Like :meth:`get`, waiting (on a condition, or a server-side long poll) until ``deadline``.
+
+        Raises:
+            RuntimeError: driven by an event loop, a deadline ahead on the loop's own thread (or while
+                no loop runs it): ``await AsyncConnector.get(..., timeout=...)`` waits there.
+        """
+        return self._gets.get_with_deadline(from_stage, to_stage, get_key, metadata, deadline=deadline)
+
+    def get_nowait(self, from_stage: str, to_stage: str, get_key: str) -> Got:
+        """``get`` by key that never waits, not even for a put of this key this process has on its way here.
+
+        An addition to the contract: ``get`` waits for such a put (bounded by its window), which
+        would hold up a caller that waits otherwise (``AsyncConnector``'s gets wait on their loop
+        and look with this). Push mode; in pull mode (a round trip to the sender) it is :meth:`get`.
+        """
+        return self._gets.get_nowait(from_stage, to_stage, get_key)
+
+    def watch_arrivals(self) -> ArrivalWatch:
+        """A watch notified when items reach the push receiver's mailbox, when window room frees, and at close.
+
+        A pull-mode receiver's items never arrive by themselves: wait for them on a
+        :class:`FetchChannel` instead (see :meth:`open_fetch_channel`).
+        """
+        watch = self._register_watch(ArrivalWatch())
+        wiring = self._wiring
+        if wiring is not None:
+            wiring.watched = True
+            self._bound.hook_watches()
+            self._sending.hook_watches()
+        return watch
+
+    def get_wakeup_generation(self) -> int | None:
+        """A counter that changes whenever items arrive in the push receiver's mailbox.
+
+        None when this connector has no push receiver (pull mode or a sender): nothing
+        arrives by itself there, so callers should wait in ``get_with_deadline``
+        (pull mode's server-side long poll) instead of :meth:`wait_for_change`.
+        """
+        return self._gets.get_wakeup_generation()
+
+    def wait_for_change(self, gen: int, *, timeout: float) -> int:
+        """Wait until the wakeup generation differs from ``gen`` (at most ``timeout``); return it then.
+
+        Waits on the mailbox condition (no polling); returns ``gen`` unchanged after
+        a timeout or ``close()``. Without a push receiver it waits ``timeout`` (or until closed).
+
+        Raises:
+            RuntimeError: driven by an event loop, a wait on the loop's own thread (or while no loop runs it).
+        """
+        return self._gets.wait_for_change(gen, timeout=timeout)
+
+    # -- pull-mode gets waited for on an event loop (zmq_omni.aio) ---------------------------------
+    def fetch_route(
+        self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None
+    ) -> tuple[str, bytes | None] | None:
+        """Where a pull-mode get fetches from: ``(endpoint, server_key)``, or None when refused.
+
+        Both the threaded and the asyncio get go through here, so they apply one rule: an
+        endpoint the metadata names (it wins over the configured one) must pass the same
+        plaintext/CURVE check as configured endpoints; one that does not is recorded as the
+        get's failure and the get finds nothing.
+
+        Raises:
+            ValueError: this connector does not get in pull mode (or is closed).
+            ConfigError: no endpoint is known for ``from_stage``.
+        """
+        return self._fetching.fetch_route(from_stage, to_stage, key, metadata)
+
+    def open_fetch_channel(self, ctx: Any, endpoint: str, server_key: bytes | None) -> FetchChannel:
+        """A :class:`FetchChannel` to ``endpoint`` on the caller's ZeroMQ context (the caller closes it)."""
+        return self._fetching.open_fetch_channel(ctx, endpoint, server_key)
+
+    def fetch_done(self, from_stage: str, to_stage: str, key: str, endpoint: str, result: Any) -> Got:
+        """A :class:`FetchChannel` result under the get contract: counted, and an error kept as a failure."""
+        return self._fetching.fetch_done(from_stage, to_stage, key, endpoint, result)
+
+    # -- cleanups ---------------------------------------------------------------------------------
     def cleanup(self, request_id: str) -> bool:
         """Drop everything held for the request ``request_id`` (mailbox, retained sends, unfetched payloads).
 
@@ -219,6 +353,12 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         prefix = str(prefix)
         return self._forget(lambda k: key_matches_prefix(k, prefix), prefix=prefix)
 
+    def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
+        """A cleanup: the bound part drops and buries (counted); the sender releases its copies (not counted)."""
+        dropped = self._bound.forget(match, key=key, prefix=prefix)
+        self._sending.forget(match)
+        return dropped
+
     def abandon_get(self, get_key: str) -> None:
         """The caller stopped waiting for ``get_key``: drop it if it is here, and whatever arrives for it later.
 
@@ -227,43 +367,33 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         asks for it again (it lifts that tombstone). Pull mode keeps nothing here: the
         server's copy expires after its ``pull_ttl_s``.
         """
-        key = str(get_key)
-        if self._receiver is not None:
-            self._receiver.forget(lambda k: k == key, key=key)
-            if self._shared is not None and self._shared.expected.slots:
-                self._shared.expected.settle_where(lambda k: k == key)
+        self._bound.abandon(str(get_key))
 
-    def _forget(self, match: Callable[[str], bool], *, key: str | None = None, prefix: str | None = None) -> int:
-        """A cleanup: drop what matches everywhere we hold it, and bury ``key`` / ``prefix`` firmly."""
-        dropped = 0
-        bound: list[BoundEndpoint] = [] if self._shared is None or self._receiver is None else [self._shared]
-        if self._receiver is None and self.settings.mode == "push":
-            # Not bound (yet): kept for whichever of our connectors binds the endpoint we would bind (any
-            # of ours while the stage is up to the first get's call), or applied at once where one has.
-            # Never another stage's endpoint: a sender's cleanup cancels none of its puts (#6670).
-            stage = self._bind_stage(None)
-            endpoint = None if stage is None else self._endpoints.get(stage)
-            endpoints = [e for _, e in self._endpoints.items()] if stage is None else [endpoint] if endpoint else []
-            ttl_s = self.settings.tombstone_ttl_s
-            bound = cancel_early(match, endpoints, key=key, prefix=prefix, ttl_s=ttl_s)
-        for shared in bound:
-            receiver = shared.part
-            assert isinstance(receiver, PushReceiver)
-            # Puts of this process still on their way here are dropped as they arrive: each key gets a
-            # tombstone (receiver-side cleanup; puts to other endpoints go on, #6670).
-            in_flight = shared.expected.settle_where(match) if shared.expected.slots else []
-            dropped += receiver.forget(match, key=key, prefix=prefix, firm=True)
-            for buried in in_flight:
-                if buried != key:
-                    receiver.forget(functools.partial(operator.eq, buried), key=buried, firm=True)
-        if self._server is not None:
-            dropped += self._server.forget(match, key=key, prefix=prefix)
-        if self._sender is not None:
-            # A push sender's copies of delivered puts only serve redelivery: release them. Puts still
-            # on their way go on (#6670). None counts: the receiver's cleanup counts what it drops.
-            self._sender.forget(match)
-        return dropped
+    # -- health and failures --------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """Status, counters (puts, gets, bytes, errors, timeouts, resends, rejected_frames, ...) and state."""
+        return self._health.health()
 
+    def _record_failure(
+        self,
+        op: Literal["put", "get"],
+        from_stage: str,
+        to_stage: str,
+        key: str,
+        reason: str,
+        error: ZmqOmniError | None = None,
+    ) -> None:
+        """Keep the failure (see the base class); a failed put also makes ``health()`` degraded for a while."""
+        super()._record_failure(op, from_stage, to_stage, key, reason, error)
+        if op == "put" and not self._closed:
+            self._sending.note_failure(to_stage, key, reason, error)
+
+    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+        """The shared endpoint's report of a failure of ours (a pull-mode payload of ours never fetched)."""
+        if self._wiring is not None:
+            self._wiring.on_failure(op, from_stage, to_stage, key, reason, error)
+
+    # -- flush and close --------------------------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until every put so far is safe without this connector.
 
@@ -281,13 +411,16 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
             RuntimeError: driven by an event loop, a ``timeout_s`` above 0 on the loop's own thread
                 (or while no loop runs it): ``await AsyncConnector.flush(timeout_s)`` waits there.
         """
+        wiring = self._wiring
+        assert wiring is not None
         timeout_s = bounded_timeout(timeout_s)
-        if timeout_s > 0 and not self._can_wait():
-            raise self._refuse_wait("flush", "await AsyncConnector.flush(timeout_s)")
-        if self._sender is not None:
-            return self._sender.wait_delivered(timeout_s)
-        if self._server is not None:
-            return self._server.wait_fetched(timeout_s, owner=self)
+        if timeout_s > 0 and not wiring.can_wait():
+            raise wiring.refuse_wait("flush", "await AsyncConnector.flush(timeout_s)")
+        delivered = self._sending.wait_delivered(timeout_s)
+        if delivered is not None:
+            return delivered
+        if self._bound.server is not None:
+            return self._bound.wait_fetched(timeout_s)
         return True
 
     def close(self) -> None:
@@ -316,21 +449,20 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
         loop first. From another thread the close is handed to the loop.
         """
         with self._close_lock:
-            if self._loop is None:
+            wiring = self._wiring
+            driver = None if wiring is None else wiring.driver
+            if wiring is None or driver is None:
                 return
-            linger = max(0.0, linger_s) if self._can_wait() else 0.0
+            linger = max(0.0, linger_s) if wiring.can_wait() else 0.0
             if linger > 0:
                 self.flush(linger)
-            with self._bind_lock:  # no part is built from now on
+            with wiring.build_lock:  # no part is built from now on
                 self._closed = True
-            self._idle.set()
-            lost: list[str] = []
-            if self._sender is not None:
-                lost += self._sender.close()  # fails waiting puts and reports what is unconfirmed
-            if self._client is not None:
-                self._client.close()  # wakes waiting gets and gives back its sockets
-            if self._shared is not None:  # the last connector bound there closes the receiver or server
-                lost += self._shared.release(self, (self._notify_watches, self._notify_room))
+            self._gets.close()
+            lost = self._sending.close()  # fails waiting puts and reports what is unconfirmed
+            self._fetching.close()  # wakes waiting gets and gives back its sockets
+            # The last connector bound there closes the receiver or server.
+            lost += self._bound.release((wiring.notify_arrivals, wiring.notify_room))
             if lost:
                 shown = ", ".join(repr(key) for key in lost[:10])
                 more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
@@ -344,12 +476,11 @@ class ZmqConnector(ZmqSending, ZmqGets, ZmqHealth):
                     more,
                 )
             self._notify_closed()
-            if not self._loop.stop(timeout=1.0):
-                log.warning("the driver of stage %s (%r) did not stop within 1s", self.stage_id, self._loop)
-            self._loop = None
-            for shm in (self._shm_send, self._shm_receive):
-                if shm is not None:
-                    shm.close()
+            if not driver.stop(timeout=1.0):
+                log.warning("the driver of stage %s (%r) did not stop within 1s", self.stage_id, driver)
+            wiring.driver = None
+            self._sending.close_pool()
+            self._fetching.close_reader()
 
     def __repr__(self) -> str:
         cfg = getattr(self, "settings", None)

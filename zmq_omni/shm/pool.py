@@ -1,4 +1,4 @@
-"""A pool of reused, pre-faulted slots, and leases that pin them while viewed.
+"""The sender's pool of reused, pre-faulted slots.
 
 A brand-new segment per message is page-fault bound (create + fill + map of
 64 MiB costs ~49 ms here, against ~5 ms to fill memory that is already
@@ -6,52 +6,41 @@ faulted in). So a sender keeps a :class:`SlotPool`: a set of segments, each
 holding one payload at a time, reused for later payloads once the receiver is
 done with them.
 
-Each slot segment starts with a 4 KiB header; the payload follows, page
-aligned::
-
-    offset 0  magic  b"ZOSL"
-    offset 4  version  u8
-    offset 5  state    u8   FREE / WRITING / READY / LEASED
-    offset 8  gen      u64  bumped by every write; handles carry it
-    offset 16 ready_at f64  time.time() when the slot became READY
-
-State machine (one writer at any time, so no atomic read-modify-write is needed):
-
-* FREE -> WRITING -> READY: the sender, which owns FREE slots.
-* READY -> LEASED: the one receiver holding the handle (a handle is delivered
-  to exactly one receiver: by ZeroMQ, or by the atomic rename of a mailbox
-  entry), under a shared ``flock`` on the segment, after checking ``gen``.
-* LEASED -> FREE: that receiver, when the last array viewing the slot is
-  garbage-collected; then it drops the ``flock``.
-* READY -> FREE: whoever reclaims an unconsumed handle (expiry after
-  ``ttl``, a re-put, ``cleanup``) under an exclusive ``flock``.
-* LEASED -> FREE: the sender, when an exclusive ``flock`` succeeds on a
-  LEASED slot, which means the holder died (the kernel drops ``flock`` locks
-  of dead processes).
-
-A receiver that took the shared lock holds it for the whole lease, so the
-sender can never reclaim a slot that is being viewed; a receiver that comes
-late finds FREE or a newer ``gen`` and gets ``None`` (a stale handle).
+The slot format and its state machine are in :mod:`._slot`, the receiver's
+leases (:class:`SlotReader`) in :mod:`._reader`; this module re-exports their
+public names, so both sides of a slot are importable from here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import struct
 import threading
 import time
-import warnings
-import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import Any
 
 from ..errors import ShmError, ShmSpaceError
+from ._closing import _Closing
+from ._reader import SlotReader
+from ._slot import (
+    _GEN_AT,
+    _HEAD,
+    _MAGIC,
+    _STATE_AT,
+    _VERSION,
+    FREE,
+    HEADER_BYTES,
+    LEASED,
+    READY,
+    WRITING,
+    SlotHandle,
+    _layout,
+    _ready_at,
+    _reclaim,
+    flat_bytes,
+    frame_nbytes,
+)
 from .segment import Segment, check_free_space, default_shm_dir
 
 __all__ = [
@@ -68,88 +57,6 @@ __all__ = [
 
 _log = logging.getLogger("zmq_omni.shm")
 
-FREE, WRITING, READY, LEASED = 0, 1, 2, 3
-
-HEADER_BYTES = 4096
-_MAGIC = b"ZOSL"
-_VERSION = 1
-_STATE_AT = 5
-_HEAD = struct.Struct("<4sBBxxQd")  # magic, version, state, gen, ready_at
-_GEN_AT = 8
-_READY_AT = 16
-_ALIGN = 64
-
-_HANDLE_MAGIC = b"ZOSH"
-_HANDLE = struct.Struct("<4sBBHQ")  # magic, version, name length, span count, gen
-_SPAN = struct.Struct("<QQ")
-
-
-def frame_nbytes(frame: Any) -> int:
-    """Size in bytes of one frame (bytes, bytearray, memoryview or array)."""
-    return memoryview(frame).nbytes
-
-
-def flat_bytes(frame: Any) -> memoryview:
-    """A flat unsigned-byte view of any buffer (copied only when it is not contiguous)."""
-    view = memoryview(frame)
-    if view.ndim == 1 and view.format in ("B", "b", "c"):
-        return view
-    if view.c_contiguous:
-        return view.cast("B")
-    return memoryview(view.tobytes())
-
-
-@dataclass(frozen=True)
-class SlotHandle:
-    """What crosses the wire instead of the payload: where it lies and which write.
-
-    Attributes:
-        segment: the slot's segment name (it names the owning process).
-        gen: the slot generation of this write; a mismatch means stale.
-        spans: ``(offset, length)`` of each frame relative to the payload start.
-    """
-
-    segment: str
-    gen: int
-    spans: tuple[tuple[int, int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes (sum of the frame lengths)."""
-        return sum(length for _, length in self.spans)
-
-    def pack(self) -> bytes:
-        """A compact binary form (tens of bytes)."""
-        name = self.segment.encode()
-        spans = b"".join(_SPAN.pack(off, length) for off, length in self.spans)
-        return _HANDLE.pack(_HANDLE_MAGIC, 1, len(name), len(self.spans), self.gen) + name + spans
-
-    @classmethod
-    def unpack(cls, data: bytes | memoryview) -> SlotHandle:
-        """Parse :meth:`pack` output. Raises :class:`ShmError` when malformed."""
-        try:
-            magic, version, name_len, count, gen = _HANDLE.unpack_from(data, 0)
-            if magic != _HANDLE_MAGIC or version != 1:
-                raise ShmError("not a slot handle")
-            pos = _HANDLE.size
-            name = bytes(data[pos : pos + name_len]).decode()
-            pos += name_len
-            if len(data) != pos + count * _SPAN.size:
-                raise ShmError("slot handle has a bad length")
-            spans = tuple(_SPAN.unpack_from(data, pos + i * _SPAN.size) for i in range(count))
-        except (struct.error, UnicodeDecodeError) as exc:
-            raise ShmError(f"malformed slot handle: {exc}") from exc
-        return cls(name, gen, spans)
-
-
-def _layout(sizes: Sequence[int]) -> tuple[tuple[tuple[int, int], ...], int]:
-    spans = []
-    pos = 0
-    for size in sizes:
-        spans.append((pos, size))
-        pos += (size + _ALIGN - 1) // _ALIGN * _ALIGN
-    return tuple(spans), pos
-
 
 def _slot_capacity(need: int, minimum: int) -> int:
     # Eight size classes per power of two: few distinct sizes (so slots get
@@ -158,33 +65,6 @@ def _slot_capacity(need: int, minimum: int) -> int:
     cap = max(minimum, need)
     step = max(1 << (cap.bit_length() - 4), 4096)
     return -(-cap // step) * step
-
-
-# A TypeVar rather than typing.Self, which Python 3.10 lacks.
-_ClosingT = TypeVar("_ClosingT", bound="_Closing")
-
-
-class _Closing:
-    """What the pool and the reader share: ``with`` closes, and an unclosed one warns when collected."""
-
-    _closed: bool
-    directory: str
-
-    def close(self) -> None:  # pragma: no cover - both subclasses define it
-        raise NotImplementedError
-
-    def __enter__(self: _ClosingT) -> _ClosingT:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):  # also after a constructor that raised
-            return
-        warnings.warn(f"unclosed {type(self).__name__} in {self.directory}", ResourceWarning, stacklevel=2, source=self)
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 class _Slot:
@@ -413,179 +293,3 @@ class SlotPool(_Closing):
         for slot in slots:
             slot.seg.unlink()
             slot.seg.close()
-
-
-def _ready_at(seg: Segment) -> float:
-    return float(struct.unpack_from("<d", seg.mm, _READY_AT)[0])
-
-
-def _reclaim(seg: Segment, gen: int | None, *, expect: tuple[int, ...]) -> int:
-    """Set a slot FREE under an exclusive flock when its state (and gen) still match."""
-    try:
-        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return 0  # a live receiver holds the lease
-    try:
-        if seg.mm[_STATE_AT] not in expect:
-            return 0
-        if gen is not None and struct.unpack_from("<Q", seg.mm, _GEN_AT)[0] != gen:
-            return 0
-        seg.mm[_STATE_AT] = FREE
-        return 1
-    finally:
-        fcntl.flock(seg.fd, fcntl.LOCK_UN)
-
-
-class _Attachment:
-    """A receiver's cached mapping of one slot segment, with its lease count."""
-
-    def __init__(self, seg: Segment) -> None:
-        self.seg = seg
-        self.array = np.frombuffer(seg.mm, dtype=np.uint8)
-        self.address = int(self.array.ctypes.data)
-        self.leased = False
-        self.evicted = False
-        self.lock = threading.RLock()
-
-    def close_if_idle(self) -> None:
-        with self.lock:
-            if self.leased or not self.evicted or self.seg.closed:
-                return
-            del self.array
-            self.seg.close()
-
-
-class _LeasedRegion:
-    """The base object of every array a lease hands out; its death ends the lease.
-
-    numpy keeps the object behind ``__array_interface__`` as the array's base,
-    and every slice or view of that array keeps it alive, so the finalizer runs
-    exactly when the last view of the slot is gone.
-    """
-
-    __slots__ = ("__array_interface__", "__weakref__", "attachment")
-
-    def __init__(self, attachment: _Attachment, offset: int, nbytes: int) -> None:
-        self.attachment = attachment
-        self.__array_interface__ = {
-            "version": 3,
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (attachment.address + offset, False),
-        }
-
-
-def _end_lease(attachment: _Attachment, gen: int) -> None:
-    seg = attachment.seg
-    with attachment.lock:
-        if seg.closed:
-            return
-        if seg.mm[_STATE_AT] == LEASED and struct.unpack_from("<Q", seg.mm, _GEN_AT)[0] == gen:
-            seg.mm[_STATE_AT] = FREE
-        fcntl.flock(seg.fd, fcntl.LOCK_UN)
-        attachment.leased = False
-    attachment.close_if_idle()
-
-
-class SlotReader(_Closing):
-    """The receiver side: maps slots (cached) and leases them as zero-copy views.
-
-    Args:
-        directory: the tmpfs directory the senders use.
-        cache_size: how many segment mappings to keep between payloads
-            (attaching costs a map and page-table fill, so reuse it).
-
-    Thread-safe.
-    """
-
-    def __init__(self, *, directory: str | None = None, cache_size: int = 64) -> None:
-        self.directory = directory or default_shm_dir()
-        self.cache_size = cache_size
-        self._cache: OrderedDict[str, _Attachment] = OrderedDict()
-        self._lock = threading.RLock()
-        self._closed = False
-        self.stale = 0
-
-    def open(self, handle: SlotHandle) -> list[memoryview] | None:
-        """Lease the slot of ``handle`` and return one writable view per frame.
-
-        The slot stays leased (never reused by the sender) until every view,
-        and every array built on them, is garbage-collected. Returns None when
-        the handle is stale: the slot was reclaimed or reused, or its segment
-        is gone.
-        """
-        att = self._attachment(handle.segment)
-        if att is None:
-            self.stale += 1
-            return None
-        with att.lock:
-            seg = att.seg
-            if att.leased or seg.closed:
-                self.stale += 1
-                return None
-            # Blocking is bounded: a sender holds LOCK_EX only to flip one byte.
-            fcntl.flock(seg.fd, fcntl.LOCK_SH)
-            gen = struct.unpack_from("<Q", seg.mm, _GEN_AT)[0]
-            _, end = _layout([length for _, length in handle.spans])
-            if seg.mm[_STATE_AT] != READY or gen != handle.gen or HEADER_BYTES + end > seg.size:
-                fcntl.flock(seg.fd, fcntl.LOCK_UN)
-                self.stale += 1
-                return None
-            seg.mm[_STATE_AT] = LEASED
-            att.leased = True
-        region = _LeasedRegion(att, HEADER_BYTES, max(end, 1))
-        weakref.finalize(region, _end_lease, att, gen)
-        whole = np.asarray(region)
-        return [memoryview(whole[off : off + length]) for off, length in handle.spans]  # type: ignore[arg-type]
-
-    def discard(self, handle: SlotHandle) -> bool:
-        """Free the slot of a handle that will never be read (expiry, cleanup by a non-owner)."""
-        att = self._attachment(handle.segment)
-        if att is None:
-            return False
-        return _reclaim(att.seg, handle.gen, expect=(READY,)) == 1
-
-    def _attachment(self, name: str) -> _Attachment | None:
-        with self._lock:
-            if self._closed:
-                raise ShmError("slot reader is closed")
-            att = self._cache.get(name)
-            if att is not None:
-                self._cache.move_to_end(name)
-                return att
-            self._evict_unlinked()
-            try:
-                seg = Segment.attach(name, directory=self.directory)
-            except FileNotFoundError:
-                return None
-            att = _Attachment(seg)
-            self._cache[name] = att
-            while len(self._cache) > self.cache_size:
-                _, old = self._cache.popitem(last=False)
-                self._evict(old)
-            return att
-
-    def _evict_unlinked(self) -> None:
-        # A released sender's segments are unlinked; our mappings of them only pin memory.
-        for name in [n for n, a in self._cache.items() if a.seg.is_unlinked()]:
-            self._evict(self._cache.pop(name))
-
-    @staticmethod
-    def _evict(att: _Attachment) -> None:
-        att.evicted = True
-        att.close_if_idle()
-
-    def cached(self) -> int:
-        """How many segment mappings are cached."""
-        with self._lock:
-            return len(self._cache)
-
-    def close(self) -> None:
-        """Drop every cached mapping; leased ones are unmapped when their last view dies."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            cache, self._cache = self._cache, OrderedDict()
-        for att in cache.values():
-            self._evict(att)

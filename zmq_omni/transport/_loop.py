@@ -26,6 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any, ClassVar
 
 import zmq
@@ -161,6 +162,7 @@ class IoLoop(Driver):
         self._handlers: dict[Any, Callable[[], None]] = {}
         self._calls: deque[Callable[[], None]] = deque()
         self._timers: list[_Periodic] = []
+        self._timers_due = math.inf  # the earliest due time of the periodic timers
         self._later: list[tuple[float, int, Callable[[], None]]] = []
         self._later_ids = 0
         self._on_stop: list[Callable[[], None]] = []
@@ -176,6 +178,7 @@ class IoLoop(Driver):
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ident: int | None = None  # the loop thread's, once it runs
 
     # -- any thread ----------------------------------------------------------
     def start(self) -> None:
@@ -197,17 +200,22 @@ class IoLoop(Driver):
                     os.eventfd_write(self._wake_fd, 1)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread as soon as possible."""
+        """Run ``fn`` on the loop thread as soon as possible.
+
+        From the loop thread itself nothing is written to the eventfd: the loop runs the calls
+        queued before it polls again (and polls without waiting while any is left).
+        """
         self._calls.append(fn)
-        self.wake()
+        if get_ident() != self._ident:
+            self.wake()
 
     def in_loop(self) -> bool:
         """True when called from the loop thread."""
-        return threading.current_thread() is self._thread
+        return get_ident() == self._ident
 
     def owns_sockets_here(self) -> bool:
         """True on the loop thread, or while it does not run (before :meth:`start`, or after it ended)."""
-        return threading.current_thread() is self._thread or not self._thread.is_alive()
+        return get_ident() == self._ident or not self._thread.is_alive()
 
     def stop(self, timeout: float = 1.0) -> bool:
         """Run the on-stop callbacks on the loop thread, end it, terminate the context.
@@ -268,7 +276,9 @@ class IoLoop(Driver):
 
     def every(self, interval: float, fn: Callable[[], None]) -> None:
         """Call ``fn`` every ``interval`` seconds."""
-        self._timers.append(_Periodic(interval, fn))
+        timer = _Periodic(interval, fn)
+        self._timers.append(timer)
+        self._timers_due = min(self._timers_due, timer.due)
 
     def on_stop(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` on the loop thread just before it ends (flush, close sockets)."""
@@ -279,33 +289,42 @@ class IoLoop(Driver):
         self._on_term.append(fn)
 
     def _run(self) -> None:
+        self._ident = get_ident()
+        # Read once: each message's turn runs this loop, and the thread that waits for it runs after it.
+        calls, later, timers, handlers = self._calls, self._later, self._timers, self._handlers
+        poll, wake_fd, monotonic = self._poller.poll, self._wake_fd, time.monotonic
         try:
             while not self._stopping:
-                now = time.monotonic()
-                timeout_ms = 1000.0
-                for timer in self._timers:
-                    timeout_ms = min(timeout_ms, max(0.0, (timer.due - now) * 1000.0))
-                if self._later:
-                    timeout_ms = min(timeout_ms, max(0.0, (self._later[0][0] - now) * 1000.0))
-                if self._calls:
-                    timeout_ms = 0.0
-                for sock, _ in self._poller.poll(math.ceil(timeout_ms)):
-                    if sock == self._wake_fd:
+                if calls:
+                    timeout = 0
+                else:
+                    due = self._timers_due
+                    if later and later[0][0] < due:
+                        due = later[0][0]
+                    wait_ms = (due - monotonic()) * 1000.0
+                    timeout = 0 if wait_ms <= 0.0 else 1000 if wait_ms >= 1000.0 else math.ceil(wait_ms)
+                for sock, _ in poll(timeout):
+                    if sock == wake_fd:
                         with contextlib.suppress(BlockingIOError):
-                            os.eventfd_read(self._wake_fd)
+                            os.eventfd_read(wake_fd)
                         continue
-                    handler = self._handlers.get(sock)
+                    handler = handlers.get(sock)
                     if handler is not None:
-                        self._guard(handler)
-                while self._calls:
-                    self._guard(self._calls.popleft())
-                now = time.monotonic()
-                while self._later and self._later[0][0] <= now:
-                    self._guard(heapq.heappop(self._later)[2])
-                for timer in self._timers:
-                    if timer.due <= now:
-                        timer.due = now + timer.interval
-                        self._guard(timer.fn)
+                        try:
+                            handler()
+                        except Exception:
+                            log.exception("%s: handler %r failed", self._name, handler)
+                while calls:
+                    self._guard(calls.popleft())
+                now = monotonic()
+                while later and later[0][0] <= now:
+                    self._guard(heapq.heappop(later)[2])
+                if self._timers_due <= now:
+                    for timer in timers:
+                        if timer.due <= now:
+                            timer.due = now + timer.interval
+                            self._guard(timer.fn)
+                    self._timers_due = min(timer.due for timer in timers)
         finally:
             while self._calls:
                 self._guard(self._calls.popleft())
@@ -317,3 +336,4 @@ class IoLoop(Driver):
             if orphaned:
                 log.warning("%s: its stop ran late (after a long handler); its sockets are closed now", self._name)
                 self._finish(wait=False)
+            self._ident = None  # (a thread started later may get the same number)

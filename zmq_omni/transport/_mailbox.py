@@ -1,11 +1,14 @@
 """Push mode, receiving half: the keyed mailbox between the receiver's driver and the gets.
 
-One lock (:attr:`Mailbox.lock`, under the condition threads wait on) guards
-everything here: the items by address, the tombstones, the consumptions and
+One lock (:attr:`Mailbox.lock`) guards everything here, the waiting threads
+included: the items by address, the tombstones, the consumptions and
 drops not yet handed to the protocol, the counters and the closed flag (when
 acknowledgements are due is the protocol's, not the mailbox's). The receiver's
-driver stores arrivals; any thread takes, waiting on the condition
-(:meth:`Mailbox.take`) until an arrival, the seal or its deadline. An event
+driver stores arrivals; any thread takes, waiting (:meth:`Mailbox.take`) until an
+arrival, the seal or its deadline wakes it. A waiting thread sleeps on a lock of
+its own, listed under the mailbox lock and released by whoever wakes it (what
+``threading.Condition`` does, without its Python-level bookkeeping on the round
+trip of every lone message). An event
 loop is woken by :attr:`Mailbox.on_arrivals`, which is called outside the lock
 with the addresses that arrived.
 
@@ -29,6 +32,7 @@ import functools
 import logging
 import threading
 import time
+from _thread import allocate_lock
 from collections.abc import Callable
 from typing import Any
 
@@ -78,9 +82,8 @@ class Mailbox:
         self._shm = shm
         self._decode = decode
         self._counters = counters
-        # A plain Lock under the condition: ``with lock`` costs a C call, a Condition's two Python ones.
         self.lock = threading.Lock()
-        self._cv = threading.Condition(self.lock)
+        self._sleepers: list[Any] = []  # the locks of the threads waiting, each held: releasing it wakes that thread
         self._box: dict[Slot, Item] = {}  # arrival order: a re-put moves to the end
         self._tombs = Tombstones(tombstone_ttl_s, max_tombstones)
         self._consumed: list[tuple[str, int]] = []  # for the protocol: taken by gets or replaced by re-puts
@@ -89,12 +92,11 @@ class Mailbox:
         self._heavy_bytes = 0  # taken since on_left(True) was last called (ACK_BYTES)
         self._told = False  # on_left was called since the last handover
         self._on_left = on_left
-        # Puts taken through a previous binder (in order); the value is True (a pop's default tells absence).
-        self._elsewhere: dict[tuple[str, int], bool] = {}
+        self._elsewhere: dict[tuple[str, int], bool] = {}  # puts taken through a previous binder (in order)
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
         self.closed = False
         self._opening = 0  # shared-memory items taken and not yet mapped: a seal waits for them (close)
-        self.waiting = 0  # threads waiting on the condition
+        self.waiting = 0  # threads waiting (see _wait)
         self.on_arrivals: Callable[[list[Slot]], None] | None = None
         #: A shared stage endpoint's binder: called by the driver with what arrived, to lend it to local clients.
         self.on_lendable: Callable[[list[Slot]], None] | None = None
@@ -124,7 +126,7 @@ class Mailbox:
                     gone.append(old)
             self.generation += 1
             if self.waiting:
-                self._cv.notify_all()
+                self._wake_all()
         if gone:
             self._discard(gone)
         if arrivals:
@@ -164,7 +166,7 @@ class Mailbox:
         taken = 0
         with self.lock:
             for pair in pairs:
-                self._elsewhere[pair] = True
+                self._elsewhere[pair] = True  # (a value pop can tell from its default)
             while len(self._elsewhere) > _ELSEWHERE_MAX:
                 del self._elsewhere[next(iter(self._elsewhere))]
             for slot, item in list(self._box.items()):
@@ -246,7 +248,7 @@ class Mailbox:
             self._box[slot] = item
             self.generation += 1
             if self.waiting:
-                self._cv.notify_all()
+                self._wake_all()
         for hook in (self.on_arrivals, self.on_lendable):
             if hook is not None:
                 hook([slot])
@@ -261,7 +263,7 @@ class Mailbox:
             count = len(self._box)
             self._box.clear()
             self.closed = True
-            self._cv.notify_all()
+            self._wake_all()
         return count
 
     def _note_taken(self, item: Item) -> None:
@@ -297,18 +299,36 @@ class Mailbox:
                 self._wait(remaining)
 
     def _wait(self, timeout: float) -> None:
-        """Wait on the condition at most ``timeout`` (holds :attr:`lock`): an arrival, a seal or a wake-up."""
+        """Wait at most ``timeout`` for :meth:`_wake_all` (holds :attr:`lock`, released meanwhile).
+
+        An arrival, a seal or a wake-up: the caller looks again at what it waits for.
+        """
+        sleeper = allocate_lock()
+        sleeper.acquire()
+        self._sleepers.append(sleeper)
         self.waiting += 1
+        self.lock.release()
+        woken = False
         try:
-            self._cv.wait(timeout)
+            woken = sleeper.acquire(True, timeout)
         finally:
+            self.lock.acquire()
             self.waiting -= 1
+            if not woken and sleeper in self._sleepers:  # (a timeout, or interrupted, with no wake meanwhile)
+                self._sleepers.remove(sleeper)
+
+    def _wake_all(self) -> None:
+        """Wake every waiting thread (holds :attr:`lock`)."""
+        sleepers = self._sleepers
+        if sleepers:
+            self._sleepers = []
+            for sleeper in sleepers:
+                sleeper.release()
 
     def wake_waiters(self) -> None:
-        """Wake the threads waiting on the condition: each checks its ``stop`` again."""
+        """Wake the waiting threads: each checks its ``stop`` again."""
         with self.lock:
-            if self.waiting:
-                self._cv.notify_all()
+            self._wake_all()
 
     def buries(self, key: str) -> bool:
         """True while a tombstone covers ``key``: an arrival of it now would be dropped."""
@@ -382,7 +402,7 @@ class Mailbox:
                 self._note_taken(item)
                 self._opening -= 1
                 if self.closed and not self._opening:
-                    self._cv.notify_all()
+                    self._wake_all()
         if views is None:
             if self._counters is not None:
                 self._counters.add("shm_stale")
@@ -424,12 +444,12 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         with self.lock:
             self.closed = True
-            self._cv.notify_all()
+            self._wake_all()
             while self._opening:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                self._cv.wait(remaining)
+                self._wait(remaining)
             opening = self._opening
         if opening:
             log.warning(

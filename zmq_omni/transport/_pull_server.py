@@ -110,7 +110,7 @@ class PullServer:
         self._bytes_sent = 0
         self._max_key = max_key_bytes
         self._lot = ParkingLot(_MAX_PARKED, _MAX_PARKED_BYTES)  # parked FETCHes (long polls)
-        for name in ("fetches_evicted", "fetches_of_gone_peers", "parked", "parked_bytes"):
+        for name in ("fetches_evicted", "fetches_of_gone_peers", "parked", "parked_bytes", "rejected_keys"):
             counters.add(name, 0)
         self._probed_at = 0.0
         self._closed = False
@@ -311,7 +311,7 @@ class PullServer:
                 local = header[5] if len(header) > 5 else None
                 if local is not None and type(local) is not bool:
                     raise DecodeError(f"FETCH shm flag {brief(local)} is not a bool")
-                check_key(header[3], self._max_key)
+                self._check_key(header[3])
                 slot = (header[1], header[2], header[3])
                 self._on_fetch(identity, header[0], slot, header[4], local, len(frames[0]))
             elif kind is Kind.HEALTH:
@@ -321,6 +321,14 @@ class PullServer:
         except DecodeError as exc:
             self._counters.add("rejected_frames")
             log.debug("rejected a request on %s: %s", self.endpoint, exc)
+
+    def _check_key(self, key: str) -> None:
+        """Refuse a key longer than ``max_key_bytes`` (counted in ``rejected_keys``; the caller counts the message)."""
+        try:
+            check_key(key, self._max_key)
+        except DecodeError:
+            self._counters.add("rejected_keys")
+            raise
 
     def _forget_parked(self) -> None:
         """The socket was bound anew: the parked FETCHes' peers reconnect with new identities and ask again."""

@@ -1,12 +1,16 @@
 """The pull server's ROUTER: bound, read within a time budget a turn, and bound anew past ``max_frames``.
 
 A request is one frame. A peer's message of many frames is read across turns
-(:class:`~zmq_omni.transport._router.RoutedReader`), so no turn of the driver
-lasts much past :data:`READ_BUDGET_S`; a message past ``max_frames`` closes the
+(:class:`~zmq_omni.transport._router.RoutedReader`) within :data:`READ_BUDGET_S`
+a driver turn, shared by every read the turn runs (the first read of a turn sets
+the deadline, a call on the driver's next turn clears it); a message past ``max_frames`` closes the
 socket, which is the only way to make libzmq let go of the rest of it (it queues
 a message whole, and reading a million frames one ``recv`` each would keep every
 other peer waiting), and a new one is bound on the same endpoint. Peers
 reconnect by themselves; what they had in flight is lost (clients ask again).
+A second later the C heap's free pages go back to the OS in short steps on a
+thread of their own (:func:`~zmq_omni.transport._router.trim_malloc_later`, one
+trim for a burst of rebinds).
 
 Used by the server's driver only (the endpoint's I/O thread, or its event loop).
 """
@@ -14,7 +18,6 @@ Used by the server's driver only (the endpoint's I/O thread, or its event loop).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +27,7 @@ import zmq
 from ..errors import ZmqOmniError
 from ..metrics import Counters
 from ._loop import Driver
-from ._router import RoutedReader, open_router, trim_malloc
+from ._router import RoutedReader, open_router, trim_malloc_later
 from ._security import Curve
 from ._sockets import close_bound, close_socket
 
@@ -72,6 +75,7 @@ class PullRouter:
         self.sock = self._open(endpoint)
         self.bound: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._reader = RoutedReader(self.sock, 1, max_frames)
+        self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
         loop.add_reader(self.sock, self._on_readable)
 
     def _open(self, endpoint: str) -> Any:
@@ -87,7 +91,7 @@ class PullRouter:
             self._stop_refusals = None
 
     def _on_readable(self) -> None:
-        reader, until, on_message = self._reader, time.monotonic() + READ_BUDGET_S, self._on_message
+        reader, until, on_message = self._reader, self._read_until(), self._on_message
         while True:
             message = reader.read(until)
             if message is None:
@@ -97,6 +101,19 @@ class PullRouter:
             on_message(*message)
             if time.monotonic() > until:  # costly requests: the rest next turn
                 return
+
+    def _read_until(self) -> float:
+        """When reading stops: one budget for every read of a driver turn on its thread (elsewhere: each read)."""
+        now = time.monotonic()
+        if not self._loop.in_loop():
+            return now + READ_BUDGET_S
+        if not self._turn_until:
+            self._turn_until = now + READ_BUDGET_S
+            self._loop.call_soon(self._end_turn)  # (runs on the driver's next turn)
+        return self._turn_until
+
+    def _end_turn(self) -> None:
+        self._turn_until = 0.0
 
     def _rebind(self) -> None:
         self._counters.add("rebinds")
@@ -108,6 +125,9 @@ class PullRouter:
         self._loop.remove_reader(self.sock)
         self._stop_watching()
         close_socket(self.sock, linger_ms=_LINGER_MS)  # the held message goes with it
+        # Off the driver's thread and in short steps (an event loop's thread allocates from the same heap), once for a
+        # burst of rebinds: the ~640 MB libzmq held for a message of 10M frames go back to the OS.
+        trim_malloc_later(_TRIM_AFTER_S)
         self._on_rebind()
         self._reopen(time.monotonic() + _REBIND_S)
 
@@ -125,8 +145,6 @@ class PullRouter:
             return
         self._reader = RoutedReader(self.sock, 1, self._reader.max_frames)
         self._loop.add_reader(self.sock, self._on_readable)
-        # Off the driver's thread: handing ~GBs of pages back takes a while (~0.3 s for 640 MB).
-        self._loop.call_later(_TRIM_AFTER_S, lambda: threading.Thread(target=trim_malloc, daemon=True).start())
 
     def stop_reading(self) -> None:
         """Stop watching the socket (the first step of closing)."""

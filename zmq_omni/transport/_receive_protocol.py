@@ -16,8 +16,9 @@ accepted). It belongs to the receiver's driver (see
 :mod:`~zmq_omni.transport._receiver`), who calls it one message at a time.
 
 What each sender is told (dedupe window, acknowledgements, pongs) is the
-per-sender :class:`~zmq_omni.transport._dedupe.SourceState`; the socket layout
-and the delivery protocol are in :mod:`~zmq_omni.transport._push_protocol`.
+per-sender :class:`~zmq_omni.transport._dedupe.SourceState`; how a REPLY says it, in
+:mod:`~zmq_omni.transport._receive_replies`; the socket layout and the delivery protocol
+are in :mod:`~zmq_omni.transport._push_protocol`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from ..errors import DecodeError, MessageTooLargeError
 from ..metrics import Counters
 from ..wire import brief
 from ._dedupe import SourceState
-from ._envelope import DEFAULT_MAX_KEY_BYTES, Kind, check_key, check_types, pack, to_ranges, unpack
+from ._envelope import DEFAULT_MAX_KEY_BYTES, Kind, check_key, check_types, pack, unpack
+from ._receive_replies import Reply, cut_replies
 from ._shm import ShmReceive, check_probe
 
 __all__ = ["ACK_BATCH", "ACK_BYTES", "DEFAULT_ACK_DELAY_S", "Item", "ReceiveProtocol", "Reply", "Slot"]
@@ -54,9 +56,6 @@ _PING_TYPES = (str, int, int)
 _BATCH_TYPES = (str, int, str, list)
 _BATCH_ENTRY = (int, str, str, bytes)  # seq, from_stage, key, wire frame 0
 _MAX_BATCH_ENTRIES = 65536
-# Most seqs per list in one REPLY: a sender refuses a list naming more than 4 * max_unacked + 1024 (a pong names
-# the consumptions not yet told, at most MAX_PONG_RECENT told once and MAX_PONG_REPEATS twice: several REPLYs).
-_MAX_REPLY_SEQS = 1024
 
 
 class Item(NamedTuple):
@@ -72,17 +71,6 @@ class Item(NamedTuple):
 
 # ``Item.__new__`` is a Python function; the tuple constructor makes the same object without it.
 new_item = tuple.__new__
-
-
-class Reply(NamedTuple):
-    """A frame to route to ``identity``; what it says is kept in case ZeroMQ cannot route it."""
-
-    identity: bytes
-    frame: bytes
-    source: SourceState | None  # None: a HEALTH answer (nothing to remember)
-    ping: int  # the PING answered; -1 a plain ack; DROPPED_* a drop report
-    arrived: list[int]
-    consumed: list[int]
 
 
 Verdicts = dict[tuple[str, bytes], bool]  # a probe segment's (name, nonce) -> readable here
@@ -106,8 +94,9 @@ class ReceiveProtocol:
     most :data:`~zmq_omni.transport._dedupe.MAX_PONG_REPEATS` told twice, in rotation (why that
     keeps delivery exactly-once while an unclaimed item pins the sender's low mark:
     :class:`~zmq_omni.transport._dedupe.SourceState`). Lists are cut into REPLYs of
-    ``_MAX_REPLY_SEQS`` seqs at fixed offsets, so building them costs time linear in the
-    seqs they name (plus one sort), and neither grows with the sender's history.
+    ``MAX_REPLY_SEQS`` seqs at fixed offsets (:func:`~zmq_omni.transport._receive_replies.cut_replies`),
+    so building them costs time linear in the seqs they name (plus one sort), and neither grows with
+    the sender's history.
 
     Args:
         endpoint: named in log lines.
@@ -464,38 +453,13 @@ class ReceiveProtocol:
     def _reply(
         self, source: SourceState, ping: int, arrived: list[int], consumed: list[int], *, keep_order: bool = False
     ) -> list[Reply]:
-        """The REPLYs saying ``arrived`` and ``consumed`` to ``source``, answering ``ping``.
-
-        Lists longer than ``_MAX_REPLY_SEQS`` go in several REPLYs, plain acks first and the
-        answer to ``ping`` last, so that no REPLY exceeds what any sender accepts. The lists
-        are sorted once (``keep_order``: not sorted, the caller's order kept and its seqs
-        distinct) and cut at fixed offsets: the cost is linear in the seqs they hold (plus
-        the sort), however many parts they make.
-        """
-        cap = _MAX_REPLY_SEQS
-        parts: list[tuple[int, list[int], list[int]]]
-        if len(arrived) > cap or len(consumed) > cap:
-            if not keep_order:
-                arrived, consumed = sorted(set(arrived)), sorted(set(consumed))
-            count = max(-(-len(arrived) // cap), -(-len(consumed) // cap), 1)
-            ack = min(ping, -1)  # a pong's earlier parts are plain acks; a drop report's keep its code
-            parts = [
-                (ack if i < count - 1 else ping, arrived[i * cap : (i + 1) * cap], consumed[i * cap : (i + 1) * cap])
-                for i in range(count)
-            ]
-        else:
-            parts = [(ping, arrived, consumed)]
-        return [
-            Reply(
-                source.ctl,
-                pack(
-                    Kind.REPLY,
-                    (self.incarnation, code, to_ranges(arr), to_ranges(con), source.shm, self._max_message),
-                ),
-                source,
-                code,
-                arr,
-                con,
-            )
-            for code, arr, con in parts
-        ]
+        """The REPLYs saying ``arrived`` and ``consumed`` to ``source``, answering ``ping`` (:func:`cut_replies`)."""
+        return cut_replies(
+            source,
+            ping,
+            arrived,
+            consumed,
+            incarnation=self.incarnation,
+            max_message=self._max_message,
+            keep_order=keep_order,
+        )

@@ -12,7 +12,7 @@
 or the event loop of an async connector) reads the ROUTER, its CURVE monitor and
 its descriptor, sends every acknowledgement and closes it, from bind to close;
 :class:`ReceiveSocket` asserts it where the socket is used. A get never touches
-the socket: it takes from the mailbox, or waits on the mailbox's condition until
+the socket: it takes from the mailbox, or waits in the mailbox until
 an arrival, a close or its deadline (:meth:`PushReceiver.take`).
 
 Synchronization, all of it:
@@ -23,16 +23,16 @@ what                       guards / means                                       
 the driver's thread        the ROUTER, its monitor and descriptor, everything   the driver's handlers and
                            of ``ReceiveSocket`` and ``ReceiveProtocol``         timers (none other)
                            (``flush_due`` too), ``_shut``, ``_timer_at``
-``Mailbox.lock`` (+ cv)    items, tombstones, consumptions handed over,         any thread (a get, the
-                           counters, ``closed`` (the seal)                      driver, a cleanup, close)
+``Mailbox.lock``           items, tombstones, consumptions handed over,         any thread (a get, the
+                           counters, ``closed`` (the seal), the waiting gets    driver, a cleanup, close)
 =========================  ===================================================  ==========================
 
 Clocks: acknowledgements wait ``ack_delay_s`` (default 20 ms) to be batched (a
 lone message stream pays one REPLY per delay rather than one per put; a sender
 that needs its acks sooner pings, which is answered at once); senders not heard
 from for ``source_ttl_s`` and items nobody took for ``unclaimed_ttl_s`` expire on
-periodic timers. Everything else is a wake-up: the descriptor, the mailbox's
-condition, the seal.
+periodic timers. Everything else is a wake-up: the descriptor, an arrival in the
+mailbox, the seal.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,12 +16,17 @@ import zmq
 from ..metrics import Counters
 from ._loop import Driver
 from ._security import Curve, watch_refusals
-from ._sockets import bind, close_socket, make_socket
+from ._sockets import bind, close_socket, make_socket, malloc_tuned
 
 _TRIM_STEP_BYTES = 32 << 20  # the heap's top handed back a call at a time
 _TRIM_PAUSE_S = 0.005  # between those calls: the loop's thread takes the heap's lock meanwhile
+_TAKE_BYTES = 8 << 20  # free memory below the heap's top taken out and handed back a block at a time
+_TAKE_FLOOR = 256 << 10  # free blocks smaller than this go back in the last malloc_trim
+_TAKE_PAUSE_S = 0.002
+_PAGE = mmap.PAGESIZE
+_CHUNK_HEAD = 32  # bytes at a freed block's start that free() writes (its list links)
 
-__all__ = ["RoutedReader", "open_router", "trim_malloc", "trim_malloc_in_steps"]
+__all__ = ["RoutedReader", "open_router", "trim_malloc", "trim_malloc_in_steps", "trim_malloc_later", "trims"]
 
 
 class RoutedReader:
@@ -89,6 +97,11 @@ class RoutedReader:
         self._identity, self._frames = None, []
         return message
 
+    def give_up(self) -> list[Any]:
+        """The frames kept of the message it gave up on (:attr:`overflowed`), for the caller to let go of."""
+        frames, self._identity, self._frames = self._frames, None, []
+        return frames
+
 
 def trim_malloc() -> None:
     """Hand the C heap's free pages back to the OS (glibc; elsewhere nothing): after a huge message was freed."""
@@ -98,24 +111,113 @@ def trim_malloc() -> None:
 
 
 def trim_malloc_in_steps(step_bytes: int = _TRIM_STEP_BYTES, pause_s: float = _TRIM_PAUSE_S) -> None:
-    """:func:`trim_malloc` a slice at a time, pausing between slices: for a thread beside an event loop.
+    """:func:`trim_malloc` in short steps with pauses between them: for a thread beside an event loop.
 
-    ``malloc_trim`` holds the main heap's lock while it hands pages back (~60-130 ms for
-    640 MB on 2 loaded cores), and the loop's thread allocates from that heap: it waits
-    as long. Trimming the heap's free top ``step_bytes`` at a time (the ``pad`` of
-    ``malloc_trim`` keeps the rest), with ``pause_s`` between calls, makes each wait short
-    (3-7 ms for 32 MB). Free memory below a live block goes back in the last call, whole.
+    One ``malloc_trim`` holds the heap's lock while it hands every free page back (90-140 ms
+    for 640 MB on 2 loaded cores), and an event loop's thread allocates from that heap: it
+    waits as long. In steps, no lock is held long. On a heap tuned by
+    :func:`~zmq_omni.transport._sockets.tune_malloc` (one heap, no block ``mmap``'d, so every
+    block is carved from it) the free memory is taken out of the heap a block of up to 8 MiB
+    at a time (``malloc``, a few microseconds under the lock) and, the block being ours, its
+    pages are handed back (``madvise(MADV_DONTNEED)``) with no lock held; the blocks are freed
+    together at the end. Elsewhere the heap's free top goes back ``step_bytes`` a
+    ``malloc_trim`` call (its ``pad`` keeps the rest; 3-7 ms for 32 MB). A last
+    ``malloc_trim(0)`` hands back what is left (free blocks under 256 KiB, the top's address
+    range); pages already handed back cost it nothing.
     """
     libc = _load_libc()
     if not libc or not hasattr(libc, "malloc_trim"):
         return
-    top = _releasable_top(libc)
-    pad = top - step_bytes
-    while pad > 0:
-        libc.malloc_trim(ctypes.c_size_t(pad))
-        time.sleep(pause_s)
-        pad -= step_bytes
+    if all(hasattr(libc, name) for name in ("mallinfo2", "madvise", "sbrk")) and malloc_tuned():
+        _hand_back_free(libc, _TAKE_PAUSE_S if pause_s else 0.0)
+    else:
+        pad = _mallinfo(libc).keepcost - step_bytes if hasattr(libc, "mallinfo2") else 0
+        while pad > 0:
+            libc.malloc_trim(ctypes.c_size_t(pad))
+            time.sleep(pause_s)
+            pad -= step_bytes
     libc.malloc_trim(0)
+
+
+def _hand_back_free(libc: Any, pause_s: float) -> None:
+    """Hand back the pages of the heap's free memory a block at a time, no lock held meanwhile (see the caller)."""
+    held: list[int] = []
+    size, budget = _TAKE_BYTES, -1
+    try:
+        while size >= _TAKE_FLOOR:
+            info = _mallinfo(libc)
+            if budget < 0:
+                budget = info.fordblks + _TAKE_BYTES  # never more than was free at the start: the loop ends
+            if budget < size or info.fordblks < size:
+                size //= 2
+                continue
+            end = libc.sbrk(0)  # the heap's end
+            block = libc.malloc(size)  # the best-fitting free block, else the heap's free top
+            if not block:
+                return
+            held.append(block)
+            budget -= size
+            # Pages wholly inside the block: its header (and what ``free`` writes past it) stays.
+            first = (block + _CHUNK_HEAD + _PAGE - 1) & -_PAGE
+            last = (block + size - _CHUNK_HEAD) & -_PAGE
+            if last > first:
+                libc.madvise(first, last - first, mmap.MADV_DONTNEED)
+            if block + size > end:  # the heap grew for it: no free block of this size is left
+                size //= 2
+            time.sleep(pause_s)  # the heap's lock is free meanwhile: the loop's thread allocates
+    finally:
+        for block in held:
+            libc.free(block)
+
+
+def trim_malloc_later(delay_s: float) -> None:
+    """:func:`trim_malloc_in_steps` ``delay_s`` from now, on a thread of its own; a burst of calls makes one trim.
+
+    Each call moves the trim to ``delay_s`` after it (a socket's memory is freed a moment after
+    its close); a call while a trim runs makes one more after it. Any thread.
+    """
+    global _trim_due, _trimmer
+    with _trim_lock:
+        _trim_due = time.monotonic() + delay_s
+        if _trimmer is None:
+            _trimmer = threading.Thread(target=_trim_when_due, name="zmq-omni-trim", daemon=True)
+            _trimmer.start()
+
+
+def trims() -> int:
+    """How many trims :func:`trim_malloc_later` ran in this process."""
+    return _trims
+
+
+def _trim_when_due() -> None:
+    global _trim_due, _trimmer, _trims
+    while True:
+        with _trim_lock:
+            if _trim_due is None:
+                _trimmer = None
+                return
+            wait = _trim_due - time.monotonic()
+            if wait <= 0:
+                _trim_due = None
+        if wait > 0:
+            time.sleep(wait)
+            continue
+        trim_malloc_in_steps()
+        with _trim_lock:
+            _trims += 1
+
+
+def _forget_trimmer() -> None:
+    """In a forked child: the parent's trim thread is not there."""
+    global _trim_due, _trimmer, _trim_lock
+    _trim_due, _trimmer, _trim_lock = None, None, threading.Lock()
+
+
+_trim_lock = threading.Lock()
+_trim_due: float | None = None  # when the next trim runs (None: none asked for)
+_trimmer: threading.Thread | None = None
+_trims = 0
+os.register_at_fork(after_in_child=_forget_trimmer)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -136,12 +238,9 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-def _releasable_top(libc: Any) -> int:
-    """The main heap's free top (``mallinfo2().keepcost``), or 0 where glibc has no ``mallinfo2``."""
-    if not hasattr(libc, "mallinfo2"):
-        return 0
-    libc.mallinfo2.restype = _MallInfo2
-    return int(libc.mallinfo2().keepcost)
+def _mallinfo(libc: Any) -> _MallInfo2:
+    """The heap's ``mallinfo2()`` (glibc): ``fordblks`` its free bytes, ``keepcost`` its free top."""
+    return libc.mallinfo2()  # type: ignore[no-any-return]
 
 
 def _load_libc() -> Any:
@@ -152,7 +251,24 @@ def _load_libc() -> Any:
             _libc = ctypes.CDLL(name) if name else False
         except OSError:
             _libc = False
+        if _libc:
+            _declare(_libc)
     return _libc
+
+
+def _declare(libc: Any) -> None:
+    """The C signatures the trims call (ctypes would pass and return pointers as 32-bit ints)."""
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free.restype = None
+    if hasattr(libc, "madvise"):
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if hasattr(libc, "sbrk"):
+        libc.sbrk.restype = ctypes.c_void_p
+        libc.sbrk.argtypes = [ctypes.c_ssize_t]
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
 
 
 _libc: Any = None

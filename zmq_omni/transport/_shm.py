@@ -24,7 +24,7 @@ verdict must be in before it, and so must a slot to write into:
 * **Met at construction.** A push sender that can name its receivers
   (``to_stage``; without it, every other stage of ``endpoints`` for a
   ``sender`` or ``dual`` connector, as vllm-omni's stage 0 is; never the stage
-  it binds itself, and none over CURVE: see ``ZmqParts._meet_receivers``)
+  it binds itself, and none over CURVE: see ``connectors/_zmq_puts.py``)
   connects to them and pings them as it is built (``PushSender.meet``): the verdict comes
   a few ms later, long before a stage that loads a model serves a request. A
   receiver that is not up yet gets the PING ZeroMQ queued for it once it binds

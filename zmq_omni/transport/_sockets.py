@@ -43,6 +43,7 @@ __all__ = [
     "close_socket",
     "listening",
     "make_socket",
+    "malloc_tuned",
     "new_context",
     "refuse_live_ipc",
     "release_context",
@@ -111,6 +112,11 @@ def tune_malloc() -> bool:
             if _tuned and _contexts_made:
                 log.info("malloc tuned after a ZeroMQ context started; its earlier allocations keep their pages")
         return _tuned
+
+
+def malloc_tuned() -> bool:
+    """True once :func:`tune_malloc` applied glibc's tuning: one heap, no ``mmap``'d blocks, no trim on ``free``."""
+    return bool(_tuned)
 
 
 def new_context() -> zmq.Context[Any]:

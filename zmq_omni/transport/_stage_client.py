@@ -13,6 +13,22 @@ what is dropped here unconsumed (unclaimed, cleaned up) goes back as ``DROP``
 with its code, so its sender hears it dropped.
 A shared-memory item arrives as its slot handle and is mapped here.
 
+A binder change is seen two ways: silence (the binder's pongs stop: the stage
+lock then says whether it died), or a ``PONG``/``WHO`` naming another binder
+incarnation (the DEALER reconnected by itself to the next binder, or the same
+process reopened its endpoint). Either way the mailbox of the old binder's
+lends is sealed and emptied (their senders resend them), and the next binder
+hears, in this client's hello, what gets here took. A pong's stamp is the
+binder's ``time.monotonic()`` (one clock on one host): a pong queued before a
+binder died does not make it look alive. Lends that arrive, and gets that
+would take a lent item, while the binder was last heard over half the peer
+timeout ago wait until it is heard again (or the change is seen): a client
+stalled across its binder's death does not hand out the dead binder's lends.
+A client that binds after its binder died hands out nothing (to its own gets
+or as lends) for one peer timeout: the resends of puts that other clients
+took through the dead binder arrive then, and those clients' hellos name
+them (they hear the silence, or the next binder's ``WHO``, within that time).
+
 It is a :class:`~zmq_omni.transport._receiver.PushReceiver` to the connector
 (the same gets, watches, cleanups and close), with no stage socket of its own.
 
@@ -42,6 +58,7 @@ from ._receive_protocol import Item, Slot
 from ._receiver import DEFAULT_ACK_DELAY_S, PushReceiver
 from ._shm import ShmReceive
 from ._stage_lock import StageLock, pid_alive
+from ._stage_service import StageService
 from ._stage_share import WantBook
 
 __all__ = ["StageClient"]
@@ -50,8 +67,6 @@ log = logging.getLogger("zmq_omni.transport")
 
 #: How long a polling get's want stays open at the binder (renewed by a poll once half of it passed).
 POLL_WANT_S = 2.0
-#: Longest a binder change waits for gets mapping lent shared-memory slots (microseconds, unless stalled).
-_SEAL_WAIT_S = 5.0
 
 
 class StageClient(PushReceiver):
@@ -119,14 +134,17 @@ class StageClient(PushReceiver):
         self._become_binder = become_binder
         #: The stage endpoint this process binds since its binder died (its mailbox is ``_mailbox`` then).
         self._inner: PushReceiver | None = None
+        self._open_at = 0.0  # when this process, binding since its binder died, hands out items
         self._shut = False
         self._closing = False  # set before the shutdown seals the mailbox: a get woken then returns
         self._asked: dict[Slot, float] = {}
         self._leases: dict[tuple[str, int], int] = {}  # (sid, seq) -> lease (driver's)
         self._taken = WantBook()  # the puts gets here took, for the next binder (driver's)
-        self._heard = time.monotonic()
+        self._heard = time.monotonic()  # the binder's clock at its last pong (driver's)
         self._gone_reported = False
         self._binder_pid = lock.holder() if lock is not None else None  # its PONG to our hello says for sure
+        self._binder_token: str | None = None  # the binder's incarnation (its PONG to our hello says)
+        self._held: list[tuple[Slot, Item]] = []  # lends that came while the binder was not heard lately
         sock = self._sock = loop.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(service)
@@ -154,9 +172,14 @@ class StageClient(PushReceiver):
         slot = (from_stage, to_stage, key)
         while True:
             if self._inner is not None:
+                if time.monotonic() < self._open_at and not self._wait_open(deadline, stop):
+                    return None
                 return super().take(from_stage, to_stage, key, deadline, stop)
             mailbox = self._mailbox
-            item = mailbox.pop(slot)
+            unsure = self._unsure()
+            item = None if unsure else mailbox.pop(slot)
+            if unsure and deadline is not None and self._confirm(mailbox, deadline, stop):
+                continue  # heard again (or the binder changed): look again
             if item is None:
                 now = time.monotonic()
                 waits = deadline is not None and deadline > now
@@ -174,6 +197,26 @@ class StageClient(PushReceiver):
                     if item is None and self._swapped(mailbox, deadline, stop):
                         continue  # the binder changed: ask the next one (or this process, binding now)
             return None if item is None else mailbox.result(item)
+
+    def _wait_open(self, deadline: float | None, stop: Callable[[], bool] | None) -> bool:
+        """Wait for :attr:`_open_at` (a blocking get, until ``deadline``); whether the get may take now."""
+        while (now := time.monotonic()) < self._open_at:
+            if deadline is None or now >= deadline or self._closing or (stop is not None and stop()):
+                return False
+            time.sleep(min(0.01, self._open_at - now))
+        return True
+
+    def _unsure(self) -> bool:
+        """Whether the binder was last heard over half the peer timeout ago (a stall here, or its death)."""
+        return time.monotonic() - self._heard > self._peer_timeout / 2
+
+    def _confirm(self, mailbox: Mailbox, deadline: float, stop: Callable[[], bool] | None) -> bool:
+        """Wait (until ``deadline``) for the binder to be heard again or replaced; whether a get looks again."""
+        while time.monotonic() < deadline and not self._closing and not (stop is not None and stop()):
+            if not self._unsure() or mailbox is not self._mailbox or self._inner is not None:
+                return True
+            time.sleep(0.005)
+        return False
 
     def _swapped(self, mailbox: Mailbox, deadline: float, stop: Callable[[], bool] | None) -> bool:
         """Whether a get woken empty-handed from ``mailbox`` waits again: the binder changed and time is left.
@@ -210,8 +253,7 @@ class StageClient(PushReceiver):
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._heard = now = time.monotonic()
-            self._gone_reported = False
+            now = time.monotonic()
             verb, body = frames[0], msgpack.unpackb(frames[1])
             if verb == b"LEND":
                 lease, from_stage, to_stage, key, nbytes, sid, seq, loc = body
@@ -219,11 +261,28 @@ class StageClient(PushReceiver):
                 self._asked.pop(slot, None)
                 obj = None if loc is not None else self._decode(frames[2:])
                 self._leases[(sid, seq)] = lease
-                self._mailbox.store([(slot, Item(obj, nbytes, sid, seq, loc, now))], now)
+                item = Item(obj, nbytes, sid, seq, loc, now)
+                if self._unsure():  # after a stall: stored once the binder is heard again
+                    self._held.append((slot, item))
+                else:
+                    self._mailbox.store([(slot, item)], now)
             elif verb == b"NONE":
                 self._asked.pop(tuple(body), None)  # type: ignore[call-overload]
-            elif verb == b"PONG" and body:
-                self._binder_pid = int(body[0])
+            elif verb in {b"PONG", b"WHO"}:
+                pid, token = int(body[0]), str(body[1])
+                if verb == b"PONG" and self._binder_token is None:
+                    self._binder_token = token  # the answer to our hello
+                if token != self._binder_token:
+                    log.warning("the binder of %s changed (now pid %d): asking it", self.endpoint, pid)
+                    self._binder_pid = pid
+                    self._binder_gone(token)
+                elif verb == b"PONG":
+                    self._binder_pid = pid
+                    self._heard = max(self._heard, float(body[2]))
+                    self._gone_reported = False
+                    if self._held and not self._unsure():
+                        held, self._held = self._held, []
+                        self._mailbox.store(held, now)
 
     def _left_mailbox(self, heavy: bool) -> None:
         """A get took something (the mailbox calls this under its lock, from any thread): only schedule."""
@@ -242,17 +301,20 @@ class StageClient(PushReceiver):
             if self._inner is None:
                 self._settle()
 
-    def _settle(self) -> None:
+    def _settle(self, tell: bool = True) -> None:
+        """Send the binder TOOK/DROP for what left the mailbox; remember the puts (``tell`` False: only that)."""
         consumed, dropped, _ = self._mailbox.handover()
         for pair in consumed:
             lease = self._leases.pop(pair, None)
             if lease is not None:
-                self._send(b"TOOK", [lease])
+                if tell:
+                    self._send(b"TOOK", [lease])
                 self._taken.took(*pair)
         for sid, seq, code in dropped:  # unclaimed or cleaned up here: the binder reports it dropped
             lease = self._leases.pop((sid, seq), None)
             if lease is not None:
-                self._send(b"DROP", [lease, code])
+                if tell:
+                    self._send(b"DROP", [lease, code])
                 self._taken.took(sid, seq)  # not delivered again by the next binder either
 
     def _ping(self) -> None:
@@ -285,22 +347,24 @@ class StageClient(PushReceiver):
             return False
         return holder != self._binder_pid or not pid_alive(holder)
 
-    def _binder_gone(self) -> None:
+    def _binder_gone(self, token: str | None = None) -> None:
         """The binder is gone: drop its leases (their senders resend them), then bind here or ask the next one.
 
         What it lent and no get here took was never counted consumed, so it comes back through the
         next binder. Whoever of the stage's processes takes the stage lock first binds; the others
-        ask it again for what their gets want.
+        ask it again for what their gets want. ``token``: the next binder's incarnation, when it
+        answered already (it holds the stage lock: this process does not try it).
         """
-        # Seal first: a get mapping a lent shared-memory slot right now notes its consumption when the
-        # mapping is done (Mailbox.result), and the seal waits for that, so the handover below names it.
-        self._mailbox.close(timeout=_SEAL_WAIT_S)
-        self._settle()  # what gets took: the next binder counts it consumed when its sender resends it
-        withdrawn = self._mailbox.withdraw()
+        old = self._mailbox
+        old.close()  # sealed first: no get takes a lend from now on; shared-memory items being mapped are noted
+        withdrawn = old.withdraw()
+        self._settle(tell=False)  # what gets took: the next binder hears it in the hello, not as TOOKs
         self._leases.clear()
         self._asked.clear()
-        hook = self._mailbox.on_arrivals
-        if self._lock is not None and self._become_binder is not None and self._lock.try_acquire():
+        self._held.clear()
+        hook = old.on_arrivals
+        binds = token is None and self._lock is not None and self._become_binder is not None
+        if binds and self._lock is not None and self._become_binder is not None and self._lock.try_acquire():
             try:
                 inner = self._become_binder(self._lock)
             except Exception:
@@ -311,21 +375,26 @@ class StageClient(PushReceiver):
                 self._sock.close(linger=0)
                 inner.on_arrivals = hook
                 inner.mailbox.consumed_elsewhere(self._taken.taken_since())
+                self._open_at = time.monotonic() + self._peer_timeout  # the other clients' hellos first
+                service = getattr(inner.mailbox.on_lendable, "__self__", None)
+                if isinstance(service, StageService):
+                    service.hold(self._peer_timeout)
+                self._mailbox = inner.mailbox  # before _inner: a get that sees _inner finds its mailbox
                 self._inner = inner
-                self._mailbox = inner.mailbox
                 log.warning(
                     "the binder of %s is gone: this process binds it now (%d items lent back to their senders)",
                     self.endpoint,
                     withdrawn,
                 )
                 return
-        if not self._gone_reported:
+        if not self._gone_reported and token is None:
             self._gone_reported = True
             log.warning("the binder of %s (%s) does not answer; waiting for the next", self.endpoint, self.service)
         self._mailbox = self._new_mailbox()
         self._mailbox.on_arrivals = hook
         self._heard = time.monotonic()
-        if self._lock is not None:
+        self._binder_token = token  # None: the next binder's PONG to the hello names it
+        if self._lock is not None and token is None:
             self._binder_pid = self._lock.holder()  # the next binder (its PONG confirms)
         self._send(b"HELLO", [os.getpid(), [list(pair) for pair in self._taken.taken_since()]])
 
@@ -347,6 +416,7 @@ class StageClient(PushReceiver):
         for lease in self._leases.values():
             self._send(b"BACK", [lease])
         self._leases.clear()
+        self._send(b"BYE", [])  # the binder forgets this client and its wants
         self._shut = True
         self._loop.remove_reader(self._sock)
         self._sock.close(linger=100)

@@ -12,18 +12,28 @@ message ``[verb, msgpack body, *payload frames]``:
 verb       body                           meaning
 =========  =============================  ==============================================
 ``HELLO``  ``[pid, [[sid, seq], ...]]``   a client (again), its pid: the puts it took
+``BYE``    ``[]``                         the client closed: its wants end, its leases come back
 ``WANT``   ``[from, to, key, timeout_s]`` lend me this key when it is here
 ``TOOK``   ``[lease]``                    a get took it: count it consumed
 ``DROP``   ``[lease, code]``              dropped there unconsumed (``DROPPED_*``)
 ``BACK``   ``[lease]``                    not taken: put it back
 ``FORGET`` ``[key, prefix, firm]``        a cleanup (as ``PushReceiver.forget``)
-``PING``   ``[]``                         alive; answered ``PONG`` (``[pid]`` after a hello)
+``PING``   ``[]``                         alive; answered ``PONG``
+``PONG``   ``[pid, incarnation, stamp]``  to a hello or ping: this binder's pid, its incarnation
+                                          (a random token of this service) and ``time.monotonic()``
+``WHO``    ``[pid, incarnation]``         to any verb but ``HELLO``/``BYE`` from a connection that has
+                                          not said hello here: ignored (the client has changed binders)
 ``LEND``   ``[lease, from, to, key, nbytes, sid, seq, loc]`` + frames: the item
            (``loc``: a shared-memory slot handle, no frames; else the encoded object)
 ``NONE``   ``[from, to, key]``            not here by the want's deadline
 =========  =============================  ==============================================
 
-A lent item leaves the mailbox without being counted consumed: only ``TOOK``
+A client's connection to a binder that died reconnects by itself to the
+next one: what it queued for the dead one (its lease ids, its wants) reaches
+the next binder, which refuses it (``WHO``) until the client says hello
+there; a ``PONG`` or ``WHO`` naming another incarnation tells the client that
+its binder changed, even when it heard no silence (the same pid may close and
+reopen its endpoint). A lent item leaves the mailbox without being counted consumed: only ``TOOK``
 counts it (its sender then hears "consumed"). Death is judged by the
 kernel, not by silence: a client's leases go back to the mailbox when its
 process (the pid of its hello) is dead, or at its next hello (it gave them up
@@ -37,6 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -89,11 +100,14 @@ class StageService:
         self._encode = encode
         self.address = address
         self._book = LeaseBook(peer_timeout_s)
+        #: A random token of this service: a client that hears another one knows its binder changed.
+        self.incarnation = uuid.uuid4().hex
         sock = self._sock = loop.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.bind(address)
         self._closed = False
+        self._lend_from = 0.0  # nothing is lent before this time (hold)
         mailbox.on_lendable = self._arrived
         loop.add_reader(sock, self._drive)
         loop.every(max(0.05, peer_timeout_s / 4), self._tick)
@@ -113,6 +127,13 @@ class StageService:
 
     def _handle(self, client: bytes, verb: bytes, body: Any, now: float) -> None:
         book = self._book
+        if verb == b"BYE":
+            for held in book.bye(client):
+                self._mailbox.restore(held.slot, held.item)
+            return
+        if verb != b"HELLO" and not book.knows(client):  # sent to a binder before this one: refused
+            self._send(client, b"WHO", [os.getpid(), self.incarnation])
+            return
         book.heard(client, now)
         if verb == b"WANT":
             from_stage, to_stage, key, timeout_s = body
@@ -132,14 +153,14 @@ class StageService:
             if lease is not None:
                 self._mailbox.restore(lease.slot, lease.item)
         elif verb == b"PING":
-            self._send(client, b"PONG", [])
+            self._send(client, b"PONG", [os.getpid(), self.incarnation, time.monotonic()])
         elif verb == b"HELLO":
             pid, taken = body
             counted, stale = book.hello(client, now, [(str(sid), int(seq)) for sid, seq in taken], int(pid))
             self._mailbox.consumed_elsewhere(counted)
             for lease in stale:
                 self._mailbox.restore(lease.slot, lease.item)
-            self._send(client, b"PONG", [os.getpid()])
+            self._send(client, b"PONG", [os.getpid(), self.incarnation, time.monotonic()])
         elif verb == b"FORGET":
             key, prefix, firm = body
             rule = key_rule(key, prefix, bool(firm))
@@ -152,7 +173,14 @@ class StageService:
         if not self._closed:
             self._offer(slots)
 
+    def hold(self, seconds: float) -> None:
+        """Lend nothing for ``seconds`` (a client that binds after its binder died: see _stage_client.py)."""
+        self._lend_from = time.monotonic() + seconds
+        self._loop.call_later(seconds, lambda: self._arrived(self._book.wanted()))
+
     def _offer(self, slots: list[Slot]) -> None:
+        if time.monotonic() < self._lend_from:
+            return
         for slot in slots:
             client = self._book.first_wanting(slot)
             if client is None:

@@ -97,6 +97,24 @@ class LeaseBook:
             del self._leases[lease.lease]
         return list(taken), stale
 
+    def knows(self, client: bytes) -> bool:
+        """Whether ``client`` said hello to this book (and has not said goodbye or died since)."""
+        return client in self._pids
+
+    def bye(self, client: bytes) -> list[Lease]:
+        """``client`` closed (its process may live on): its wants end; the leases it still holds, to put back."""
+        self._seen.pop(client, None)
+        self._pids.pop(client, None)
+        self._stalled.discard(client)
+        for slot in [s for s, waiting in self._wants.items() if client in waiting]:
+            del self._wants[slot][client]
+            if not self._wants[slot]:
+                del self._wants[slot]
+        held = self.leases_of(client)
+        for lease in held:
+            del self._leases[lease.lease]
+        return held
+
     def heard(self, client: bytes, now: float) -> None:
         """Any message from ``client``: it is alive."""
         if client in self._seen:

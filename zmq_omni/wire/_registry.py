@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import msgpack
+
 from ..errors import ConfigError
 from ._shape import brief
 
@@ -176,11 +178,16 @@ def _record_value(obj: Any) -> Any:
 
 _EMPTY_FACTORIES = (list, dict, set, frozenset, bytearray)
 
+#: The msgpack extension code of a RECORD marker (``docs/wire-format.md`` §4.7; the codec's ``EXT_RECORD``).
+RECORD_CODE = 7
+
 
 class StructPlan(NamedTuple):
     """What encoding a Struct class needs, read from the class once.
 
     ``msgspec.structs.fields`` costs tens of microseconds a call: it re-evaluates the class's annotations.
+    With the plan, a Struct's field map is one C call for its values (``msgspec.structs.astuple``) and one
+    comprehension over them, with no per-field method call.
     """
 
     #: The name the class travels under when it is not registered (:func:`default_name`).
@@ -192,7 +199,18 @@ class StructPlan(NamedTuple):
     fields: tuple[tuple[str, str, Any, type | None], ...]
     omit_defaults: bool
     unset: Any
+    #: The encode names, in field order (the order of ``msgspec.structs.astuple``).
+    keys: tuple[str, ...]
+    #: Each field's default (or ``_NO_DEFAULT``), in field order.
+    defaults: tuple[Any, ...]
+    #: How the field map is made: ``_ALL_NONE`` (omit_defaults, every default ``None``: vllm-omni's payloads),
+    #: ``_DEFAULTS`` (omit_defaults, no collection factory), ``_EVERY`` (no omit_defaults) or ``_FIELDWISE``.
+    how: int
+    #: The RECORD marker of an unregistered instance nested in another Struct's fields.
+    marker: Any
 
+
+_ALL_NONE, _DEFAULTS, _EVERY, _FIELDWISE = range(4)
 
 #: A field without a default: no value is ever identical to it.
 _NO_DEFAULT = object()
@@ -201,11 +219,15 @@ _NO_DEFAULT = object()
 #: make classes on the fly.
 struct_plans: dict[type, StructPlan] = {}
 _PLANS_SIZE = 1024
+#: ``msgspec.structs.astuple``, read when the first plan is made (msgspec is imported by then).
+_astuple: Callable[[Any], tuple[Any, ...]] = tuple
 
 
 def _struct_plan(msgspec: Any, cls: type) -> StructPlan:
+    global _astuple
     config = cls.__struct_config__  # type: ignore[attr-defined]
     nodefault = msgspec.NODEFAULT
+    infos = msgspec.structs.fields(cls)
     fields = tuple(
         (
             info.name,
@@ -213,12 +235,35 @@ def _struct_plan(msgspec: Any, cls: type) -> StructPlan:
             _NO_DEFAULT if info.default is nodefault else info.default,
             info.default_factory if info.default_factory in _EMPTY_FACTORIES else None,
         )
-        for info in msgspec.structs.fields(cls)
+        for info in infos
     )
     tag: Any = None
     if config.tag is not None:
         tag = [config.tag] if config.array_like else {config.tag_field: config.tag}
-    plan = StructPlan(default_name(cls), config.array_like, tag, fields, config.omit_defaults, msgspec.UNSET)
+    defaults = tuple(field[2] for field in fields)
+    if tuple(field[0] for field in fields) != cls.__struct_fields__:  # type: ignore[attr-defined]
+        how = _FIELDWISE  # astuple's order is __struct_fields__; never seen otherwise
+    elif not config.omit_defaults:
+        how = _EVERY
+    elif any(info.default_factory is not nodefault for info in infos):
+        how = _FIELDWISE  # msgspec's test of an empty collection from a factory
+    else:
+        how = _ALL_NONE if all(default is None for default in defaults) else _DEFAULTS
+    name = default_name(cls)
+    marker = msgpack.ExtType(RECORD_CODE, name.encode("utf-8", "surrogatepass"))
+    plan = StructPlan(
+        name,
+        config.array_like,
+        tag,
+        fields,
+        config.omit_defaults,
+        msgspec.UNSET,
+        tuple(field[1] for field in fields),
+        defaults,
+        how,
+        marker,
+    )
+    _astuple = msgspec.structs.astuple
     if len(struct_plans) >= _PLANS_SIZE:
         struct_plans.clear()
     struct_plans[cls] = plan
@@ -226,27 +271,49 @@ def _struct_plan(msgspec: Any, cls: type) -> StructPlan:
 
 
 def struct_value(plan: StructPlan, obj: Any) -> Any:
-    """:func:`record_of`'s value for ``obj``, an instance of exactly the class ``plan`` was made for."""
+    """:func:`record_of`'s value for ``obj``, an instance of exactly the class ``plan`` was made for.
+
+    Struct values of unregistered classes with a plan are made RECORDs here too (``[marker, value]``,
+    what the codec would make of them), saving the codec a call back per nested Struct.
+    """
     unset = plan.unset
     if plan.array_like:
         # msgspec ignores omit_defaults for array_like Structs.
         values = [getattr(obj, field[0]) for field in plan.fields]
         return values if plan.tag is None else [*plan.tag, *values]
-    out: dict[str, Any] = {} if plan.tag is None else dict(plan.tag)
-    if plan.omit_defaults:
+    how = plan.how
+    if how == _ALL_NONE:
+        out = {
+            key: value
+            for key, value in zip(plan.keys, _astuple(obj), strict=True)
+            if value is not None and value is not unset
+        }
+    elif how == _DEFAULTS:
+        out = {
+            key: value
+            for key, value, default in zip(plan.keys, _astuple(obj), plan.defaults, strict=True)
+            if value is not default and value is not unset
+        }
+    elif how == _EVERY:
+        out = {key: value for key, value in zip(plan.keys, _astuple(obj), strict=True) if value is not unset}
+    else:
+        out = {}
         for attr, key, default, factory in plan.fields:
             value = getattr(obj, attr)
+            if value is unset:
+                continue
             # msgspec's own test: the default object itself, or an empty collection from a collection factory.
-            if value is default or value is unset:
-                continue
-            if factory is not None and type(value) is factory and not value:
+            if plan.omit_defaults and (
+                value is default or (factory is not None and type(value) is factory and not value)
+            ):
                 continue
             out[key] = value
-        return out
-    for attr, key, _, _ in plan.fields:
-        value = getattr(obj, attr)
-        if value is not unset:
-            out[key] = value
+    for key, value in out.items():
+        inner = struct_plans.get(type(value))
+        if inner is not None and type(value) not in by_type:
+            out[key] = [inner.marker, struct_value(inner, value)]
+    if plan.tag is not None:
+        return {**plan.tag, **out}
     return out
 
 
