@@ -5,18 +5,22 @@ gets each key in turn (polling, as vllm-omni does, a pause between keys so that 
 others wait in the binder's mailbox) and prints ``key nbytes first-value`` for each,
 then ``done``, its receiving part's class and whether it binds the endpoint now; it exits 0 when it got them all.
 With ``WAIT_S`` each key is one blocking get with that deadline instead (``missing`` if it returns None);
-with ``once`` each key is asked once (one polling get), then it prints ``asked`` and holds its connector
-until a line on stdin (then it gets every key with a 5 s blocking get) or the end of stdin (it exits).
+with ``$SLOW_SHM_OPEN_S`` each shared-memory payload takes that much longer to map (``opening`` is
+printed as it starts); with ``once`` each key is asked once (one polling get), then it prints
+``asked`` and holds its connector until a line on stdin (then it gets every key with a 5 s blocking
+get) or the end of stdin (it exits).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
 
 from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.transport import ShmReceive
 
 
 def _get_one(connector: ZmqConnector, key: str, wait_s: float | None) -> Any:
@@ -31,8 +35,22 @@ def _get_one(connector: ZmqConnector, key: str, wait_s: float | None) -> Any:
     return got
 
 
+def _slow_opens(seconds: float) -> None:
+    """Each shared-memory payload a get maps takes ``seconds`` longer; ``opening`` is printed as it starts."""
+    original = ShmReceive.open
+
+    def open_slowly(self: ShmReceive, loc: bytes) -> Any:
+        print("opening", flush=True)
+        time.sleep(seconds)
+        return original(self, loc)
+
+    ShmReceive.open = open_slowly  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> int:
     """Hold, or get every key."""
+    if os.environ.get("SLOW_SHM_OPEN_S"):
+        _slow_opens(float(os.environ["SLOW_SHM_OPEN_S"]))
     extra, keys = json.loads(argv[0]), [k for k in argv[1].split(",") if k]
     once = argv[2:] == ["once"]
     wait_s = float(argv[2]) if len(argv) > 2 and not once else None

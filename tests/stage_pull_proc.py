@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     """Put, report, hold until stdin ends."""
     extra, prefix, count, pace = json.loads(argv[0]), argv[1], int(argv[2]), float(argv[3])
     connector = ZmqConnector(extra)
-    part = connector._shared.part if connector._shared is not None else None
+    part = connector._bound.server
     print(f"up {'binds' if getattr(part, 'binds', True) else 'client'}", flush=True)
     for i in range(count):
         key = f"{prefix}-{i}"

@@ -26,12 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 BIG = 700 << 10  # above the shared-memory threshold: lent as a slot handle
 
 
-def _start(extra: dict[str, object], keys: list[str], wait_s: float | str | None = None) -> subprocess.Popen[str]:
+def _start(
+    extra: dict[str, object], keys: list[str], wait_s: float | str | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     blocking = [] if wait_s is None else [str(wait_s)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.stage_endpoint_proc", json.dumps(extra), ",".join(keys), *blocking],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -93,6 +95,45 @@ def test_a_binder_killed_mid_stream_loses_nothing_confirmed(
         assert sender.flush(10.0), sender.health()
     assert lines == [[key, str(_payload(i)["data"].nbytes), str(i)] for i, key in enumerate(keys)]
     assert done == ["done", "StageClient", "binds"]  # the client bound the endpoint after the binder died
+
+
+@pytest.mark.timeout(120)
+def test_a_shared_memory_get_mapping_as_the_binder_dies_is_counted_consumed_once(
+    short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    """The client's get maps a lent slot (slowly) while the binder dies: the next binder counts it consumed."""
+    endpoint = f"ipc://{short_tmp}/stage1.sock"
+    extra = {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": 0.3,
+        "shm_dir": shm_dir,
+    }
+    keys = [f"req-{i}_0_0" for i in range(4)]  # req-2 is in shared memory
+    binder = _start(extra, [])
+    procs.append(binder)
+    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    client = _start(extra, keys, env={"SLOW_SHM_OPEN_S": "1.0"})
+    procs.append(client)
+    assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
+    sender_extra = {"role": "sender", "endpoints": {"1": endpoint}, "heartbeat_s": 0.1, "peer_timeout_s": 0.3}
+    with ZmqConnector({**sender_extra, "shm_dir": shm_dir, "shm": "on"}) as sender:  # req-2 waits for the verdict
+        for index, key in enumerate(keys):
+            assert sender.put("0", "1", key, _payload(index))[0]
+        lines = [client.stdout.readline().split() for _ in range(3)]
+        assert lines[2] == ["opening"], lines  # the get of req-2 maps its slot now
+        binder.send_signal(signal.SIGKILL)
+        binder.wait(timeout=10)
+        lines += [client.stdout.readline().split() for _ in range(2)]
+        done = client.stdout.readline().split()
+        assert client.wait(timeout=30) == 0, lines
+        # req-2 was delivered once; its resend to the new binder is counted consumed, so the sender hears so
+        assert sender.flush(10.0), json.dumps(sender.health())
+    got = [line for line in lines if line != ["opening"]]
+    assert got == [[key, str(_payload(i)["data"].nbytes), str(i)] for i, key in enumerate(keys)]
+    assert done == ["done", "StageClient", "binds"]
 
 
 @pytest.mark.timeout(120)

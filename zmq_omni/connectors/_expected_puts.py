@@ -55,7 +55,7 @@ class BoundEndpoint(Protocol):
         ...
 
 
-__all__ = ["ExpectedPuts", "adopt", "cancel_early", "expect", "release", "settle"]
+__all__ = ["ExpectedPuts", "adopt", "cancel_early", "expect", "forget_all", "release", "settle"]
 
 Slot = tuple[str, str, str]
 
@@ -247,3 +247,10 @@ def cancel_early(
             for dropped in record._drop_where(match):
                 cancelled.bury(now, key=dropped, firm=True)
     return bound
+
+
+def forget_all() -> None:
+    """A forked child: the parent's expected puts are not its own (the registry's at-fork hook calls this)."""
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _records.clear()

@@ -21,6 +21,9 @@ closes it.
   one's close does).
 * **Addresses that cannot be shared**: a TCP bind on port 0 or ``*`` takes a
   new port each time, so each such bind is an endpoint of its own.
+* **A forked child** starts with an empty registry and without the parent's
+  bound sockets (closed in the child at the fork): a connector it builds binds,
+  or becomes a local client of the stage's binder, as in any other process.
 * **Driven by threads or by one event loop, never both.** A connector driven
   by an event loop (``zmq_omni.aio``'s ``LoopDriver``) binds an *exclusive*
   endpoint: its part runs on that connector's driver, whose loop alone uses the
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -61,7 +65,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError, TransportError, ZmqOmniError
 from ..metrics import Counters
-from ..transport import Driver, PullServer, PushReceiver, ShmReceive, ShmSend
+from ..transport import Driver, PullServer, PushReceiver, ShmReceive, ShmSend, close_inherited_sockets
 from . import _expected_puts
 from ._expected_puts import ExpectedPuts
 
@@ -416,3 +420,24 @@ def served(endpoint: str | None) -> SharedEndpoint | None:
     if endpoint is None or not _by_endpoint:
         return None
     return _by_endpoint.get(endpoint)
+
+
+def _forget_in_child() -> None:
+    """A forked child starts with no bound endpoint: the parent's are not its own (they have no I/O thread here).
+
+    The registry is emptied (a connector built in the child binds, or becomes a local client of the
+    stage's binder, as any process does) and the child's copies of the bound sockets are closed (kept
+    open, they would outlive the parent and keep the stage's next binder from binding).
+    """
+    global _registry_lock
+    addresses = list(_by_address)
+    _registry_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _by_address.clear()
+    _busy.clear()
+    _by_endpoint.clear()
+    _expected_puts.forget_all()
+    if addresses:
+        close_inherited_sockets(addresses)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

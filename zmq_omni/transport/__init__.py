@@ -20,7 +20,7 @@ from ._shm import ShmReceive, ShmSend
 from ._signal import NotifyingCondition, WouldBlock
 from ._sockets import listening, reserve_loopback_port, tune_malloc
 from ._stage_client import StageClient
-from ._stage_lock import StageLock
+from ._stage_lock import StageLock, close_inherited_sockets
 from ._stage_pull import StagePull
 from ._stage_service import StageService
 from ._tombstones import Tombstones
@@ -50,6 +50,7 @@ __all__ = [
     "StageService",
     "Tombstones",
     "WouldBlock",
+    "close_inherited_sockets",
     "check_endpoint",
     "env_name",
     "insecure_from_env",

@@ -22,7 +22,9 @@ Paths, for endpoint ``E``:
   the processes of a stage on one host share the host's directory.
 
 The lock's fd is closed in a forked child (``os.register_at_fork``), so a
-child never keeps its parent's stage lock.
+child never keeps its parent's stage lock; :func:`close_inherited_sockets`
+closes the child's copies of the bound sockets (the connectors' at-fork hook
+calls it), so a child never keeps its parent's endpoint either.
 
 Threads: a :class:`StageLock` belongs to the code that binds or gives up the
 endpoint (one thread at a time); it has no lock of its own.
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["StageLock", "StagePaths", "pid_alive", "stage_paths"]
+__all__ = ["StageLock", "StagePaths", "close_inherited_sockets", "pid_alive", "stage_paths"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,62 @@ class StageLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _socket_inodes(endpoints: list[str]) -> set[str]:
+    """Inodes of this process's sockets at ``endpoints`` (listening, or accepted there), from ``/proc/net``."""
+    paths, ports = set(), set()
+    for endpoint in endpoints:
+        if endpoint.startswith("ipc://"):
+            paths.add(endpoint[len("ipc://") :])
+        elif endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1].isdigit():
+            ports.add(int(endpoint.rsplit(":", 1)[-1]))
+    inodes: set[str] = set()
+    if paths:
+        with contextlib.suppress(OSError), open("/proc/net/unix") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7] in paths:
+                    inodes.add(fields[6])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6") if ports else ():
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if len(fields) >= 10 and int(fields[1].rsplit(":", 1)[-1], 16) in ports:
+                    inodes.add(fields[9])
+    return inodes
+
+
+def close_inherited_sockets(endpoints: list[str]) -> int:
+    """In a forked child: close the inherited fds of the parent's sockets bound at ``endpoints``; how many.
+
+    libzmq's listening and accepted sockets of a bound endpoint (and of its stage service) are fds
+    the child inherits but never uses (a child has no libzmq I/O thread). Kept open, they outlive the
+    parent: the next binder of the stage finds the address taken, and senders never see the parent
+    gone. Found by inode in ``/proc/net/unix`` (ipc paths) and ``/proc/net/tcp*`` (tcp ports).
+    """
+    names = list(endpoints)
+    for endpoint in endpoints:
+        if endpoint.startswith("ipc://"):
+            names.append(f"{endpoint}.share")
+        elif endpoint.startswith("tcp://"):
+            with contextlib.suppress(ConfigError, OSError):
+                names.append(stage_paths(endpoint).service)
+    inodes = _socket_inodes(names)
+    closed = 0
+    if not inodes:
+        return 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                with contextlib.suppress(OSError):
+                    os.close(int(name))
+                    closed += 1
+    return closed
 
 
 os.register_at_fork(after_in_child=_close_in_child)
