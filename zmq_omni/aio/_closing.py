@@ -13,6 +13,7 @@ import threading
 import time
 
 from ..connectors import Lingering, OmniConnectorBase
+from ..connectors.zmq import ZmqConnector
 from ..transport import listening
 
 log = logging.getLogger("zmq_omni.aio")
@@ -28,7 +29,9 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
 
 def close_without_linger(connector: OmniConnectorBase) -> None:
     """Close a connector whose acknowledgements were already waited for (on the loop)."""
-    if isinstance(connector, Lingering):
+    if isinstance(connector, ZmqConnector):
+        connector.close_with_linger(0.0, address_awaited=True)  # (aclose awaits the address: address_freed)
+    elif isinstance(connector, Lingering):
         connector.close_with_linger(0.0)
     else:
         connector.close()

@@ -46,6 +46,7 @@ from ..config import ConnectorExtra
 from ..config.zmq import ZmqConnectorConfig
 from ..errors import ZmqOmniError, format_seconds
 from ..transport import Driver, FetchChannel, IoLoop
+from ._shared_endpoint import address_released
 from ._zmq_bound import Bound
 from ._zmq_gets import Gets
 from ._zmq_health import HealthReport
@@ -388,7 +389,7 @@ class ZmqConnector(OmniConnectorBase):
         if op == "put" and not self._closed:
             self._sending.note_failure(to_stage, key, reason, error)
 
-    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+    def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         """The shared endpoint's report of a failure of ours (a pull-mode payload of ours never fetched)."""
         if self._wiring is not None:
             self._wiring.on_failure(op, from_stage, to_stage, key, reason, error)
@@ -430,7 +431,7 @@ class ZmqConnector(OmniConnectorBase):
         """
         self.close_with_linger(self.settings.close_timeout_s)
 
-    def close_with_linger(self, linger_s: float) -> None:
+    def close_with_linger(self, linger_s: float, *, address_awaited: bool = False) -> None:
         """Stop the driver (the I/O thread) and close every socket; idempotent.
 
         Lingers as ZeroMQ does: waits up to ``linger_s`` (``close()``: ``close_timeout_s``, default 5 s) for
@@ -446,7 +447,12 @@ class ZmqConnector(OmniConnectorBase):
         Driven by an event loop, on the loop's thread (or once no loop runs it) there
         is no linger: the loop would have to do the I/O it waits for. Await
         ``AsyncConnector.aclose()``, which waits for the acknowledgements on the
-        loop first. From another thread the close is handed to the loop.
+        loop first. From another thread the close is handed to the loop, and returns
+        once the bound address is free. On the loop's thread the address may stay bound
+        for a moment after it returns (libzmq closes the listener shortly; waiting would
+        stall the loop): that is logged as a WARNING naming the endpoint, unless
+        ``address_awaited`` (``aclose()`` awaits the address itself). A bind there by
+        this process waits for it; another process's fails until it goes.
         """
         with self._close_lock:
             wiring = self._wiring
@@ -476,11 +482,14 @@ class ZmqConnector(OmniConnectorBase):
                     more,
                 )
             self._notify_closed()
+            endpoint, on_loop = self.endpoint, driver.in_loop()
             if not driver.stop(timeout=1.0):
                 log.warning("the driver of stage %s (%r) did not stop within 1s", self.stage_id, driver)
             wiring.driver = None
             self._sending.close_pool()
             self._fetching.close_reader()
+            if endpoint is not None and not driver.threaded:  # (a threaded receiver's close waited already)
+                address_released(endpoint, on_loop=on_loop, awaited=address_awaited)
 
     def __repr__(self) -> str:
         cfg = getattr(self, "settings", None)
