@@ -128,7 +128,8 @@ class Gets:
             return None
         if bound.receiver is None and fetching.client is None:
             if wiring.settings.mode == "push":
-                bound.receiver_or_bind(to_stage)
+                if bound.receiver_or_bind(to_stage) is None:  # closed meanwhile: nothing to bind for
+                    return None
             elif fetching.ensure_client() is None:  # a pull-mode sender's first get; None: closed meanwhile
                 return None
         if bound.receiver is not None:  # push-mode gets are counted by the mailbox
