@@ -76,7 +76,8 @@ async def address_freed(endpoint: str | None, wait_s: float = 1.0) -> None:
     Something still listening after ``wait_s`` is logged as a WARNING naming the endpoint.
 
     A closed socket's listener is closed by libzmq's I/O thread a moment after ``zmq_close``: an
-    event loop waits for that here rather than in the close, which runs on the loop.
+    event loop waits for that here rather than in the close, which runs on the loop. libzmq gives
+    no event for it short of a socket monitor, so the wait looks every 1 ms (a connect probe).
     """
     if endpoint is None:
         return

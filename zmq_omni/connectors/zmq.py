@@ -16,12 +16,14 @@ server's probe segment (its first fetch from a server takes frames).
 
 A connector whose ``role`` is not given binds only when it first has to (push:
 its first ``get``; pull: its first ``put``), so one ``extra`` serves both ends
-of an edge (vllm-omni's orchestrator builds its connectors that way). A bind on
-an ``ipc://`` path where a live process listens fails instead of taking it over.
+of an edge (vllm-omni's orchestrator builds its connectors that way). A threaded
+bind at an ``ipc://`` path or a fixed tcp port takes the stage lock first: held by a
+live process of the stage, this one becomes that binder's local client (``StageClient``);
+a listener there without the lock (a foreign process) makes the bind fail.
 
 What drives the sockets (see :class:`~zmq_omni.transport.Driver`): by default
-an I/O thread per connector (and one per bound endpoint, shared by the
-connectors of the process bound there), beside which put and get threads use
+an I/O thread per connector that sends (a receive-only connector starts none) and
+one per bound endpoint, shared by the connectors of the process bound there, beside which put and get threads use
 the sockets under the transport's locks. Built with ``driver=LoopDriver``
 (``zmq_omni.aio``; what ``AsyncConnector.create`` builds), an asyncio event
 loop drives every part of the connector and its sockets are the loop's alone
@@ -441,18 +443,18 @@ class ZmqConnector(OmniConnectorBase):
         keys, a :class:`~zmq_omni.errors.DeliveryError` in :meth:`drain_failures`,
         and (through the adapters) its request among the failed sends. Beyond that
         wait it returns as its I/O threads end, peer or no peer: in well under a second,
-        unless a handler there is busy (then at most about 11 s: ``_CLOSE_WAIT_S`` for the
-        endpoint's thread, 1 s for the driver, each logged when it stops late).
+        unless something is busy (then at most about 13 s: 1 s for the seal to wait for shm
+        items being mapped, ``_CLOSE_WAIT_S`` (10 s) for the endpoint's thread (its last acks
+        to a sender reconnecting retried up to 2 s within it), 1 s for the driver, 1 s for
+        the listener to go; each logged when late).
 
         Driven by an event loop, on the loop's thread (or once no loop runs it) there
         is no linger: the loop would have to do the I/O it waits for. Await
         ``AsyncConnector.aclose()``, which waits for the acknowledgements on the
-        loop first. From another thread the close is handed to the loop, and returns
-        once the bound address is free. On the loop's thread the address may stay bound
-        for a moment after it returns (libzmq closes the listener shortly; waiting would
-        stall the loop): that is logged as a WARNING naming the endpoint, unless
-        ``address_awaited`` (``aclose()`` awaits the address itself). A bind there by
-        this process waits for it; another process's fails until it goes.
+        loop first. From another thread the close is handed to the loop and returns once
+        the address is free. On the loop's thread (a wait would stall it) a listener still
+        there is logged as a WARNING naming the endpoint, unless ``address_awaited``
+        (``aclose()`` awaits it); a bind there by this process waits for it, another's fails.
         """
         with self._close_lock:
             wiring = self._wiring
@@ -488,7 +490,7 @@ class ZmqConnector(OmniConnectorBase):
             wiring.driver = None
             self._sending.close_pool()
             self._fetching.close_reader()
-            if endpoint is not None and not driver.threaded:  # (a threaded receiver's close waited already)
+            if endpoint is not None and not driver.threaded:  # (a threaded receiver's close waited)
                 address_released(endpoint, on_loop=on_loop, awaited=address_awaited)
 
     def __repr__(self) -> str:
