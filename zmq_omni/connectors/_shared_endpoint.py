@@ -240,7 +240,7 @@ class SharedEndpoint:
             # The driver closes the socket before its on-term hooks, also when it stops late (busy in a
             # handler past _CLOSE_WAIT_S), and the connector's event loop only as the connector's close
             # stops it: an acquire of this address waits for that, and for the listener to go.
-            self.loop.on_term(functools.partial(_end_busy_once_free, self.address, busy))
+            self.loop.on_term(functools.partial(_end_busy_once_free, self.address, busy, self.loop.threaded))
         closes_late = False
         try:
             lost += self._close()
@@ -413,12 +413,13 @@ def _end_busy(address: str, busy: threading.Event) -> None:
     busy.set()
 
 
-def _end_busy_once_free(address: str, busy: threading.Event) -> None:
+def _end_busy_once_free(address: str, busy: threading.Event, threaded: bool) -> None:
     """End ``busy`` once nothing listens on ``address`` (libzmq closes a listener a moment after its socket).
 
-    Runs on the driver as it stops: the wait, if any, goes to a short-lived thread of its own.
+    Runs on the driver as it stops: the wait, if any, goes to a short-lived thread of its own (always
+    for an event loop, which a connect probe must not hold up).
     """
-    if not listening(address):
+    if threaded and not listening(address):
         _end_busy(address, busy)
         return
 
