@@ -337,6 +337,7 @@ class ReceiveSocket:
         last = self.send(self.protocol.last_words(), refused)
         unroutable, full = flushed[0] + last[0], flushed[1] + last[1]
         owed = [r for r in refused if r.source is not None and not r.source.confirmed and r.consumed]
+        gone = unroutable - len(owed)  # (a sender routed to before and not now)
         if owed and self._loop.threaded:
             owed = self._retry_last_words(owed)
         if full:
@@ -354,8 +355,8 @@ class ReceiveSocket:
                 len(owed),
                 sum(len(r.consumed) for r in owed),
             )
-        elif unroutable:
-            log.info("%s closed: %d of its last acknowledgement(s) found a sender gone", self.endpoint, unroutable)
+        if gone:
+            log.info("%s closed: %d of its last acknowledgement(s) found a sender gone", self.endpoint, gone)
         # A running event loop does not wait here for the listener to go: its aclose awaits that (aio._closing).
         on_a_loop = not self._loop.threaded and self._loop.in_loop()
         close_bound(self.socket, self.endpoint, linger_ms=200, wait_s=0.0 if on_a_loop else 1.0)
