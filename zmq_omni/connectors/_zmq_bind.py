@@ -107,8 +107,9 @@ def open_endpoint(
     A connector driven by an event loop (``driver`` is not threaded) binds one on its own driver
     instead, that no other connector of the process shares; at a stage endpoint it takes the stage
     lock and serves the stage's other processes as any binder does, and is refused (ConfigError)
-    where another process holds the lock (a local client waits on its own thread). ``cfg``, ``curve``, ``decode``, ``limits`` and
-    ``device`` are the binding connector's; ``agreed`` the settings its sharers must agree on.
+    where another process holds the lock (a local client waits on its own thread). ``cfg``,
+    ``curve``, ``decode``, ``limits`` and ``device`` are the binding connector's; ``agreed`` the
+    settings its sharers must agree on.
     """
     threaded = driver.threaded
     # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
