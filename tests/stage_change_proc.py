@@ -8,7 +8,8 @@ Modes (each prints ``up <receiving part's class>`` first):
   (poll KEY up to 5 s: ``got KEY`` or ``none``), ``rebound`` (wait up to 10 s until the binder's
   incarnation changed and the next binder answered this client's hello: ``rebound`` or ``stuck``;
   it reads the client's ``_binder_token`` and ``_heard``, the test's only look inside).
-- ``poll``: polls KEY for SECONDS (``got KEY`` or ``none``, and ``binds``/``client``).
+- ``poll``: polls KEY for SECONDS (``got KEY`` or ``none``, and ``binds``/``client``); prints ``bound``
+  when, a client, it binds the endpoint since its binder died.
 - ``block``: one blocking get of KEY with a SECONDS deadline (``got KEY`` or ``none``).
 - ``askclose``: one polling get of KEY, then closes its connector (``closed``), the process living on.
 - ``send``: a sender: puts KEY, prints ``put``; at a stdin line ``flush`` prints ``flush True|False``.
@@ -76,9 +77,14 @@ def main(argv: list[str]) -> int:
     if mode == "lend":
         _lend(connector, key)
     elif mode == "poll":
-        got = _poll(connector, key, seconds)
-        binds = "binds" if getattr(connector._bound.receiver, "binds", True) else "client"
-        _say(f"got {key}" if got is not None else "none", binds)
+        part, bound = connector._bound.receiver, False
+        deadline = time.monotonic() + seconds
+        while (got := connector.get("0", "1", key)) is None and time.monotonic() < deadline:
+            if not bound and getattr(part, "binds", False):
+                bound = True
+                _say("bound")  # a client that binds since its binder died
+            time.sleep(0.01)
+        _say(f"got {key}" if got is not None else "none", "binds" if getattr(part, "binds", True) else "client")
     elif mode == "block":
         got = connector.get_with_deadline("0", "1", key, deadline=time.monotonic() + seconds)
         _say(f"got {key}" if got is not None else "none")

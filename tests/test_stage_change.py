@@ -205,3 +205,34 @@ def test_a_client_stalled_across_its_binders_death_does_not_hand_out_that_binder
         finally:
             client.signal(signal.SIGCONT)
         assert client.line() == "none"
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_binds_after_its_binder_died_hands_out_nothing_before_the_others_hello(
+    short_tmp: Path, shm_dir: str, procs: list[Proc]
+) -> None:
+    binder = _start(procs, "hold", _extra(short_tmp, shm_dir))
+    assert binder.line() == "up PushReceiver"
+    # the client that takes the key hears of the next binder from its WHO; the other binds after 3 s of silence
+    client = _start(procs, "lend", _extra(short_tmp, shm_dir, peer_timeout_s=30.0))
+    assert client.line() == "up StageClient" and client.line() == "asked"
+    with ZmqConnector(_sender(_extra(short_tmp, shm_dir))) as sender:
+        assert sender.put("0", "1", KEY, {"x": 1})[0]
+        assert client.line() == "lent"
+        successor = _start(procs, "poll", _extra(short_tmp, shm_dir, peer_timeout_s=3.0), seconds=12.0)
+        assert successor.line() == "up StageClient"  # it wants the same key
+        binder.signal(signal.SIGSTOP)  # the client's TOOK is never read: the put stays unconsumed
+        client.tell("take")
+        assert client.line() == f"got {KEY}"
+        client.signal(signal.SIGSTOP)  # its hello comes only once the resend reached the successor
+        try:
+            binder.popen.kill()
+            binder.popen.wait()
+            assert successor.line() == "bound"  # it holds the resend for one peer timeout (3 s)
+            time.sleep(1.0)  # the sender resends (its peer timeout is 0.5 s)
+        finally:
+            client.signal(signal.SIGCONT)
+        client.tell("rebound")
+        assert client.line() == "rebound"
+        assert sender.flush(10)  # the resend counted consumed
+    assert successor.line() == "none binds"  # not delivered a second time
