@@ -250,23 +250,23 @@ def test_load_omni_transfer_config_takes_vllm_omnis_call_forms(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_a_second_process_on_a_live_ipc_path_joins_push_and_is_refused_pull(mode: str, short_tmp: Path) -> None:
+def test_a_second_process_on_a_live_ipc_path_joins_the_stage_endpoint(mode: str, short_tmp: Path) -> None:
     endpoint = f"ipc://{short_tmp}/live"
     role = "receiver" if mode == "push" else "sender"
     stage = 1 if mode == "push" else 0
     extra = {"stage_id": stage, "role": role, "mode": mode, "endpoints": {"1": endpoint, "0": endpoint}}
     with ZmqConnector(extra) as first:
         assert first.endpoint == endpoint
-        # Another process of the stage: push mode, it becomes a local client of this one (the stage
-        # endpoint is shared, tests/test_stage_endpoint.py); pull mode, it is refused (in this process
-        # the second connector shares the endpoint: tests/test_shared_endpoint.py).
+        # Another process of the stage becomes a local client of this one: the stage endpoint is shared
+        # (push: tests/test_stage_endpoint.py; pull: tests/test_stage_pull.py).
         code = (
             "import json, sys\n"
             "from zmq_omni.connectors.zmq import ZmqConnector\n"
             "from zmq_omni.errors import TransportError\n"
             "try:\n"
             "    c = ZmqConnector(json.loads(sys.argv[1]))\n"
-            "    print(type(c._bound.receiver).__name__)\n"
+            "    part = c._bound.receiver or c._bound.server\n"
+            "    print(type(part).__name__, 'binds' if getattr(part, '_inner', None) else 'joins')\n"
             "    c.close()\n"
             "except TransportError as exc:\n"
             "    print(exc)\n"
@@ -274,10 +274,7 @@ def test_a_second_process_on_a_live_ipc_path_joins_push_and_is_refused_pull(mode
         out = subprocess.run(
             [sys.executable, "-c", code, json.dumps(extra)], capture_output=True, text=True, timeout=60, check=True
         ).stdout
-        if mode == "push":
-            assert out.strip() == "StageClient", out
-        else:
-            assert "another process is listening" in out and endpoint in out
+        assert out.strip() == ("StageClient joins" if mode == "push" else "StagePull joins"), out
         assert first.health()["status"] == "ok"
     # a stale socket file (its process gone) is replaced as before
     stale = short_tmp / "stale"

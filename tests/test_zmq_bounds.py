@@ -291,6 +291,7 @@ def test_pull_server_forgets_replies_that_left_without_being_asked(short_tmp: Pa
             assert ok
             assert client.get("0", "1", f"k{i}", meta) is not None
         part = server._bound.server
+        part = getattr(part, "_inner", part)  # the stage's pull part: this process binds its server
         assert part is not None
         # Nobody calls stats(), wait_fetched() or health(): the I/O thread prunes as replies leave.
         assert wait_until(lambda: len(part._leaving) == 0, timeout=5.0), len(part._leaving)
