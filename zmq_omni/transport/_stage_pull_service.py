@@ -47,7 +47,7 @@ in the next binder (or in its own server, when it takes the lock), so no
 confirmed put is lost; a reply handed to ZeroMQ just before the binder died
 may then be stored twice, and the copy nobody fetches expires as a failed put.
 
-Threads: everything here runs on the driver, except :meth:`ClientPut._on_failure`
+Threads: everything here runs on the driver, except :meth:`ClientPut.on_failure`
 (any thread: the pull server's close or a holder's release), which hands over
 with ``call_soon``.
 """
@@ -89,7 +89,7 @@ class ClientPut:
         self.put_id = put_id
         self.slot = slot
 
-    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+    def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         """The pull server gave the payload up (expired, closed): the client reports it (any thread)."""
         service = self.service
         if not service.closing:  # a binder closing hands its clients' puts on: they store them again
