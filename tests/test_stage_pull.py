@@ -30,9 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class Proc:
     """One stage-0 process and the lines it printed (read on a thread)."""
 
-    def __init__(self, extra: dict[str, Any], prefix: str, count: int, pace_s: float) -> None:
+    def __init__(self, *argv: Any) -> None:
+        """Start ``tests.stage_pull_proc`` with ``argv`` (dicts as JSON)."""
+        args = [json.dumps(arg) if isinstance(arg, dict) else str(arg) for arg in argv]
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.stage_pull_proc", json.dumps(extra), prefix, str(count), str(pace_s)],
+            [sys.executable, "-m", "tests.stage_pull_proc", *args],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdin=subprocess.PIPE,
@@ -55,7 +57,7 @@ class Proc:
         self.seen.append(line)
         return line
 
-    def until(self, prefix: str, timeout_s: float = 60.0) -> str:
+    def until(self, prefix: str | tuple[str, ...], timeout_s: float = 60.0) -> str:
         """Lines up to the first starting with ``prefix`` (returned)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -180,3 +182,41 @@ def test_after_the_binder_goes_no_confirmed_put_of_the_others_is_lost_or_fetched
     assert sorted(final[1] + final[3] for final in finals) == ["TrueFalse", "TrueTrue"], [c.seen for c in clients]
     again = [key for key in got if fetcher.get("0", "1", key) is not None]
     assert again == [], "stored twice"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fetcher_shm", [False, True])
+def test_a_put_whose_reply_had_not_left_when_the_binder_was_killed_is_fetched_from_the_next_binder(
+    fetcher_shm: bool, short_tmp: Path, shm_dir: str, procs: list[Proc]
+) -> None:
+    endpoint = f"ipc://{short_tmp}/stage0.sock"
+    extra = _extra(endpoint, shm_dir)
+    binder = Proc(extra, "a", 0, 0)
+    procs.append(binder)
+    assert binder.next() == "up binds"
+    putter = Proc(extra, "b", 1, 0, 16 << 20, 3.0)  # one 16 MiB put, once told; its flush waits 3 s
+    procs.append(putter)
+    assert putter.next() == "up client"
+    fetch_extra = {"stage_id": 1, "role": "receiver", "mode": "pull", "endpoints": {"0": endpoint}, "shm_dir": shm_dir}
+    if not fetcher_shm:
+        fetch_extra["shm"] = "off"
+    fetcher = Proc("fetch", fetch_extra, "b-0", 30)
+    procs.append(fetcher)
+    assert fetcher.next() == "up"
+    assert fetcher.popen.stdin is not None and putter.popen.stdin is not None
+    fetcher.popen.stdin.write("go\n")
+    fetcher.popen.stdin.flush()
+    assert fetcher.next() == "asking"
+    time.sleep(0.5)  # its FETCH is parked at the binder (for 2 s)...
+    fetcher.popen.send_signal(signal.SIGSTOP)  # ...and it reads no reply
+    try:
+        putter.popen.stdin.write("go\n")
+        putter.popen.stdin.flush()
+        assert putter.next() == "ok b-0", putter.seen
+        # The binder answers the parked FETCH; the reply cannot leave, so the put is not yet fetched.
+        flushed = putter.until("flushed")
+        binder.popen.send_signal(signal.SIGKILL)
+        assert binder.popen.wait(timeout=15) == -signal.SIGKILL
+    finally:
+        fetcher.popen.send_signal(signal.SIGCONT)
+    assert fetcher.until(("got", "none"), 40) == "got b-0", (flushed, fetcher.seen)

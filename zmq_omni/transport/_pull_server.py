@@ -55,6 +55,7 @@ _MAX_PARKED = 65536
 _MAX_PARKED_BYTES = 64 << 20
 _PROBE_S = 5.0  # a peer whose FETCHes are parked is checked this often (a gone peer's are dropped)
 _PRUNE_MIN = 64  # replies leaving before the I/O thread first prunes those that left
+_UNFETCHED = "connector closed before stage {!r} fetched the payload".format  # why, from the stage it was for
 
 
 #: A failure of a stored payload, with its owner first (the ``owner`` its :meth:`PullServer.store` named).
@@ -105,6 +106,8 @@ class PullServer:
         self._store: dict[Slot, Stored] = {}
         self._bytes = 0
         self._leaving: list[Leaving] = []  # pending like the store: close() before they left loses them
+        self._left: list[Leaving] = []  # replies that left, not yet told to on_fetched (the driver tells it)
+        self._telling = False  # the driver checks for replies that left while some it must tell of are leaving
         self._prune_at = _PRUNE_MIN  # _leaving is pruned when it reaches this length (amortized), and each second
         self._puts = 0
         self._bytes_sent = 0
@@ -114,8 +117,9 @@ class PullServer:
             counters.add(name, 0)
         self._probed_at = 0.0
         self._closed = False
-        #: Called (on the driver, with the store lock held) as a fetched payload's reply goes to ZeroMQ:
-        #: ``(slot, owner)``. A stage's shared endpoint tells the process that stored it (``_stage_pull_service``).
+        #: Called (on the driver, with the store lock held) once a fetched payload's reply has left: its
+        #: tracker is done and, for a shared-memory reply, the fetcher opened its slot: ``(slot, owner)``.
+        #: A stage's shared endpoint tells the process that stored it (``_stage_pull_service``).
         self.on_fetched: Callable[[Slot, Any], None] | None = None
         self._router = PullRouter(
             loop,
@@ -218,15 +222,26 @@ class PullServer:
 
     def _still_leaving(self) -> list[Leaving]:
         """Forget replies that left; the rest (caller holds ``_cv``)."""
-        shm = self._shm
-        self._leaving = [
-            entry
-            for entry in self._leaving
-            if entry.tracker is None  # being sent
-            or not entry.tracker.done
-            or (entry.loc is not None and shm is not None and shm.unopened(entry.loc))
-        ]
-        return self._leaving
+        leaving = []
+        for entry in self._leaving:
+            if not entry.left(self._shm):
+                leaving.append(entry)
+            elif entry.tell:
+                self._left.append(entry)
+        self._leaving = leaving
+        return leaving
+
+    def _tell_left(self) -> None:
+        """Tell ``on_fetched`` of the replies that left; check again soon while more are leaving (the driver)."""
+        with self._cv:
+            self._still_leaving()
+            left, self._left, hook = self._left, [], self.on_fetched
+            for entry in left:
+                if hook is not None:  # None: the service closed
+                    hook(entry.slot, entry.owner)
+            self._telling = any(entry.tell for entry in self._leaving)
+            if self._telling:
+                self._loop.call_later(_SEND_CHECK_S, self._tell_left)
 
     def wait_fetched(self, timeout_s: float, owner: Any = None) -> bool:
         """Wait until every stored payload was fetched and its reply has left; True when none is left.
@@ -263,11 +278,7 @@ class PullServer:
                 self._bytes -= self._store.pop(slot).nbytes
             if dropped:
                 self._cv.notify_all()
-        self._report_lost(
-            dropped,
-            "delivery_failures",
-            lambda to_stage: f"connector closed before stage {to_stage!r} fetched the payload",
-        )
+        self._report_lost(dropped, "delivery_failures", _UNFETCHED)
         return [slot[2] for slot, _ in dropped]
 
     def close(self) -> list[str]:
@@ -282,11 +293,7 @@ class PullServer:
             self._store.clear()
             self._bytes = 0
             self._cv.notify_all()
-        self._report_lost(
-            unfetched,
-            "delivery_failures",
-            lambda to_stage: f"connector closed before stage {to_stage!r} fetched the payload",
-        )
+        self._report_lost(unfetched, "delivery_failures", _UNFETCHED)
         return [slot[2] for slot, _ in unfetched]
 
     def _report_lost(self, lost: list[tuple[Slot, Any]], counter: str, why: Callable[[str], str]) -> None:
@@ -394,8 +401,10 @@ class PullServer:
             if tracker is not None:
                 self._counters.add("fetched")
                 leaving.tracker, leaving.loc = tracker, loc
-                if self.on_fetched is not None:
-                    self.on_fetched(slot, entry.owner)
+                leaving.tell = self.on_fetched is not None  # told once it has left (a dead binder's never leaves)
+                if leaving.tell and not self._telling:
+                    self._telling = True
+                    self._loop.call_soon(self._tell_left)
                 return
             self._leaving.remove(leaving)
         if loc is not None and self._shm is not None:

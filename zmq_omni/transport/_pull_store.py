@@ -36,16 +36,24 @@ class Leaving:
     shared-memory slot was not opened yet (``loc``, for as long as the pool
     keeps the slot). Its owner is held weakly: a connector that closed while
     the server goes on serving others must not be kept alive by a reply.
+    ``tell``: the server's ``on_fetched`` is told once it has left.
     """
 
-    __slots__ = ("_owner", "loc", "nbytes", "slot", "tracker")
+    __slots__ = ("_owner", "loc", "nbytes", "slot", "tell", "tracker")
 
     def __init__(self, slot: Slot, nbytes: int, tracker: Any, loc: bytes | None, owner: Any = None) -> None:
         self.slot = slot
         self.nbytes = nbytes
         self.tracker = tracker
         self.loc = loc
+        self.tell = False
         self._owner = None if owner is None else weakref.ref(owner)
+
+    def left(self, shm: Any) -> bool:
+        """True once its frames were written (tracker done) and its shared-memory slot (``shm``'s) was opened."""
+        if self.tracker is None or not self.tracker.done:  # being sent, or still being written
+            return False
+        return self.loc is None or shm is None or not shm.unopened(self.loc)
 
     @property
     def owner(self) -> Any:
