@@ -19,15 +19,17 @@ stands in for the :class:`PullServer` (the same ``store``, ``forget``,
 ``wait_fetched``, ``drop_owned``, ``close``), delegating to its own server
 while this process binds.
 
-A client keeps each payload until the binder says it was fetched (its reply
-handed to ZeroMQ), given up (``FAILED``: reported as the put's failure) or
-cleaned up. The binder's death is judged by the kernel: the stage lock is
-free (this process takes it, binds, and stores what it keeps in its own
-server), or another process holds it, or the binder's service answers as a
-new incarnation (this process stores what it keeps there, on a new socket).
-So no confirmed put is lost with the binder; one whose reply was handed to
-ZeroMQ just before the binder died may be stored twice, and the copy nobody
-fetches expires as a failed put after ``pull_ttl_s``.
+A client keeps each payload until the binder says it was fetched (once its
+reply left: the pull server's ``on_fetched``), given up (``FAILED``: reported
+as the put's failure) or cleaned up. The binder's death is judged by the
+kernel: the stage lock is free (this process takes it, binds, and stores what
+it keeps in its own server), or another process holds it, or the binder's
+service answers as a new incarnation (this process stores what it keeps there,
+on a new socket).
+So no confirmed put is lost with the binder, one whose reply was still leaving
+included; one whose reply left just before the binder died, before it said
+``FETCHED``, may be stored twice, and the copy nobody fetches expires as a
+failed put after ``pull_ttl_s``.
 
 Threads: put threads call :meth:`StagePull.store`, :meth:`~StagePull.forget`,
 :meth:`~StagePull.wait_fetched`, :meth:`~StagePull.drop_owned` and

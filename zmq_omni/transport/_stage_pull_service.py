@@ -22,7 +22,7 @@ verb        body                                  meaning
 ``FORGET``  ``[key, prefix]``                     a cleanup (firm for a key, digits for a prefix)
 ``STORED``  ``[id]``                              held here: the client's put is confirmed
 ``FULL``    ``[id]``                              no room by its ``wait``: nothing kept
-``FETCHED`` ``[id]``                              its reply was handed to ZeroMQ: the client lets go
+``FETCHED`` ``[id]``                              its reply has left: the client lets go
 ``FAILED``  ``[id, reason]``                      expired or given up here (reported by the client)
 ``GONE``    ``[id]``                              dropped by a cleanup: the client lets go silently
 ``WHO``     ``[]``                                a verb from a socket that said no hello here: refused
@@ -44,8 +44,11 @@ Each stored client payload's owner in the pull server is a :class:`ClientPut`
 (it carries the failure back). A client keeps its payload until ``FETCHED``,
 ``FAILED`` or ``GONE``: when the binder dies, it stores what it still keeps
 in the next binder (or in its own server, when it takes the lock), so no
-confirmed put is lost; a reply handed to ZeroMQ just before the binder died
-may then be stored twice, and the copy nobody fetches expires as a failed put.
+confirmed put is lost: ``FETCHED`` goes once the reply has left (the pull
+server's ``on_fetched``), so one still leaving when the binder died is fetched
+from the next binder; a reply that left just before the binder died, before
+``FETCHED`` went, is then stored twice, and the copy nobody fetches expires as
+a failed put.
 
 Threads: everything here runs on the driver, except :meth:`ClientPut.on_failure`
 (any thread: the pull server's close or a holder's release), which hands over
@@ -229,7 +232,7 @@ class StagePullService:
             self._store(put, frames, nbytes, deadline)
 
     def _fetched(self, slot: Slot, owner: Any) -> None:
-        """The pull server handed a reply to ZeroMQ (its hook, on the driver, under its lock): tell the owner."""
+        """A reply of the pull server has left (its hook, on the driver, under its lock): tell the owner."""
         mine = isinstance(owner, ClientPut) and owner.service is self
         if mine and self._puts.pop((owner.client, owner.put_id), None) is not None:
             self._send(owner.client, b"FETCHED", [owner.put_id])
