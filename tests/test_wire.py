@@ -647,7 +647,8 @@ def test_nesting_past_the_first_counted_bytes_is_rejected(lead: bytes) -> None:
     deep = b"\x91" * 9 + b"\x01"  # [[[...1...]]], nine deep
     filler = msgpack.packb(lead) if lead else b""
     body = b"\x92" + filler + deep if filler else deep
-    with pytest.raises(DecodeError, match="deeper"):
-        decode([_PLAIN_PREAMBLE + body], limits=limits)
+    for frame in (_PLAIN_PREAMBLE + body, memoryview(b"pad" + _PLAIN_PREAMBLE + body)[3:]):  # bytes, or a view
+        with pytest.raises(DecodeError, match="deeper"):
+            decode([frame], limits=limits)
     shallow = b"\x92" + filler + b"\x91" * 6 + b"\x01" if filler else b"\x91" * 6 + b"\x01"
     assert decode([_PLAIN_PREAMBLE + shallow], limits=limits) is not None

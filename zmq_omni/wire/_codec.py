@@ -350,13 +350,15 @@ def decode(
         count = len(frames)
         head = frames[0]
         magic, flags, n_oob = _PREAMBLE_CHECK.unpack_from(head)
+        # Copying a small header is cheaper than a memoryview slice, and its shape is checked faster as bytes.
         if type(head) is bytes and len(head) <= _SLICE_HEADER_MAX:
-            # Copying a small header is cheaper than a memoryview slice.
             body: bytes | memoryview = head[PREAMBLE_SIZE:]
             size = len(body)
         else:
             body = memoryview(head)[PREAMBLE_SIZE:]
             size = body.nbytes
+            if lim.max_depth < size <= _SLICE_HEADER_MAX - PREAMBLE_SIZE:  # (a shorter one is never counted)
+                body = body.tobytes()
     except Exception as exc:
         raise DecodeError(f"frame 0 is not a zmq_omni preamble: {exc!r}") from exc
     if (
