@@ -155,3 +155,21 @@ def test_concurrent_getters_under_a_stream_receive_every_item_once(short_tmp: Pa
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, f"rc={result.returncode}\n{result.stdout}\n{result.stderr}"
     assert "received 2000 distinct 2000" in result.stdout
+
+
+def test_a_first_get_that_finds_the_connector_closed_before_it_binds_returns_none(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connector with no role binds at its first get: a close between its closed check and the bind."""
+    conn = ZmqConnector({"from_stage": 0, "to_stage": 1, "endpoints": {"1": f"ipc://{short_tmp}/l.sock"}, "shm": "off"})
+    bind = conn._bound.receiver_or_bind
+
+    def close_first(to_stage: str) -> Any:
+        conn.close()  # (another thread's close, landing just after the get looked)
+        return bind(to_stage)
+
+    monkeypatch.setattr(conn._bound, "receiver_or_bind", close_first)
+    try:
+        assert conn.get("0", "1", "k") is None
+    finally:
+        conn.close()

@@ -49,7 +49,7 @@ class _Holder:
     def health(self) -> dict[str, Any]:
         return {"status": "ok"}
 
-    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+    def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         pass
 
 

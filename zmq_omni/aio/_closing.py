@@ -13,6 +13,7 @@ import threading
 import time
 
 from ..connectors import Lingering, OmniConnectorBase
+from ..connectors.zmq import ZmqConnector
 from ..transport import listening
 
 log = logging.getLogger("zmq_omni.aio")
@@ -28,7 +29,9 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
 
 def close_without_linger(connector: OmniConnectorBase) -> None:
     """Close a connector whose acknowledgements were already waited for (on the loop)."""
-    if isinstance(connector, Lingering):
+    if isinstance(connector, ZmqConnector):
+        connector.close_with_linger(0.0, address_awaited=True)  # (aclose awaits the address: address_freed)
+    elif isinstance(connector, Lingering):
         connector.close_with_linger(0.0)
     else:
         connector.close()
@@ -73,7 +76,8 @@ async def address_freed(endpoint: str | None, wait_s: float = 1.0) -> None:
     Something still listening after ``wait_s`` is logged as a WARNING naming the endpoint.
 
     A closed socket's listener is closed by libzmq's I/O thread a moment after ``zmq_close``: an
-    event loop waits for that here rather than in the close, which runs on the loop.
+    event loop waits for that here rather than in the close, which runs on the loop. libzmq gives
+    no event for it short of a socket monitor, so the wait looks every 1 ms (a connect probe).
     """
     if endpoint is None:
         return

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 
 from ..connectors import create_connector
+from ._vllm_loops import ChunkMover
 from ._vllm_main import (
-    ChunkMover,
     CodesStruct,
     EmbeddingsStruct,
     HiddenStatesStruct,

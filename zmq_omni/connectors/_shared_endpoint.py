@@ -65,11 +65,11 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError, TransportError, ZmqOmniError
 from ..metrics import Counters
-from ..transport import Driver, PullServer, PushReceiver, ShmReceive, ShmSend, close_inherited_sockets
+from ..transport import Driver, PullServer, PushReceiver, ShmReceive, ShmSend, close_inherited_sockets, listening
 from . import _expected_puts
 from ._expected_puts import ExpectedPuts
 
-__all__ = ["Holder", "SharedEndpoint", "acquire", "has_served", "served"]
+__all__ = ["Holder", "SharedEndpoint", "acquire", "address_released", "has_served", "served"]
 
 log = logging.getLogger("zmq_omni.connectors")
 
@@ -78,6 +78,8 @@ log = logging.getLogger("zmq_omni.connectors")
 _CLOSE_WAIT_S = 10.0
 #: Longest an acquire waits for the same address's bind or close in progress (a close waits up to _CLOSE_WAIT_S).
 _BUSY_WAIT_S = _CLOSE_WAIT_S + 2.0
+#: Longest a close waits for libzmq's I/O thread to close a closed socket's listener.
+_FREE_WAIT_S = 1.0
 
 Slot = tuple[str, str, str]
 
@@ -89,7 +91,7 @@ class Holder(Protocol):
         """The connector's health (a health probe's answer)."""
         ...
 
-    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+    def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         """Keep a failure found by the shared part for a put of this connector."""
         ...
 
@@ -164,7 +166,7 @@ class SharedEndpoint:
             holders = self._holders
             holder = holders[0] if holders else None
         if holder is not None:
-            holder._on_failure(op, from_stage, to_stage, key, reason, error)
+            holder.on_failure(op, from_stage, to_stage, key, reason, error)
 
     def hook_arrivals(self, fn: Callable[[list[Slot]], None]) -> None:
         """Call ``fn`` with the slots of each drain's arrivals (push mode; a holder's watches)."""
@@ -234,14 +236,15 @@ class SharedEndpoint:
             if isinstance(part, PushReceiver):
                 part.wake_gets()  # the holder's waiting gets see its close now (the part stays open)
             return lost
-        if busy is not None and not self.exclusive:
-            # The I/O thread closes the socket before its on-term hooks, also when it stops late (busy in
-            # a handler past _CLOSE_WAIT_S): an acquire of this address waits for that, not for this close.
-            self.loop.on_term(functools.partial(_end_busy, self.address, busy))
+        if busy is not None:
+            # The driver closes the socket before its on-term hooks, also when it stops late (busy in a
+            # handler past _CLOSE_WAIT_S), and the connector's event loop only as the connector's close
+            # stops it: an acquire of this address waits for that, and for the listener to go.
+            self.loop.on_term(functools.partial(_end_busy_once_free, self.address, busy, self.loop.threaded))
         closes_late = False
         try:
             lost += self._close()
-            closes_late = busy is not None and not self.exclusive and not busy.is_set()
+            closes_late = busy is not None and (self.exclusive or not busy.is_set())
         finally:
             with self._lock:
                 self._holders = []
@@ -408,6 +411,56 @@ def _end_busy(address: str, busy: threading.Event) -> None:
         if _busy.get(address) is busy:
             del _busy[address]
     busy.set()
+
+
+def _end_busy_once_free(address: str, busy: threading.Event, threaded: bool) -> None:
+    """End ``busy`` once nothing listens on ``address`` (libzmq closes a listener a moment after its socket).
+
+    Runs on the driver as it stops: the wait, if any, goes to a short-lived thread of its own (always
+    for an event loop, which a connect probe must not hold up).
+    """
+    if threaded and not listening(address):
+        _end_busy(address, busy)
+        return
+
+    def wait() -> None:
+        _wait_free(address)
+        _end_busy(address, busy)
+
+    threading.Thread(target=wait, name="zmq-omni-unbind", daemon=True).start()
+
+
+def _wait_free(endpoint: str) -> bool:
+    """Wait (at most ``_FREE_WAIT_S``) until nothing listens on ``endpoint``; False (logged) if something still does.
+
+    libzmq gives no event for its listener's close short of a socket monitor: the wait looks every 1 ms.
+    """
+    deadline = time.monotonic() + _FREE_WAIT_S
+    while listening(endpoint):
+        if time.monotonic() >= deadline:
+            log.warning("closed, but something still listens on %s after %.1f s: a bind there fails", endpoint, 1.0)
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def address_released(endpoint: str, *, on_loop: bool, awaited: bool) -> None:
+    """A connector driven by an event loop closed its socket bound at ``endpoint``: keep ``close()``'s promise.
+
+    Off the loop's thread, wait until the listener is gone (a WARNING if it outlives ``_FREE_WAIT_S``).
+    On the loop's thread a wait would stall the loop: unless the caller awaits the address itself
+    (``AsyncConnector.aclose``), a listener still there is logged as a WARNING naming the endpoint
+    (a bind there by this process waits for it; another process's fails until it goes).
+    """
+    if not on_loop:
+        _wait_free(endpoint)
+    elif not awaited and listening(endpoint):
+        log.warning(
+            "close() on its event loop's thread returned with %s still bound for a moment (libzmq closes the "
+            "listener shortly): a bind there by another process fails meanwhile; use `await aclose()`, which "
+            "waits for the address to be free",
+            endpoint,
+        )
 
 
 def has_served() -> bool:

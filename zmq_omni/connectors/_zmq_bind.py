@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config.zmq import ZmqConnectorConfig
+from ..errors import ConfigError
 from ..shm import sweep_dead_once
 from ..transport import (
     Curve,
@@ -104,8 +105,11 @@ def open_endpoint(
     """Bind a new :class:`SharedEndpoint` for ``stage`` at ``bind_at``, driven by its own I/O thread (started).
 
     A connector driven by an event loop (``driver`` is not threaded) binds one on its own driver
-    instead, that no other connector shares. ``cfg``, ``curve``, ``decode``, ``limits`` and
-    ``device`` are the binding connector's; ``agreed`` the settings its sharers must agree on.
+    instead, that no other connector of the process shares; at a stage endpoint it takes the stage
+    lock and serves the stage's other processes as any binder does, and is refused (ConfigError)
+    where another process holds the lock (a local client waits on its own thread). ``cfg``,
+    ``curve``, ``decode``, ``limits`` and ``device`` are the binding connector's; ``agreed`` the
+    settings its sharers must agree on.
     """
     threaded = driver.threaded
     # A CURVE allow-list installs a ZAP authenticator, which answers for its whole context: its own then.
@@ -131,7 +135,14 @@ def open_endpoint(
         )
         # The stage endpoint is shared by the stage's processes on this host: the holder of its stage lock
         # binds it and serves the others, which become its local clients (transport/_stage_lock.py).
-        lock = StageLock(bind_at) if threaded and stage_shareable(bind_at) else None
+        lock = StageLock(bind_at) if stage_shareable(bind_at) else None
+        if lock is not None and not threaded and not lock.try_acquire():
+            # A local client waits for its binder on its own thread: an event loop's connector cannot be one.
+            raise ConfigError(
+                f"cannot bind {bind_at}: another process of this stage binds it (it holds {lock.paths.lock}), "
+                "and a ZmqConnector driven by an event loop cannot be a local client of it; build the "
+                "stage's connectors threaded (AsyncConnector(ZmqConnector(extra)) awaits a threaded one)"
+            )
 
         def bind_here(held: StageLock | None) -> PushReceiver:
             receiver = PushReceiver(

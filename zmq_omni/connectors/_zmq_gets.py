@@ -7,7 +7,10 @@ connectors of this process bound there), waiting on its condition when the call
 may wait, and for a put of this very key this process has on its way there. A
 wait ends at its deadline, at an arrival of its key, at the endpoint's seal, or
 when this connector closes (its close wakes the mailbox's waiters, each of which
-checks its own connector): no wait is cut into time slices. Pull
+checks its own connector): no wait here is cut into time slices. A local
+client of a shared stage endpoint (``transport/_stage_client.py``) takes from its
+own mailbox the same way, but waits in short sleeps where the binder's silence or
+a binder change is being settled (its docstring says where and why). Pull
 mode fetches from the sender (see ``_zmq_pull``). Arrivals can also be waited for
 (:meth:`Gets.wait_for_change`).
 """
@@ -128,7 +131,8 @@ class Gets:
             return None
         if bound.receiver is None and fetching.client is None:
             if wiring.settings.mode == "push":
-                bound.receiver_or_bind(to_stage)
+                if bound.receiver_or_bind(to_stage) is None:  # closed meanwhile: nothing to bind for
+                    return None
             elif fetching.ensure_client() is None:  # a pull-mode sender's first get; None: closed meanwhile
                 return None
         if bound.receiver is not None:  # push-mode gets are counted by the mailbox

@@ -50,6 +50,8 @@ class HealthReport:
         self._fetching = fetching
         self._stage_id = stage_id
         self._counted = counted
+        # Written by whichever thread runs health() (a user's, or the endpoint's I/O thread answering a HEALTH
+        # probe), without a lock: two at once may keep either's view; the next call corrects it (a hint only).
         self._unclaimed_seen = 0  # the receiver's dropped_unclaimed last seen
         self._unclaimed_at = 0.0  # when it last grew
 

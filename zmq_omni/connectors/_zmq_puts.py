@@ -55,7 +55,8 @@ class Sending:
         self.sender: PushSender | None = None
         self.shm: ShmSend | None = None  # the push sender's pool (the bound pull server's is the endpoint's)
         self.shm_degraded = False  # the last large put found no shared-memory slot
-        #: When a put last failed (None: one succeeded since), and why.
+        #: When a put last failed (None: one succeeded since), and why: written by put threads and the failure
+        #: callback without a lock, so health() may pair one failure's time with another's text (a hint only).
         self.failed_at: float | None = None
         self.failure = ""
 

@@ -16,12 +16,14 @@ server's probe segment (its first fetch from a server takes frames).
 
 A connector whose ``role`` is not given binds only when it first has to (push:
 its first ``get``; pull: its first ``put``), so one ``extra`` serves both ends
-of an edge (vllm-omni's orchestrator builds its connectors that way). A bind on
-an ``ipc://`` path where a live process listens fails instead of taking it over.
+of an edge (vllm-omni's orchestrator builds its connectors that way). A threaded
+bind at an ``ipc://`` path or a fixed tcp port takes the stage lock first: held by a
+live process of the stage, this one becomes that binder's local client (``StageClient``);
+a listener there without the lock (a foreign process) makes the bind fail.
 
 What drives the sockets (see :class:`~zmq_omni.transport.Driver`): by default
-an I/O thread per connector (and one per bound endpoint, shared by the
-connectors of the process bound there), beside which put and get threads use
+an I/O thread per connector that sends (a receive-only connector starts none) and
+one per bound endpoint, shared by the connectors of the process bound there, beside which put and get threads use
 the sockets under the transport's locks. Built with ``driver=LoopDriver``
 (``zmq_omni.aio``; what ``AsyncConnector.create`` builds), an asyncio event
 loop drives every part of the connector and its sockets are the loop's alone
@@ -46,6 +48,7 @@ from ..config import ConnectorExtra
 from ..config.zmq import ZmqConnectorConfig
 from ..errors import ZmqOmniError, format_seconds
 from ..transport import Driver, FetchChannel, IoLoop
+from ._shared_endpoint import address_released
 from ._zmq_bound import Bound
 from ._zmq_gets import Gets
 from ._zmq_health import HealthReport
@@ -388,7 +391,7 @@ class ZmqConnector(OmniConnectorBase):
         if op == "put" and not self._closed:
             self._sending.note_failure(to_stage, key, reason, error)
 
-    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+    def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         """The shared endpoint's report of a failure of ours (a pull-mode payload of ours never fetched)."""
         if self._wiring is not None:
             self._wiring.on_failure(op, from_stage, to_stage, key, reason, error)
@@ -430,7 +433,7 @@ class ZmqConnector(OmniConnectorBase):
         """
         self.close_with_linger(self.settings.close_timeout_s)
 
-    def close_with_linger(self, linger_s: float) -> None:
+    def close_with_linger(self, linger_s: float, *, address_awaited: bool = False) -> None:
         """Stop the driver (the I/O thread) and close every socket; idempotent.
 
         Lingers as ZeroMQ does: waits up to ``linger_s`` (``close()``: ``close_timeout_s``, default 5 s) for
@@ -440,13 +443,18 @@ class ZmqConnector(OmniConnectorBase):
         keys, a :class:`~zmq_omni.errors.DeliveryError` in :meth:`drain_failures`,
         and (through the adapters) its request among the failed sends. Beyond that
         wait it returns as its I/O threads end, peer or no peer: in well under a second,
-        unless a handler there is busy (then at most about 11 s: ``_CLOSE_WAIT_S`` for the
-        endpoint's thread, 1 s for the driver, each logged when it stops late).
+        unless something is busy (then at most about 13 s: 1 s for the seal to wait for shm
+        items being mapped, ``_CLOSE_WAIT_S`` (10 s) for the endpoint's thread (its last acks
+        to a sender reconnecting retried up to 2 s within it), 1 s for the driver, 1 s for
+        the listener to go; each logged when late).
 
         Driven by an event loop, on the loop's thread (or once no loop runs it) there
         is no linger: the loop would have to do the I/O it waits for. Await
         ``AsyncConnector.aclose()``, which waits for the acknowledgements on the
-        loop first. From another thread the close is handed to the loop.
+        loop first. From another thread the close is handed to the loop and returns once
+        the address is free. On the loop's thread (a wait would stall it) a listener still
+        there is logged as a WARNING naming the endpoint, unless ``address_awaited``
+        (``aclose()`` awaits it); a bind there by this process waits for it, another's fails.
         """
         with self._close_lock:
             wiring = self._wiring
@@ -476,11 +484,14 @@ class ZmqConnector(OmniConnectorBase):
                     more,
                 )
             self._notify_closed()
+            endpoint, on_loop = self.endpoint, driver.in_loop()
             if not driver.stop(timeout=1.0):
                 log.warning("the driver of stage %s (%r) did not stop within 1s", self.stage_id, driver)
             wiring.driver = None
             self._sending.close_pool()
             self._fetching.close_reader()
+            if endpoint is not None and not driver.threaded:  # (a threaded receiver's close waited)
+                address_released(endpoint, on_loop=on_loop, awaited=address_awaited)
 
     def __repr__(self) -> str:
         cfg = getattr(self, "settings", None)

@@ -13,7 +13,6 @@ public names, so both sides of a slot are importable from here.
 
 from __future__ import annotations
 
-import logging
 import struct
 import threading
 import time
@@ -54,8 +53,6 @@ __all__ = [
     "flat_bytes",
     "frame_nbytes",
 ]
-
-_log = logging.getLogger("zmq_omni.shm")
 
 
 def _slot_capacity(need: int, minimum: int) -> int:

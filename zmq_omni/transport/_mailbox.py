@@ -3,7 +3,13 @@
 One lock (:attr:`Mailbox.lock`) guards everything here, the waiting threads
 included: the items by address, the tombstones, the consumptions and
 drops not yet handed to the protocol, the counters and the closed flag (when
-acknowledgements are due is the protocol's, not the mailbox's). The receiver's
+acknowledgements are due is the protocol's, not the mailbox's). Those are
+written under the lock; a read without it is a hint only, and a few are
+single reads of that kind: ``closed`` on the driver (``ReceiveSocket.read`` and
+``settle``, a rebind's ``_reopen``) and by ``StageClient._swapped``, and
+``generation`` by ``PushReceiver.generation()``. The hooks ``on_arrivals`` and
+``on_lendable`` are set without it (under the shared endpoint's lock) and read
+as one attribute each. The receiver's
 driver stores arrivals; any thread takes, waiting (:meth:`Mailbox.take`) until an
 arrival, the seal or its deadline wakes it. A waiting thread sleeps on a lock of
 its own, listed under the mailbox lock and released by whoever wakes it (what

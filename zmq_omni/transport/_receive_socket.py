@@ -61,6 +61,10 @@ _REBIND_S = 5.0  # how long a rebind tries to bind the endpoint again (libzmq cl
 _REBIND_RETRY_S = 0.005
 _TRIM_AFTER_S = 1.0  # a dropped message's memory goes back to the OS this long after its socket closed
 _LET_GO_FRAMES = 4096  # a given-up message's frames dropped a driver turn (~1 ms)
+# How long a closing receiver retries its last acknowledgements to a sender not reconnected to it yet:
+# past libzmq's longest reconnect interval (1 s here) plus a CURVE handshake.
+_LAST_WORDS_WAIT_S = 2.0
+_LAST_WORDS_RETRY_S = 0.005
 
 
 class ReceiveSocket:
@@ -285,11 +289,12 @@ class ReceiveSocket:
         """Give the protocol what left the mailbox since the last hand-over."""
         self.protocol.taken(*self._mailbox.handover())
 
-    def send(self, replies: Iterable[Reply]) -> tuple[int, int]:
+    def send(self, replies: Iterable[Reply], refused: list[Reply] | None = None) -> tuple[int, int]:
         """Send ``replies`` without waiting; how many ZeroMQ refused as unroutable and as full.
 
-        Each refusal is told to the protocol. Unroutable: a sender whose control socket is not connected
-        yet, reconnecting, or gone; full: a sender not reading its acknowledgements.
+        Each refusal is told to the protocol (and the unroutable ones appended to ``refused``). Unroutable:
+        a sender whose control socket is not connected yet, reconnecting, or gone; full: a sender not
+        reading its acknowledgements.
         """
         sock, sent = self.socket, self.protocol.sent
         unroutable = full = 0
@@ -306,20 +311,35 @@ class ReceiveSocket:
                     full += 1
                 else:
                     unroutable += 1
+                    if refused is not None:
+                        refused.append(reply)
             sent(reply, routed)
         return unroutable, full
 
     def close(self) -> None:
-        """The last acknowledgements (every consumption not yet confirmed), then the socket."""
+        """The last acknowledgements (every consumption not yet confirmed), then the socket.
+
+        A sender whose control socket has not reached this incarnation yet (no REPLY to it was ever
+        routed: it is reconnecting, as after a restart) would resend what it was not told to the
+        next incarnation, which would deliver it again. So on an I/O thread the last acknowledgements
+        to such senders are retried until they route or ``_LAST_WORDS_WAIT_S`` passes (libzmq gives no
+        event for a peer's routing identity arriving short of a monitor: it looks every
+        ``_LAST_WORDS_RETRY_S``); those still refused then, or on an event loop (which must not
+        wait here), are logged as a WARNING (their puts may come again). A sender that was routed to
+        before and is unroutable now is gone: it reported its own unconfirmed puts at its close.
+        """
         assert self._loop.owns_sockets_here(), "the receiving socket closed off its driver"
         if self._stop_refusals is not None:
             self._stop_refusals()
         self.hand_over()
-        flushed, last = self.send(self.protocol.flush()), self.send(self.protocol.last_words())
+        refused: list[Reply] = []
+        flushed = self.send(self.protocol.flush(), refused)
+        last = self.send(self.protocol.last_words(), refused)
         unroutable, full = flushed[0] + last[0], flushed[1] + last[1]
-        # (The protocol's counters close with it, so the log is the trace.) A sender that is gone needs no
-        # acknowledgement: it reported its own unconfirmed puts at its close; one that was reconnecting resends
-        # them to the next incarnation, which may deliver them again.
+        owed = [r for r in refused if r.source is not None and not r.source.confirmed and r.consumed]
+        gone = unroutable - len(owed)  # (a sender routed to before and not now)
+        if owed and self._loop.threaded:
+            owed = self._retry_last_words(owed)
         if full:
             log.warning(
                 "%s closed: %d of its last acknowledgement(s) found a sender's queue full; those senders are "
@@ -327,12 +347,30 @@ class ReceiveSocket:
                 self.endpoint,
                 full,
             )
-        if unroutable:
-            log.info(
-                "%s closed: %d of its last acknowledgement(s) found no route (a sender gone or reconnecting)",
+        if owed:
+            log.warning(
+                "%s closed: %d of its last acknowledgement(s) (%d consumption(s)) found no route to a sender "
+                "not yet reconnected to it; it may resend those puts to the next incarnation, delivered again",
                 self.endpoint,
-                unroutable,
+                len(owed),
+                sum(len(r.consumed) for r in owed),
             )
+        if gone:
+            log.info("%s closed: %d of its last acknowledgement(s) found a sender gone", self.endpoint, gone)
         # A running event loop does not wait here for the listener to go: its aclose awaits that (aio._closing).
         on_a_loop = not self._loop.threaded and self._loop.in_loop()
         close_bound(self.socket, self.endpoint, linger_ms=200, wait_s=0.0 if on_a_loop else 1.0)
+
+    def _retry_last_words(self, owed: list[Reply]) -> list[Reply]:
+        """Send ``owed`` again until each routes or ``_LAST_WORDS_WAIT_S`` passes; those still refused."""
+        sock, deadline = self.socket, time.monotonic() + _LAST_WORDS_WAIT_S
+        while owed and not self._rebinding and time.monotonic() < deadline:
+            time.sleep(_LAST_WORDS_RETRY_S)
+            left = []
+            for reply in owed:
+                try:
+                    sock.send_multipart([reply.identity, reply.frame], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    left.append(reply)
+            owed = left
+        return owed

@@ -21,8 +21,10 @@ Synchronization, all of it:
 what                       guards / means                                       who takes or writes it
 =========================  ===================================================  ==========================
 the driver's thread        the ROUTER, its monitor and descriptor, everything   the driver's handlers and
-                           of ``ReceiveSocket`` and ``ReceiveProtocol``         timers (none other)
-                           (``flush_due`` too), ``_shut``, ``_timer_at``
+                           of ``ReceiveSocket`` and ``ReceiveProtocol``         timers write it; one read
+                           (``flush_due`` too), ``_shut``, ``_timer_at``        off it: ``stats()`` reads
+                                                                                ``protocol.batches`` (an
+                                                                                int, a hint) on any thread
 ``Mailbox.lock``           items, tombstones, consumptions handed over,         any thread (a get, the
                            counters, ``closed`` (the seal), the waiting gets    driver, a cleanup, close)
 =========================  ===================================================  ==========================

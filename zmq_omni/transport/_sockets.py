@@ -91,7 +91,10 @@ def tune_malloc() -> bool:
     """Make glibc reuse heap memory for large blocks (once per process); True when applied.
 
     Trade-off: freed memory stays in the process (its peak RSS is kept) instead
-    of going back to the OS; opt out with ``malloc_tuning: false``.
+    of going back to the OS; opt out with ``malloc_tuning: false``. One arena,
+    because libzmq's I/O thread allocates the messages: in an arena of its own
+    glibc would ``mmap`` each message of 64 MiB or more afresh (docs/limits.md
+    has what one arena costs an event loop under load).
     """
     global _tuned
     with _lock:

@@ -32,6 +32,19 @@ them (they hear the silence, or the next binder's ``WHO``, within that time).
 It is a :class:`~zmq_omni.transport._receiver.PushReceiver` to the connector
 (the same gets, watches, cleanups and close), with no stage socket of its own.
 
+Where a get waits in time slices, and why: a get's wait for its key is the
+mailbox's take (woken by the arrival, the seal or the close, never sliced).
+Three waits around it are short sleeps, each bounded by the get's deadline and
+ended by this client's close or the get's stop test: :meth:`StageClient._wait_open`
+waits for the clock (the quiet peer timeout after a binder died: 10 ms steps);
+:meth:`StageClient._confirm` waits for the binder to be heard again while it is
+unsure of it, and :meth:`StageClient._swapped` for the driver to put the next
+binder's mailbox in place after a change (5 ms steps). The last two stand in
+for events the driver produces (a pong read, the mailbox swap); they run only
+while the binder is silent past half the peer timeout or changing, never on a
+get's ordinary path, so they are kept as slices rather than another condition
+shared with the driver.
+
 Threads: the DEALER and ``_leases`` are the driver's (the endpoint's I/O
 thread); the mailbox is under its own lock; ``_asked`` (key -> until when the
 binder has been asked) is written by getting threads and the driver, one dict

@@ -375,6 +375,9 @@ class StagePull(PullServer):
                 self._ponged(int(body[0]), bytes(body[1]))
                 self._shm_ok = bool(body[2]) if len(body) > 2 else False
                 continue
+            if verb == b"WHO":  # a binder this socket said no hello to: the binder changed
+                self._moved("a new binder asks who this is")
+                return
             if verb == b"FRAMES":  # the binder cannot read that slot: the payload goes as frames
                 put = self._kept.get(int(body[0]))
                 if put is not None and put.loc is not None:

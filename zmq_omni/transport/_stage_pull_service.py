@@ -25,6 +25,7 @@ verb        body                                  meaning
 ``FETCHED`` ``[id]``                              its reply was handed to ZeroMQ: the client lets go
 ``FAILED``  ``[id, reason]``                      expired or given up here (reported by the client)
 ``GONE``    ``[id]``                              dropped by a cleanup: the client lets go silently
+``WHO``     ``[]``                                a verb from a socket that said no hello here: refused
 ==========  ====================================  ==========================================
 
 A payload at or above the shared-memory threshold crosses as the handle of a
@@ -34,6 +35,11 @@ binder leases the slot and stores views of it, so nothing is copied through
 the socket; a handle is accepted only for a segment of the client's own
 process (:meth:`~zmq_omni.transport._shm.ShmReceive.size`).
 
+A binder takes ``PUT``, ``CANCEL`` and ``FORGET`` only from a socket that said
+``HELLO`` to it: a client's DEALER reconnects to the next binder by itself, and
+what it queued for the dead one must not be stored twice; ``WHO`` tells the
+client to follow the new binder (a new socket, its hello, every payload it keeps).
+
 Each stored client payload's owner in the pull server is a :class:`ClientPut`
 (it carries the failure back). A client keeps its payload until ``FETCHED``,
 ``FAILED`` or ``GONE``: when the binder dies, it stores what it still keeps
@@ -41,7 +47,7 @@ in the next binder (or in its own server, when it takes the lock), so no
 confirmed put is lost; a reply handed to ZeroMQ just before the binder died
 may then be stored twice, and the copy nobody fetches expires as a failed put.
 
-Threads: everything here runs on the driver, except :meth:`ClientPut._on_failure`
+Threads: everything here runs on the driver, except :meth:`ClientPut.on_failure`
 (any thread: the pull server's close or a holder's release), which hands over
 with ``call_soon``.
 """
@@ -83,7 +89,7 @@ class ClientPut:
         self.put_id = put_id
         self.slot = slot
 
-    def _on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
+    def on_failure(self, op: str, from_stage: str, to_stage: str, key: str, reason: str, error: ZmqOmniError) -> None:
         """The pull server gave the payload up (expired, closed): the client reports it (any thread)."""
         service = self.service
         if not service.closing:  # a binder closing hands its clients' puts on: they store them again
@@ -104,6 +110,7 @@ class StagePullService:
         self.loop = loop
         self._reader = reader
         self._probes: dict[bytes, Any] = {}  # clients whose shared memory this process reads: their probes
+        self._hello: set[bytes] = set()  # sockets that said hello to this binder
         self.server = server
         self.address = address
         #: Set before the server closes: its clients' puts are not reported failed, they go to the next binder.
@@ -134,6 +141,9 @@ class StagePullService:
                 log.warning("a malformed request on %s: %s", self.address, exc)
 
     def _handle(self, client: bytes, verb: bytes, body: Any, payload: list[Any]) -> None:
+        if verb in (b"PUT", b"CANCEL", b"FORGET") and client not in self._hello:
+            self._send(client, b"WHO", [])
+            return
         if verb == b"PUT":
             put_id, from_stage, to_stage, key, nbytes, wait_s, loc = body
             slot = (str(from_stage), str(to_stage), str(key))
@@ -165,6 +175,7 @@ class StagePullService:
                     self._send(put.client, b"GONE", [put.put_id])
             self._waiting = [w for w in self._waiting if not rule(w[0].slot[2])]
         elif verb == b"HELLO":
+            self._hello.add(client)
             self._probes.pop(client, None)
             probe = body[1] if len(body) > 1 else None
             if probe is not None and self._reader is not None:

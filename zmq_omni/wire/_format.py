@@ -76,7 +76,6 @@ _KNOWN_LAYOUT: Final = LAYOUT_FORTRAN | LAYOUT_OUT_OF_BAND
 _PREAMBLE = struct.Struct("<3sBBI")  # magic, version, flags, number of out-of-band frames
 PREAMBLE_SIZE: Final = _PREAMBLE.size
 _ARRAY_HEAD = struct.Struct("<BBB")  # layout, ndim, dtype name length
-_FRAME_REF = struct.Struct("<IQ")  # frame index, nbytes
 _SHAPES = tuple(struct.Struct(f"<{ndim}Q") for ndim in range(65))
 _SHAPE_AND_REF = tuple(struct.Struct(f"<{ndim}QIQ") for ndim in range(65))
 _MAX_DTYPE_NAME = 16
