@@ -635,3 +635,20 @@ def test_a_tensor_frame_keeps_its_tensor_alive() -> None:
     fillers = [torch.full((1 << 12,), -1, dtype=torch.int32) for _ in range(8)]  # what would reuse freed memory
     assert torch.equal(decode([frames[0], bytes(frames[1])])["t"], want)
     del fillers
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("lead", [b"", b"\x90" * 600, b"a" * 600])
+def test_nesting_past_the_first_counted_bytes_is_rejected(lead: bytes) -> None:
+    """A header's container bytes are counted in two parts: nesting after either part is refused all the same."""
+    from zmq_omni.wire._codec import _PLAIN_PREAMBLE
+
+    limits = DecodeLimits(max_depth=8)
+    deep = b"\x91" * 9 + b"\x01"  # [[[...1...]]], nine deep
+    filler = msgpack.packb(lead) if lead else b""
+    body = b"\x92" + filler + deep if filler else deep
+    for frame in (_PLAIN_PREAMBLE + body, memoryview(b"pad" + _PLAIN_PREAMBLE + body)[3:]):  # bytes, or a view
+        with pytest.raises(DecodeError, match="deeper"):
+            decode([frame], limits=limits)
+    shallow = b"\x92" + filler + b"\x91" * 6 + b"\x01" if filler else b"\x91" * 6 + b"\x01"
+    assert decode([_PLAIN_PREAMBLE + shallow], limits=limits) is not None

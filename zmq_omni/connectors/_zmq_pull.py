@@ -101,17 +101,7 @@ class Fetching:
     def fetch_route(
         self, from_stage: str, to_stage: str, key: str, metadata: dict[str, Any] | None
     ) -> tuple[str, bytes | None] | None:
-        """Where a pull-mode get fetches from: ``(endpoint, server_key)``, or None when refused.
-
-        Both the threaded and the asyncio get go through here, so they apply one rule: an
-        endpoint the metadata names (it wins over the configured one) must pass the same
-        plaintext/CURVE check as configured endpoints; one that does not is recorded as the
-        get's failure and the get finds nothing.
-
-        Raises:
-            ValueError: this connector does not get in pull mode (or is closed).
-            ConfigError: no endpoint is known for ``from_stage``.
-        """
+        """Where a pull-mode get fetches from: the rule is ``ZmqConnector.fetch_route``'s (zmq.py)."""
         wiring = self._wiring
         cfg = wiring.settings
         if cfg.mode != "pull" or self.ensure_client() is None:
