@@ -43,6 +43,26 @@ def _start(
     return proc
 
 
+def _stage_extra(endpoint: str, shm_dir: str, peer_timeout_s: float = 0.5) -> dict[str, object]:
+    """A receiver of stage 1 at ``endpoint``, with heartbeats quick enough for a binder's death to show soon."""
+    return {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": peer_timeout_s,
+        "shm_dir": shm_dir,
+    }
+
+
+def _start_binder(extra: dict[str, object], procs: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    """The first process of the stage: it binds (its receiving part is the endpoint's PushReceiver)."""
+    binder = _start(extra, [])
+    procs.append(binder)
+    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    return binder
+
+
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
@@ -66,18 +86,9 @@ def test_a_binder_killed_mid_stream_loses_nothing_confirmed(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.5,
-        "shm_dir": shm_dir,
-    }
+    extra = _stage_extra(endpoint, shm_dir)
     keys = [f"req-{i}_0_0" for i in range(12)]
-    binder = _start(extra, [])
-    procs.append(binder)
-    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    binder = _start_binder(extra, procs)
     client = _start(extra, keys)
     procs.append(client)
     assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
@@ -103,18 +114,9 @@ def test_a_shared_memory_get_mapping_as_the_binder_dies_is_counted_consumed_once
 ) -> None:
     """The client's get maps a lent slot (slowly) while the binder dies: the next binder counts it consumed."""
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.3,
-        "shm_dir": shm_dir,
-    }
+    extra = _stage_extra(endpoint, shm_dir, peer_timeout_s=0.3)
     keys = [f"req-{i}_0_0" for i in range(4)]  # req-2 is in shared memory
-    binder = _start(extra, [])
-    procs.append(binder)
-    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    binder = _start_binder(extra, procs)
     client = _start(extra, keys, env={"SLOW_SHM_OPEN_S": "1.0"})
     procs.append(client)
     assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
@@ -141,18 +143,9 @@ def test_after_the_binder_dies_one_client_binds_and_the_other_gets_from_it(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.5,
-        "shm_dir": shm_dir,
-    }
+    extra = _stage_extra(endpoint, shm_dir)
     mine = {name: [f"{name}-{i}_0_0" for i in range(6)] for name in ("a", "b")}
-    binder = _start(extra, [])
-    procs.append(binder)
-    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    binder = _start_binder(extra, procs)
     clients = {name: _start(extra, keys) for name, keys in mine.items()}
     procs.extend(clients.values())
     for client in clients.values():
@@ -225,17 +218,8 @@ def test_a_blocking_get_in_flight_when_the_binder_dies_waits_on_to_its_deadline(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.5,
-        "shm_dir": shm_dir,
-    }
-    binder = _start(extra, [])
-    procs.append(binder)
-    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    extra = _stage_extra(endpoint, shm_dir)
+    binder = _start_binder(extra, procs)
     client = _start(extra, ["late_0_0"], wait_s=20.0)
     procs.append(client)
     assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
@@ -255,14 +239,7 @@ def test_a_stalled_client_keeps_what_it_was_lent_and_gets_it_once_it_runs_again(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.5,
-        "shm_dir": shm_dir,
-    }
+    extra = _stage_extra(endpoint, shm_dir)
     with ZmqConnector(extra) as binder:  # this process binds; the client asks it for the key
         client = _start(extra, ["k_0_0"])
         procs.append(client)
@@ -320,17 +297,8 @@ def test_a_stalled_binder_keeps_its_role_and_its_client_keeps_what_it_was_lent(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.5,
-        "shm_dir": shm_dir,
-    }
-    binder = _start(extra, [])
-    procs.append(binder)
-    assert binder.stdout is not None and binder.stdout.readline().split() == ["up", "PushReceiver"]
+    extra = _stage_extra(endpoint, shm_dir)
+    binder = _start_binder(extra, procs)
     client = _start(extra, ["k_0_0"], "once")
     procs.append(client)
     assert client.stdout is not None and client.stdout.readline().split() == ["up", "StageClient"]
