@@ -198,6 +198,11 @@ class Mailbox:
             self._told = False
         return consumed, dropped, nbytes
 
+    def told(self) -> bool:
+        """Whether something left the mailbox since the last :meth:`handover` (its ``on_left`` was called)."""
+        with self.lock:
+            return self._told
+
     # -- any thread -----------------------------------------------------------------------
     def pop(self, slot: Slot) -> Item | None:
         """Take ``slot``'s item (a get asks for it: its tombstones lift, but for the firm ones).

@@ -281,9 +281,12 @@ class ReceiveSocket:
         return True
 
     def flush(self) -> None:
-        """Send every acknowledgement owed."""
+        """Send every acknowledgement owed (due again when something left the mailbox after the hand-over)."""
         self.hand_over()
-        self.send(self.protocol.flush())
+        protocol = self.protocol
+        self.send(protocol.flush())
+        if self._mailbox.told():  # (told while this flush was due: its get woke no one, see Receiver)
+            protocol.left_mailbox(time.monotonic())
 
     def hand_over(self) -> None:
         """Give the protocol what left the mailbox since the last hand-over."""

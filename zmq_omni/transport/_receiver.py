@@ -181,8 +181,16 @@ class PushReceiver:
         self._time_flush()
 
     def _left_mailbox(self, heavy: bool) -> None:
-        """Something left the mailbox (it calls this under its lock, from any thread): only schedule."""
-        self._loop.call_soon(self._on_left_heavy if heavy else self._on_left)
+        """Something left the mailbox (it calls this under its lock, from any thread): only schedule.
+
+        While acknowledgements are already due (``flush_due`` set: the usual case, an arrival sets it) a
+        plain consumption wakes no one: the flush that is due hands it over, and a flush that had handed
+        over before it came finds it told and is due again (``ReceiveSocket.flush``).
+        """
+        if heavy:
+            self._loop.call_soon(self._on_left_heavy)
+        elif self._rs.protocol.flush_due is None:
+            self._loop.call_soon(self._on_left)
 
     def _on_left(self) -> None:
         if not self._shut:
