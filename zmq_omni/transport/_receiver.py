@@ -21,10 +21,13 @@ Synchronization, all of it:
 what                       guards / means                                       who takes or writes it
 =========================  ===================================================  ==========================
 the driver's thread        the ROUTER, its monitor and descriptor, everything   the driver's handlers and
-                           of ``ReceiveSocket`` and ``ReceiveProtocol``         timers write it; one read
+                           of ``ReceiveSocket`` and ``ReceiveProtocol``         timers write it; two reads
                            (``flush_due`` too), ``_shut``, ``_timer_at``        off it: ``stats()`` reads
                                                                                 ``protocol.batches`` (an
-                                                                                int, a hint) on any thread
+                                                                                int, a hint) on any thread,
+                                                                                a get ``flush_due`` (under
+                                                                                ``Mailbox.lock``: see
+                                                                                ``_left_mailbox``)
 ``Mailbox.lock``           items, tombstones, consumptions handed over,         any thread (a get, the
                            counters, ``closed`` (the seal), the waiting gets    driver, a cleanup, close)
 =========================  ===================================================  ==========================
