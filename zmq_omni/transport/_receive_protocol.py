@@ -171,6 +171,8 @@ class ReceiveProtocol:
                     raise DecodeError(f"DATA location table {brief(header[6])} is not a slot handle")
                 if len(header[5]) > self._short_key:
                     self._check_key(header[5])
+                if len(header) > 7 and self._foreign(header.pop(), 1):
+                    return None
                 self._on_data(header, payload, frames)
                 key: str = header[5]
                 return key
@@ -195,6 +197,27 @@ class ReceiveProtocol:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("rejected a message on %s: %s", self.endpoint, exc)
         return None
+
+    def _foreign(self, tag: Any, puts: int) -> bool:
+        """True when a resend's ``tag`` names another receiver incarnation: its ``puts`` are dropped, counted.
+
+        A resend is sent for the incarnation the sender knew; one that reaches another (it was
+        still queued in ZeroMQ's pipe when that incarnation closed) may have been delivered there
+        already, and this incarnation holds no dedupe state for it. Dropped, it is not lost: the
+        sender resends whatever it still retains once it hears this incarnation (any REPLY, at the
+        latest the pong to its next beat). Nothing else of the message is read.
+
+        Raises:
+            DecodeError: the tag is not a str (the caller counts the message as rejected).
+        """
+        if type(tag) is not str:
+            raise DecodeError(f"resend incarnation {brief(tag)} is not a str")
+        if tag == self.incarnation:
+            return False
+        self._counters.add("stale_resends_dropped", puts)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("dropped %d puts resent for incarnation %s on %s", puts, brief(tag), self.endpoint)
+        return True
 
     def _check_key(self, key: str) -> None:
         """Refuse a key longer than ``max_key_bytes`` (counted in ``rejected_keys``; the caller counts the message)."""
@@ -400,11 +423,15 @@ class ReceiveProtocol:
         """
         if n_frames != 1 or payload.nbytes:
             raise DecodeError("a BATCH message must be one frame holding only its header")
+        tagged = len(header) > 4
+        tag = header.pop() if tagged else None
         check_types(header, _BATCH_TYPES, "BATCH")
         sid, low, to_stage, entries = header
         count = len(entries)
         if count < 8 or count % 4 or count > 4 * _MAX_BATCH_ENTRIES:
             raise DecodeError(f"BATCH of {count} fields is not 2..{_MAX_BATCH_ENTRIES} puts of 4 fields")
+        if tagged and self._foreign(tag, count // 4):
+            return 0
         if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
             raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
         source = self.sources.get(sid) or self._source(sid)
