@@ -91,6 +91,17 @@ def test_a_batch_resent_for_another_incarnation_is_dropped_whole() -> None:
     assert counters.get("rejected_frames") == 0
 
 
+def test_a_shared_memory_handle_resent_for_another_incarnation_is_dropped_before_it_is_read() -> None:
+    counters = Counters()
+    protocol = _protocol(counters)  # no shm reader: a handle it read would be refused
+    stale = [pack(Kind.DATA, (SID, 0, 0, "0", "1", "k0", b"a slot handle", "old"))]
+    assert protocol.receive(IDENTITY, stale, True, 1.0) is None
+    assert counters.get("stale_resends_dropped") == 1 and counters.get("rejected_frames") == 0
+    current = [pack(Kind.DATA, (SID, 0, 0, "0", "1", "k0", b"a slot handle", "new"))]
+    assert protocol.receive(IDENTITY, current, True, 1.0) is None  # read, and refused as before
+    assert counters.get("rejected_frames") == 1 and _keys(protocol) == []
+
+
 @pytest.mark.parametrize("tag", [None, 7, b"new", ["new"], True, {"a": 1}], ids=repr)
 def test_a_malformed_incarnation_tag_is_refused_counted_and_never_raises(tag: Any) -> None:
     counters = Counters()
