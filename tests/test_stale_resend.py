@@ -59,13 +59,16 @@ def _keys(protocol: ReceiveProtocol) -> list[str]:
     return keys
 
 
-def test_a_data_resent_for_another_incarnation_is_dropped_counted_and_leaves_no_state() -> None:
+def test_a_data_resent_for_another_incarnation_is_dropped_and_its_sender_told_this_incarnation() -> None:
     counters = Counters()
     protocol = _protocol(counters)
     assert protocol.receive(IDENTITY, _data(0, "old"), True, 1.0) is None
-    assert _keys(protocol) == [] and protocol.sources == {}
+    assert _keys(protocol) == [] and protocol.sources[SID].is_new(0)
     assert counters.get("stale_resends_dropped") == 1 and counters.get("rejected_frames") == 0
-    assert protocol.flush() == []  # nothing acknowledged: the sender must send it again
+    # Nothing acknowledged, but the sender is told this incarnation at the next flush, so it resends.
+    assert protocol.schedule(1.0) is not None
+    assert [unpack(reply.frame)[1][:4] for reply in protocol.flush()] == [["new", -1, [], []]]
+    assert protocol.flush() == []  # told once
     # The resend the sender makes once it hears this incarnation is taken, once.
     assert protocol.receive(IDENTITY, _data(0, "new"), True, 2.0) == "k0"
     assert protocol.receive(IDENTITY, _data(0, "new"), True, 2.0) == "k0"
@@ -175,6 +178,9 @@ def test_a_resend_names_the_incarnation_it_was_sent_for(router: tuple[zmq.Socket
         _reply(sock, ctl, "three", [], deadline)  # "two" closed with that resend queued: "three" dropped it
         _, again = _next_data(sock, deadline)
         assert again[:7] == first and again[7:] == ["three"]
+        while sender.health()["resends"] < 2:  # counted by the I/O thread just after it sent
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         assert sender.health()["resends"] == 2
     finally:
         sender.close()
