@@ -16,13 +16,15 @@ table gives, per kind of round, the rounds, the worst stall, the median of each 
 worst, the p99 of every tick, put->get p50/p99, the rebinds and trims seen, and failed puts.
 The same stalls in both kinds, at a load, are the machine's, not the peer's.
 ``--sample`` also prints, for each round's worst tick, the loop's and every other
-thread's state while it lasted (from ``/proc/self/task``, sampled every millisecond).
+thread's state while it lasted (``/proc/<pid>/task`` read every millisecond by a process
+of its own, at real-time priority where allowed; the loop thread's kernel stack as root).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import multiprocessing as mp
@@ -32,7 +34,6 @@ import statistics
 import struct
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,44 +92,70 @@ def _runqueue_wait_s() -> float:
         return int(stats.read().split()[1]) / 1e9
 
 
-class Sampler(threading.Thread):
-    """Every millisecond, each thread of this process: its name, state and wait channel (``/proc/self/task``)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.samples: list[tuple[float, list[tuple[str, str, str]]]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        me = threading.get_native_id()
-        while not self.stop.is_set():
-            now, row = time.monotonic(), []
-            names = {t.native_id: t.name for t in threading.enumerate()}
-            names[os.getpid()] = "loop"
-            for tid in os.listdir("/proc/self/task"):
-                if int(tid) == me:
-                    continue
+def sample(pid: int, out: str) -> None:
+    """Every millisecond, each thread of ``pid``: state and wait channel (and the loop thread's kernel stack
+    when it waits on anything but ``epoll``), one line each to ``out``; real-time priority where allowed."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    with open(out, "w") as log:
+        while os.path.exists(f"/proc/{pid}"):
+            now = time.monotonic()
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                break
+            for tid in tids:
                 try:
-                    with open(f"/proc/self/task/{tid}/stat") as stat:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as stat:
                         name, rest = stat.read().rsplit(")", 1)
-                    with open(f"/proc/self/task/{tid}/wchan") as wchan:
-                        chan = wchan.read()
-                except OSError:
+                    with open(f"/proc/{pid}/task/{tid}/wchan") as wchan:
+                        chan = wchan.read() or "-"
+                    state, where = rest.split()[0], ""
+                    if int(tid) == pid and state != "R" and "epoll" not in chan:
+                        with open(f"/proc/{pid}/task/{tid}/stack") as stack:
+                            where = ">".join(line.split()[1].split("+")[0] for line in stack.read().splitlines()[:6])
+                except (OSError, IndexError):
                     continue
-                row.append((names.get(int(tid)) or name.split("(", 1)[1], rest.split()[0], chan))
-            self.samples.append((now, row))
+                label = "loop" if int(tid) == pid else name.split("(", 1)[1].replace(" ", "_")
+                log.write(f"{now:.4f} {label} {state} {chan} {where}\n")
+            log.flush()
             time.sleep(0.001)
 
+
+class Sampler:
+    """:func:`sample` on this process, in a process of its own (it needs no lock this process holds)."""
+
+    def __init__(self) -> None:
+        self.path = tempfile.mktemp(prefix="stall-samples")
+        self.proc: Any = None
+
+    async def start(self) -> None:
+        here = [sys.executable, str(Path(__file__).resolve())]
+        self.proc = await asyncio.create_subprocess_exec(*here, "--sampler", str(os.getpid()), self.path)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
     def during(self, start: float, end: float) -> str:
-        """Each thread's states over ``[start, end]``, counted: ``name R12 S3 futex_wait_queue5 ...``."""
+        """Each thread's states over ``[start, end]``, counted: ``name R x12 S:futex_wait x3 ...``."""
         counts: dict[str, dict[str, int]] = {}
-        for at, row in self.samples:
-            if start <= at <= end:
-                for name, state, chan in row:
-                    key = state if state == "R" else f"{state}:{chan or '-'}"
-                    counts.setdefault(name, {}).setdefault(key, 0)
-                    counts[name][key] += 1
-        return "; ".join(f"{n} " + " ".join(f"{k}x{v}" for k, v in c.items()) for n, c in sorted(counts.items()))
+        try:
+            with open(self.path) as log:
+                for line in log:
+                    parts = line.split()
+                    if len(parts) < 4 or not start <= float(parts[0]) <= end:
+                        continue
+                    key = parts[2] if parts[2] == "R" else f"{parts[2]}:{parts[3]}"
+                    if len(parts) > 4:
+                        key += f"[{parts[4]}]"
+                    counts.setdefault(parts[1], {}).setdefault(key, 0)
+                    counts[parts[1]][key] += 1
+        except OSError:
+            return ""
+        return "; ".join(f"{n} " + " ".join(f"{k} x{v}" for k, v in c.items()) for n, c in sorted(counts.items()))
 
 
 async def one_round(conn: Any, path: str, kind: str, args: argparse.Namespace, sampler: Sampler | None) -> dict:
@@ -232,7 +259,7 @@ async def rounds(args: argparse.Namespace) -> dict[str, list[dict]]:
         }
         async with AsyncConnector.create({**spec, "extra": {**spec["extra"], "shm": "off"}}) as conn:
             if sampler:
-                sampler.start()
+                await sampler.start()
             for r in range(args.rounds):
                 for kind in ("attack", "none") if r % 2 == 0 else ("none", "attack"):
                     row = await one_round(conn, path, kind, args, sampler)
@@ -248,8 +275,7 @@ async def rounds(args: argparse.Namespace) -> dict[str, list[dict]]:
                     if row["where"]:
                         print(f"  during the worst: {row['where']}", flush=True)
             if sampler:
-                sampler.stop.set()
-                sampler.join()
+                sampler.stop()
     return results
 
 
@@ -267,12 +293,16 @@ def main() -> None:
     parser.add_argument("--sample", action="store_true", help="the threads' states during each round's worst")
     parser.add_argument("--attacker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--sender", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--sampler", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.attacker:
         attacker(args.attacker[0], int(args.attacker[1]))
         return
     if args.sender:
         sender(args.sender[0], int(args.sender[1]))
+        return
+    if args.sampler:
+        sample(int(args.sampler[0]), args.sampler[1])
         return
     spawn = mp.get_context("spawn")
     stop = spawn.Event()
