@@ -197,9 +197,12 @@ class PushReceiver:
     def _time_flush(self) -> None:
         """Have :meth:`_flush_due` run when the protocol says the acknowledgements are due (driver's)."""
         due = self._rs.protocol.flush_due
-        if due is not None and (self._timer_at is None or due < self._timer_at):
-            self._timer_at = due
-            self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
+        if due is not None:
+            # Every flush hands over what left the mailbox first: a get need not wake the driver till then.
+            self._mailbox.flush_pending = True
+            if self._timer_at is None or due < self._timer_at:
+                self._timer_at = due
+                self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
 
     def _flush_due(self) -> None:
         """Send the acknowledgements that are due (and read what the sends may have hidden from the descriptor)."""
