@@ -2,8 +2,11 @@
 
 Each round a new receiver binds the same tcp address, one put arrives (often over the sender's
 data socket before its control socket reconnected), a get takes it and the receiver closes at
-once. No key may be delivered again by a later incarnation: the closing receiver's last
-acknowledgements must reach the sender.
+once. No key may be delivered again by a later incarnation, looked for before the round's put
+and after its take: the closing receiver's last acknowledgements must reach the sender, and the
+resend the sender made on hearing that incarnation (of the put it had in fact delivered), still
+queued on the sender's data socket when it closed, names that incarnation, so the next one drops
+it. Before resends named their incarnation, the plain loop found 3-7 keys twice in 400 rounds.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _specs(endpoint: str, curve: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     return receiver, sender
 
 
-@pytest.mark.parametrize(("curve", "rounds"), [(False, 60), (True, 40)], ids=["plain", "curve"])
+@pytest.mark.parametrize(("curve", "rounds"), [(False, 300), (True, 40)], ids=["plain", "curve"])
 def test_a_put_taken_just_before_a_clean_close_is_not_delivered_again(curve: bool, rounds: int) -> None:
     receiver_spec, sender_spec = _specs(f"tcp://127.0.0.1:{reserve_loopback_port()}", curve)
     sender = ZmqConnector(sender_spec)
@@ -45,6 +48,7 @@ def test_a_put_taken_just_before_a_clean_close_is_not_delivered_again(curve: boo
                 assert sender.put("0", "1", f"k{i}", {"i": i})[0]
                 got = receiver.get_with_deadline("0", "1", f"k{i}", deadline=time.monotonic() + 30)
                 assert got is not None and got[0] == {"i": i}
+                again += [f"k{j}@{i}+" for j in range(i) if receiver.get_nowait("0", "1", f"k{j}") is not None]
             finally:
                 receiver.close()  # at once after the take
         last = ZmqConnector(receiver_spec)

@@ -101,6 +101,18 @@ def test_the_mailbox_tells_the_driver_once_until_its_hand_over_and_at_each_ack_b
     assert mailbox.pop(slots[2]) is not None and signals == [False, True]  # told since the hand-over
 
 
+def test_a_take_while_a_flush_is_due_tells_the_driver_nothing_and_the_flush_hands_it_over() -> None:
+    signals: list[bool] = []
+    mailbox = _mailbox(signals)
+    slots: list[Any] = [("0", "1", f"k{i}") for i in range(2)]
+    mailbox.store([(slot, _item(i)) for i, slot in enumerate(slots)], 0.0)
+    mailbox.flush_pending = True  # the driver has acknowledgements due (it set a flush timer)
+    assert mailbox.pop(slots[0]) is not None
+    assert signals == []  # no wake-up: the due flush hands it over
+    assert mailbox.handover() == ([("s", 0)], [], 10) and not mailbox.flush_pending
+    assert mailbox.pop(slots[1]) is not None and signals == [False]  # no flush due: the driver is told
+
+
 def test_a_re_put_replaces_and_counts_as_consumed_and_expiry_drops_what_nobody_took() -> None:
     signals: list[bool] = []
     mailbox = _mailbox(signals)

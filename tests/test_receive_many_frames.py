@@ -250,6 +250,32 @@ def test_free_memory_below_a_live_block_goes_back_without_one_long_trim() -> Non
         trim_malloc()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_hand_back_keeps_the_heaps_address_range_for_the_next_message() -> None:
+    if not tune_malloc():
+        pytest.skip("glibc's malloc not tuned")
+    libc = _libc()
+    libc.sbrk.restype = ctypes.c_void_p
+    libc.sbrk.argtypes = [ctypes.c_ssize_t]
+    trim_malloc()
+    start = rss_mb()
+    blocks = _fill(libc, 16 << 10, 16 << 10)  # 256 MB at the heap's top
+    for block in blocks:
+        libc.free(block)
+    blocks, end = [], libc.sbrk(0)
+    trim_malloc_in_steps(32 << 20, 0.0)
+    try:
+        assert rss_mb() - start < 50, (start, rss_mb())  # the pages went back
+        assert libc.sbrk(0) >= end  # not the address range: no sbrk shrank the heap
+        end = libc.sbrk(0)
+        blocks = _fill(libc, 16 << 10, 16 << 10)  # the next message's memory: the same range, the heap not grown
+        assert libc.sbrk(0) - end < 1 << 20
+    finally:
+        for block in blocks:
+            libc.free(block)
+        trim_malloc()
+
+
 def test_a_burst_of_trims_makes_one() -> None:
     assert wait_until(lambda: _router._trimmer is None, timeout=20)  # an earlier test's trim is over
     before = trims()

@@ -77,7 +77,14 @@ class HealthReport:
         if bound.shared is not None:  # what the bound part counted (shared by the connectors bound there)
             for name, value in bound.shared.counters.snapshot().items():
                 base[name] = base.get(name, 0) + value
-        for name in ("resends", "rejected_frames", "rejected_keys", "duplicates_dropped", "delivery_failures"):
+        for name in (
+            "resends",
+            "rejected_frames",
+            "rejected_keys",
+            "duplicates_dropped",
+            "stale_resends_dropped",
+            "delivery_failures",
+        ):
             base.setdefault(name, 0)
         if (
             self._sending.sender is not None

@@ -12,16 +12,18 @@ small message a single ZeroMQ frame.
 
 Headers by kind:
 
-* ``DATA``        ``[sid, seq, low, from_stage, to_stage, key, loc]``; ``loc`` is the
-  location table of the buffer frames, ``None`` meaning "each buffer is the
+* ``DATA``        ``[sid, seq, low, from_stage, to_stage, key, loc]`` or ``[..., loc, incarnation]``;
+  ``loc`` is the location table of the buffer frames, ``None`` meaning "each buffer is the
   next ZeroMQ frame", or the bytes of a packed :class:`~zmq_omni.shm.SlotHandle`
   (the same-host fast path: the whole wire encoding lies in the sender's shared
-  memory and the message is this one frame).
-* ``BATCH``       ``[sid, low, to_stage, entries]``: several small puts in one frame (no payload
-  after the header). ``entries`` is a flat list of ``4 * m`` fields, ``m >= 2``, one
-  ``seq, from_stage, key, wire`` quadruple per put in put order; ``wire`` (bin) is the
-  codec's frame 0 of a single-frame encoding. Each put is validated, de-duplicated and
-  acknowledged exactly as if it had come in its own ``DATA`` message.
+  memory and the message is this one frame). ``incarnation`` (str), on a resend only:
+  the receiver incarnation it was sent again for; any other incarnation drops it.
+* ``BATCH``       ``[sid, low, to_stage, entries]`` or ``[..., entries, incarnation]``: several small
+  puts in one frame (no payload after the header). ``entries`` is a flat list of ``4 * m``
+  fields, ``m >= 2``, one ``seq, from_stage, key, wire`` quadruple per put in put order; ``wire``
+  (bin) is the codec's frame 0 of a single-frame encoding. Each put is validated,
+  de-duplicated and acknowledged exactly as if it had come in its own ``DATA`` message;
+  ``incarnation`` as for ``DATA`` (the whole BATCH is dropped).
 * ``PING``        ``[sid, n, low]`` or ``[sid, n, low, probe]``; ``probe`` is ``[segment, nonce]``,
   a shared-memory segment the receiver may attach to prove it shares the sender's ``/dev/shm``.
 * ``REPLY``       ``[incarnation, n, arrived, consumed]``, ``[..., shm]`` or ``[..., shm, batch_bytes]``;
@@ -94,14 +96,14 @@ class Kind(IntEnum):
 
 #: Numbers of header fields each kind may carry (trailing fields are optional, for older peers).
 _ARITY = {
-    Kind.DATA: (7,),
+    Kind.DATA: (7, 8),
     Kind.PING: (3, 4),
     Kind.REPLY: (4, 5, 6),
     Kind.HEALTH: (0,),
     Kind.HEALTH_REPLY: (1,),
     Kind.FETCH: (5, 6),
     Kind.FETCH_REPLY: (2, 3, 4),
-    Kind.BATCH: (4,),
+    Kind.BATCH: (4, 5),
 }
 
 # The hot kinds skip the shape scan below MAX_HEADER_OBJECTS bytes (it would cost more than the

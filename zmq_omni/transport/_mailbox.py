@@ -63,7 +63,8 @@ class Mailbox:
     When acknowledgements go out is the protocol's decision
     (:meth:`~zmq_omni.transport._receive_protocol.ReceiveProtocol.schedule`); the mailbox only tells
     the driver that something left it: ``on_left(False)`` at the first consumption or drop since the
-    last :meth:`handover`, ``on_left(True)`` each time another ``ACK_BYTES`` of payload was taken.
+    last :meth:`handover` (none while the driver has a flush due: :attr:`flush_pending`),
+    ``on_left(True)`` each time another ``ACK_BYTES`` of payload was taken.
 
     Args:
         tombstone_ttl_s: how long a buried key or prefix keeps dropping arrivals.
@@ -96,7 +97,10 @@ class Mailbox:
         self._dropped: list[tuple[str, int, int]] = []  # for the protocol: dropped unconsumed, with a DROPPED_* code
         self._taken_bytes = 0  # taken since the last handover (the protocol's count)
         self._heavy_bytes = 0  # taken since on_left(True) was last called (ACK_BYTES)
-        self._told = False  # on_left was called since the last handover
+        self._told = False  # on_left was called since the last handover (or needed not be: flush_pending)
+        #: Set by the driver while an acknowledgement flush is due (it hands over first): what leaves the
+        #: mailbox meanwhile is handed over then, so the getter does not wake the driver to say so.
+        self.flush_pending = False
         self._on_left = on_left
         self._elsewhere: dict[tuple[str, int], bool] = {}  # puts taken through a previous binder (in order)
         self.generation = 0  # bumped whenever items arrive (wait_for_change)
@@ -187,7 +191,8 @@ class Mailbox:
         """Something left the mailbox (holds the lock): tell the driver once until its next handover."""
         if not self._told:
             self._told = True
-            self._on_left(False)
+            if not self.flush_pending:
+                self._on_left(False)
 
     def handover(self) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
         """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)`` (the driver's)."""
@@ -195,13 +200,8 @@ class Mailbox:
             consumed, self._consumed = self._consumed, []
             dropped, self._dropped = self._dropped, []
             nbytes, self._taken_bytes = self._taken_bytes, 0
-            self._told = False
+            self._told = self.flush_pending = False
         return consumed, dropped, nbytes
-
-    def told(self) -> bool:
-        """Whether something left the mailbox since the last :meth:`handover` (its ``on_left`` was called)."""
-        with self.lock:
-            return self._told
 
     # -- any thread -----------------------------------------------------------------------
     def pop(self, slot: Slot) -> Item | None:

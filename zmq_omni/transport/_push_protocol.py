@@ -35,8 +35,12 @@ Delivery protocol (seq numbers are per sender and receiving stage):
    pong ``n`` arrives was lost on a broken connection: it is resent.
 3. A new incarnation id means a new receiver process/connector: everything
    not yet consumed is sent again; the new receiver de-duplicates by
-   ``(sid, seq)``. The only duplicates an application can see are items the
-   old receiver handed to ``get`` whose consumption ack was lost with it.
+   ``(sid, seq)``. A resend names the incarnation it is sent for, and any
+   other incarnation drops it unread: one still queued on the data DEALER when
+   its receiver closed may have been delivered there, and the next receiver
+   has no dedupe state for it (it is sent again once that one is heard). The
+   only duplicates an application can see are items the old receiver handed
+   to ``get`` whose consumption ack was lost with it.
 4. A receiver silent for ``peer_timeout_s`` is presumed gone: what it held
    unconsumed becomes undelivered again, with a fresh delivery deadline.
 5. Undelivered past its deadline: the put is reported as failed (a

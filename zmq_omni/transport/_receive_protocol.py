@@ -143,6 +143,7 @@ class ReceiveProtocol:
         self.asked: list[Ask] = []
         self.batches = 0  # BATCH messages taken in
         self._dirty: set[str] = set()  # senders owed an acknowledgement
+        self._hail: set[str] = set()  # senders whose resend for another incarnation was dropped: owed a REPLY
         self._pending = 0  # messages since the last flush
         self._pending_bytes = 0  # payload bytes arrived or taken since the last flush
         self._heavy_bytes = 0  # payload bytes taken since the last prompt flush they caused
@@ -171,6 +172,8 @@ class ReceiveProtocol:
                     raise DecodeError(f"DATA location table {brief(header[6])} is not a slot handle")
                 if len(header[5]) > self._short_key:
                     self._check_key(header[5])
+                if len(header) > 7 and self._foreign(header[0], header.pop(), 1):
+                    return None
                 self._on_data(header, payload, frames)
                 key: str = header[5]
                 return key
@@ -195,6 +198,28 @@ class ReceiveProtocol:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("rejected a message on %s: %s", self.endpoint, exc)
         return None
+
+    def _foreign(self, sid: str, tag: Any, puts: int) -> bool:
+        """True when a resend's ``tag`` names another receiver incarnation: its ``puts`` are dropped, counted.
+
+        A resend is sent for the incarnation the sender knew; one that reaches another (still queued
+        in ZeroMQ's pipe when that one closed) may have been delivered there, and this incarnation
+        has no dedupe state for it. Not lost: the sender resends what it retains once it hears this
+        incarnation, so ``sid`` is owed a REPLY (an empty one if no acknowledgement is). Nothing
+        else of the message is read. Raises ``DecodeError`` for a tag not a str or a bad ``sid``.
+        """
+        if type(tag) is not str:
+            raise DecodeError(f"resend incarnation {brief(tag)} is not a str")
+        if tag == self.incarnation:
+            return False
+        if sid not in self.sources:
+            self._source(sid)
+        self._dirty.add(sid)
+        self._hail.add(sid)
+        self._counters.add("stale_resends_dropped", puts)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("dropped %d puts resent for incarnation %s on %s", puts, brief(tag), self.endpoint)
+        return True
 
     def _check_key(self, key: str) -> None:
         """Refuse a key longer than ``max_key_bytes`` (counted in ``rejected_keys``; the caller counts the message)."""
@@ -291,7 +316,11 @@ class ReceiveProtocol:
             acks = source.ack()
             if acks is not None:
                 replies += self._reply(source, -1, *acks)
+            elif sid in self._hail:  # it must hear this incarnation to resend what it dropped here
+                replies += self._reply(source, -1, [], [])
         self._dirty.clear()
+        if self._hail:
+            self._hail.clear()
         return replies
 
     def last_words(self) -> list[Reply]:
@@ -335,6 +364,7 @@ class ReceiveProtocol:
         for sid in [sid for sid, s in self.sources.items() if s.last_heard < cutoff]:
             del self.sources[sid]
             self._dirty.discard(sid)
+            self._hail.discard(sid)
 
     # -- messages ---------------------------------------------------------------------------
     def _source(self, sid: str) -> SourceState:
@@ -400,11 +430,15 @@ class ReceiveProtocol:
         """
         if n_frames != 1 or payload.nbytes:
             raise DecodeError("a BATCH message must be one frame holding only its header")
+        tagged = len(header) > 4
+        tag = header.pop() if tagged else None
         check_types(header, _BATCH_TYPES, "BATCH")
         sid, low, to_stage, entries = header
         count = len(entries)
         if count < 8 or count % 4 or count > 4 * _MAX_BATCH_ENTRIES:
             raise DecodeError(f"BATCH of {count} fields is not 2..{_MAX_BATCH_ENTRIES} puts of 4 fields")
+        if tagged and self._foreign(sid, tag, count // 4):
+            return 0
         if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
             raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
         source = self.sources.get(sid) or self._source(sid)

@@ -281,12 +281,9 @@ class ReceiveSocket:
         return True
 
     def flush(self) -> None:
-        """Send every acknowledgement owed (due again when something left the mailbox after the hand-over)."""
+        """Send every acknowledgement owed."""
         self.hand_over()
-        protocol = self.protocol
-        self.send(protocol.flush())
-        if self._mailbox.told():  # (told while this flush was due: its get woke no one, see Receiver)
-            protocol.left_mailbox(time.monotonic())
+        self.send(self.protocol.flush())
 
     def hand_over(self) -> None:
         """Give the protocol what left the mailbox since the last hand-over."""

@@ -21,13 +21,10 @@ Synchronization, all of it:
 what                       guards / means                                       who takes or writes it
 =========================  ===================================================  ==========================
 the driver's thread        the ROUTER, its monitor and descriptor, everything   the driver's handlers and
-                           of ``ReceiveSocket`` and ``ReceiveProtocol``         timers write it; two reads
+                           of ``ReceiveSocket`` and ``ReceiveProtocol``         timers write it; one read
                            (``flush_due`` too), ``_shut``, ``_timer_at``        off it: ``stats()`` reads
                                                                                 ``protocol.batches`` (an
-                                                                                int, a hint) on any thread,
-                                                                                a get ``flush_due`` (under
-                                                                                ``Mailbox.lock``: see
-                                                                                ``_left_mailbox``)
+                                                                                int, a hint) on any thread
 ``Mailbox.lock``           items, tombstones, consumptions handed over,         any thread (a get, the
                            counters, ``closed`` (the seal), the waiting gets    driver, a cleanup, close)
 =========================  ===================================================  ==========================
@@ -184,16 +181,8 @@ class PushReceiver:
         self._time_flush()
 
     def _left_mailbox(self, heavy: bool) -> None:
-        """Something left the mailbox (it calls this under its lock, from any thread): only schedule.
-
-        While acknowledgements are already due (``flush_due`` set: the usual case, an arrival sets it) a
-        plain consumption wakes no one: the flush that is due hands it over, and a flush that had handed
-        over before it came finds it told and is due again (``ReceiveSocket.flush``).
-        """
-        if heavy:
-            self._loop.call_soon(self._on_left_heavy)
-        elif self._rs.protocol.flush_due is None:
-            self._loop.call_soon(self._on_left)
+        """Something left the mailbox (it calls this under its lock, from any thread): only schedule."""
+        self._loop.call_soon(self._on_left_heavy if heavy else self._on_left)
 
     def _on_left(self) -> None:
         if not self._shut:
@@ -208,9 +197,12 @@ class PushReceiver:
     def _time_flush(self) -> None:
         """Have :meth:`_flush_due` run when the protocol says the acknowledgements are due (driver's)."""
         due = self._rs.protocol.flush_due
-        if due is not None and (self._timer_at is None or due < self._timer_at):
-            self._timer_at = due
-            self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
+        if due is not None:
+            # Every flush hands over what left the mailbox first: a get need not wake the driver till then.
+            self._mailbox.flush_pending = True
+            if self._timer_at is None or due < self._timer_at:
+                self._timer_at = due
+                self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
 
     def _flush_due(self) -> None:
         """Send the acknowledgements that are due (and read what the sends may have hidden from the descriptor)."""

@@ -121,26 +121,45 @@ def trim_malloc_in_steps(step_bytes: int = _TRIM_STEP_BYTES, pause_s: float = _T
     at a time (``malloc``, a few microseconds under the lock) and, the block being ours, its
     pages are handed back (``madvise(MADV_DONTNEED)``) with no lock held; the blocks are freed
     together at the end. Elsewhere the heap's free top goes back ``step_bytes`` a
-    ``malloc_trim`` call (its ``pad`` keeps the rest; 3-7 ms for 32 MB). A last
-    ``malloc_trim(0)`` hands back what is left (free blocks under 256 KiB, the top's address
-    range); pages already handed back cost it nothing.
+    ``malloc_trim`` call (its ``pad`` keeps the rest; 3-7 ms for 32 MB), then a last
+    ``malloc_trim(0)`` hands back what is left. On the tuned heap the last ``malloc_trim``
+    runs while the taken blocks are still held: it walks only the free blocks under 256 KiB
+    left in the heap (tenths of a millisecond under the lock, not the hundreds of MB just
+    handed back), and its ``pad`` keeps the heap's top, so the heap's address range is not
+    cut back (no ``sbrk`` shrinking it under the kernel's lock on the process's memory map):
+    the taken blocks, freed after it, are free address range with no pages behind it, which
+    the heap serves again without growing.
     """
     libc = _load_libc()
     if not libc or not hasattr(libc, "malloc_trim"):
         return
     if all(hasattr(libc, name) for name in ("mallinfo2", "madvise", "sbrk")) and malloc_tuned():
-        _hand_back_free(libc, _TAKE_PAUSE_S if pause_s else 0.0)
-    else:
-        pad = _mallinfo(libc).keepcost - step_bytes if hasattr(libc, "mallinfo2") else 0
-        while pad > 0:
-            libc.malloc_trim(ctypes.c_size_t(pad))
-            time.sleep(pause_s)
-            pad -= step_bytes
+        held = _take_free(libc, _TAKE_PAUSE_S if pause_s else 0.0)
+        try:
+            libc.malloc_trim(ctypes.c_size_t(_mallinfo(libc).keepcost))
+        finally:
+            _free_all(libc, held)
+        return
+    pad = _mallinfo(libc).keepcost - step_bytes if hasattr(libc, "mallinfo2") else 0
+    while pad > 0:
+        libc.malloc_trim(ctypes.c_size_t(pad))
+        time.sleep(pause_s)
+        pad -= step_bytes
     libc.malloc_trim(0)
 
 
 def _hand_back_free(libc: Any, pause_s: float) -> None:
     """Hand back the pages of the heap's free memory a block at a time, no lock held meanwhile (see the caller)."""
+    _free_all(libc, _take_free(libc, pause_s))
+
+
+def _free_all(libc: Any, blocks: list[int]) -> None:
+    for block in blocks:
+        libc.free(block)
+
+
+def _take_free(libc: Any, pause_s: float) -> list[int]:
+    """Take the heap's free memory out a block at a time and hand back each block's pages; the blocks, to free."""
     held: list[int] = []
     size, budget = _TAKE_BYTES, -1
     try:
@@ -154,7 +173,7 @@ def _hand_back_free(libc: Any, pause_s: float) -> None:
             end = libc.sbrk(0)  # the heap's end
             block = libc.malloc(size)  # the best-fitting free block, else the heap's free top
             if not block:
-                return
+                break
             held.append(block)
             budget -= size
             # Pages wholly inside the block: its header (and what ``free`` writes past it) stays.
@@ -165,9 +184,10 @@ def _hand_back_free(libc: Any, pause_s: float) -> None:
             if block + size > end:  # the heap grew for it: no free block of this size is left
                 size //= 2
             time.sleep(pause_s)  # the heap's lock is free meanwhile: the loop's thread allocates
-    finally:
-        for block in held:
-            libc.free(block)
+    except BaseException:
+        _free_all(libc, held)
+        raise
+    return held
 
 
 def trim_malloc_later(delay_s: float) -> None:

@@ -176,9 +176,14 @@ class Peer:
         close_socket(self.data_sock)
         self.data_sock = None
 
-    def transmit(self, sock: Any, out: Out, low: int) -> None:
-        """Send one DATA message without blocking (caller holds ``data_lock``)."""
-        header = (self.core.sid, out.seq, low, out.from_stage, self.to_stage, out.key, out.loc)
+    def transmit(self, sock: Any, out: Out, low: int, incarnation: str | None = None) -> None:
+        """Send one DATA message without blocking (caller holds ``data_lock``).
+
+        ``incarnation``: a resend's target receiver incarnation (any other drops it); None on a first send.
+        """
+        header: tuple[Any, ...] = (self.core.sid, out.seq, low, out.from_stage, self.to_stage, out.key, out.loc)
+        if incarnation is not None:
+            header += (incarnation,)
         if out.loc is not None:
             sock.send(pack(Kind.DATA, header), zmq.NOBLOCK)
         else:
@@ -191,17 +196,20 @@ class Peer:
         with self.core.lock:
             out.sent_ping = ping
 
-    def transmit_batch(self, sock: Any, outs: list[Out], low: int) -> None:
+    def transmit_batch(self, sock: Any, outs: list[Out], low: int, incarnation: str | None = None) -> None:
         """Send ``outs`` as one message (caller holds ``data_lock``): a BATCH, or DATA for a single put."""
         if len(outs) == 1:
-            self.transmit(sock, outs[0], low)
+            self.transmit(sock, outs[0], low, incarnation)
             return
         entries: list[Any] = []
         add = entries.extend
         for out in outs:
             add((out.seq, out.from_stage, out.key, out.frames[0]))
         core = self.core
-        sock.send(pack(Kind.BATCH, (core.sid, low, self.to_stage, entries)), zmq.NOBLOCK)
+        header: tuple[Any, ...] = (core.sid, low, self.to_stage, entries)
+        if incarnation is not None:
+            header += (incarnation,)
+        sock.send(pack(Kind.BATCH, header), zmq.NOBLOCK)
         ping = self.ping_no
         with core.lock:
             core.window.mark_sent(outs, ping)

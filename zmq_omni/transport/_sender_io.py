@@ -185,11 +185,14 @@ class SenderIo:
             if core.closed:
                 return
             sock = peer.socket()
-            with core.lock:  # what is still unarrived now, and the low mark to send with it
+            with core.lock:  # what is still unarrived now, the low mark to send with it, and whom it is for
                 win = peer.win
                 live = [o for o in outs if o.seq in win.unarrived]
                 low = win.low
                 batch_bytes = win.batch_bytes
+                # Tagged: if this incarnation closes with them still queued, the next one drops them
+                # (the first copy may have been delivered here) and we resend when we hear it.
+                target = win.incarnation
             small = [o for o in live if batch_bytes and core.batchable(o)]
             large = [o for o in live if not (batch_bytes and core.batchable(o))]
             sent = 0
@@ -197,11 +200,11 @@ class SenderIo:
                 start = 0
                 while start < len(small):
                     end = batch_end(small, start, batch_bytes, peer.to_stage, core.batch_max_messages)
-                    peer.transmit_batch(sock, small[start:end], low)
+                    peer.transmit_batch(sock, small[start:end], low, target)
                     sent += end - start
                     start = end
                 for out in large:
-                    peer.transmit(sock, out, low)
+                    peer.transmit(sock, out, low, target)
                     sent += 1
             except zmq.ZMQError:
                 pass  # full or gone: the next pong retries what is still unacknowledged
