@@ -177,6 +177,29 @@ def test_codec_rejects_deep_headers_on_every_path(levels: int) -> None:
     assert decode(encode(tuples[0])) == tuples[0]
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_a_long_header_nested_too_deep_is_refused_as_bytes_and_as_a_view(early: bool) -> None:
+    # Over 4 KiB (decode counts such a header in two parts, or walks it at once): the deep part within the
+    # first 512 bytes, or after 5000 bytes of a string whose bytes look like no container.
+    deep_list: Any = []
+    for _ in range(LIMIT):  # LIMIT + 1 lists
+        deep_list = [deep_list]
+    obj = [deep_list, "a" * 5000] if early else ["a" * 5000, deep_list]  # LIMIT + 2 deep
+    frames = encode(obj, limits=DecodeLimits(max_depth=LIMIT + 2))
+    head = frames[0]
+    assert len(head) > 5000
+    for frame0 in (head, bytearray(head), memoryview(head)):
+        with pytest.raises(DecodeError, match="deeper than the limit"):
+            decode([frame0])
+        assert decode([frame0], limits=DecodeLimits(max_depth=LIMIT + 2)) == obj
+    shallow = [deep_list[0][0], "a" * 5000] if early else ["a" * 5000, deep_list[0][0]]  # LIMIT deep
+    padded = [{"x": [1, [2, [3]]]}, "b" * 6000, bytes(range(256)) * 20]  # container-like bytes, shallow
+    for ok in (shallow, padded):
+        head = encode(ok)[0]
+        for frame0 in (head, bytearray(head), memoryview(head)):
+            assert decode([frame0]) == ok
+
+
 def test_a_header_past_the_object_limit_is_rejected_before_it_is_built() -> None:
     # 200,000 keys of one-byte ints: about 25 MB of dict once built, 0.6 MB on the wire.
     body = b"\xdf" + struct.pack(">I", 200_000) + b"".join(msgpack.packb(i) + b"\x00" for i in range(200_000))

@@ -300,6 +300,25 @@ def test_tensor_edge_cases_round_trip() -> None:
             assert g.dtype == t.dtype and g.shape == t.shape and torch.equal(g, t.detach())
 
 
+def test_one_dimensional_tensors_decode_as_private_writable_copies_or_frame_views() -> None:
+    # Every dtype numpy has (bfloat16 as its words) is built by torch.from_numpy; the rest by torch.frombuffer.
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16]
+    dtypes += [torch.float32, torch.float64, torch.bfloat16, torch.complex64, torch.uint16]
+    for dtype in dtypes:
+        tensor = torch.arange(800).to(dtype)
+        for threshold in (0, 1 << 30):
+            frames = encode({"codes": tensor, "flag": torch.tensor(True)}, inline_threshold=threshold)
+            received = [bytearray(frame) for frame in frames]
+            got = decode(received)
+            codes = got["codes"]
+            assert codes.dtype == dtype and codes.shape == (800,) and torch.equal(codes, tensor), dtype
+            assert got["flag"].dtype == torch.bool and got["flag"].shape == () and bool(got["flag"])
+            codes[0] = codes[1]  # writable: a private copy inline, a view of the (writable) frame out of band
+            assert torch.equal(decode(frames)["codes"], tensor)
+            again = decode(received)["codes"]
+            assert torch.equal(again, codes if threshold == 0 else tensor), dtype
+
+
 # -- registry ------------------------------------------------------------------------------------------------
 def test_registry_refuses_duplicates_missing_functions_and_bad_names() -> None:
     name = register_type(cases.Celsius, name="t.C", encode=lambda c: c.degrees, decode=cases.Celsius)

@@ -63,7 +63,7 @@ from ._format import (
     WIRE_VERSION,
 )
 from ._limits import DecodeLimits
-from ._shape import CONTAINER_MAP, check_shape, walk_shape
+from ._shape import _COPY_TO_COUNT, CONTAINER_MAP, walk_shape
 
 # The entry points, and the format's names (defined in _format), importable from here.
 __all__ = [
@@ -203,6 +203,23 @@ def _many_containers(body: bytes, depth: int) -> bool:
     """
     first = body[:_COUNT_FIRST].translate(CONTAINER_MAP).count(1)
     return first > depth or first + body[_COUNT_FIRST:].translate(CONTAINER_MAP).count(1) > depth
+
+
+def _check_view(body: memoryview, depth: int, objects: int) -> None:
+    """:func:`check_shape` for a long header (a byte view): its first ``_COUNT_FIRST`` bytes counted alone first.
+
+    A header this long nearly always holds an inline array, whose bytes look like containers: when the first
+    part already has too many, the walk (which skips an array's bytes whole) runs without the whole header
+    being copied and counted first.
+    """
+    size = body.nbytes
+    if size <= depth:
+        return
+    if size <= objects and size <= _COPY_TO_COUNT:
+        first = body[:_COUNT_FIRST].tobytes().translate(CONTAINER_MAP).count(1)
+        if first <= depth and first + body[_COUNT_FIRST:].tobytes().translate(CONTAINER_MAP).count(1) <= depth:
+            return
+    walk_shape(body.cast("B"), depth, objects)
 
 
 def frames_nbytes(frames: Sequence[Any]) -> int:
@@ -375,8 +392,8 @@ def decode(
     try:
         # Depth and object count before msgpack builds anything. Inlined here, check_shape's first test for
         # the usual small header: too few bytes that may open an array or a map to nest past the limit.
-        if type(body) is not bytes:
-            check_shape(body, lim.max_depth, lim.max_objects)
+        if isinstance(body, memoryview):
+            _check_view(body, lim.max_depth, lim.max_objects)
         elif size > lim.max_objects or (
             body.translate(CONTAINER_MAP).count(1) > lim.max_depth
             if size <= _COUNT_FIRST

@@ -388,18 +388,17 @@ class _Decoding:
                 # torch has no read-only tensors; aliasing an immutable buffer
                 # would let a write corrupt it, so copy once.
                 buf = bytearray(buf)
-            # One torch call where one does: after a pause (a chunk every 20 ms) each call into torch costs
-            # tens of microseconds. A 1-D tensor is frombuffer's own shape (the byte count was checked).
-            if len(shape) == 1:
-                tensor = torch.frombuffer(buf, dtype=tdtype)
+            # One torch call where one does, and the same one for every dtype numpy has: after a pause (a chunk
+            # every 20 ms) the first call of each kind into torch costs tens of microseconds, a second one little.
+            native = _FROM_NUMPY.get(name)
+            if native is not None:
+                tensor = torch.from_numpy(np.ndarray(shape, native, buf))
+                if name == b"<bf16":
+                    tensor = tensor.view(tdtype)  # two calls still, cheaper than frombuffer's reshape
+            elif len(shape) == 1:
+                tensor = torch.frombuffer(buf, dtype=tdtype)  # 1-D is frombuffer's own shape (the size was checked)
             else:
-                native = _FROM_NUMPY.get(name)
-                if native is not None:
-                    tensor = torch.from_numpy(np.ndarray(shape, native, buf))
-                    if name == b"<bf16":
-                        tensor = tensor.view(tdtype)  # two calls still, cheaper than frombuffer's reshape
-                else:
-                    tensor = torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+                tensor = torch.frombuffer(buf, dtype=tdtype).reshape(shape)
         if self.device is None:
             return tensor
         try:
