@@ -293,6 +293,7 @@ def test_tensor_edge_cases_round_trip() -> None:
         torch.randn(300, 300).to(torch.bfloat16),
         torch.arange(12).reshape(3, 4).t(),  # not contiguous
         torch.randn(4, requires_grad=True),
+        torch.nn.Parameter(torch.randn(3, 2)),  # a subclass: not the hook's plain-tensor test, the same encoding
     ]
     for threshold in (0, 1 << 30):
         got = decode(encode(tensors, inline_threshold=threshold))

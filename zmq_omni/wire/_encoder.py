@@ -135,6 +135,9 @@ class _Encoder:
                     self.inline += nbytes
                     return _new_ext(_ExtType, (EXT_ARRAY, head + view.tobytes()))
             return self._array(obj)
+        tensor_class, torch = _torch_seen
+        if cls is tensor_class:  # a plain torch.Tensor, once the first tensor was encoded
+            return self._tensor(torch, obj)
         plan = _registry.struct_plans.get(cls)
         if plan is not None and cls not in _registry.by_type:
             # A Struct class seen before and not registered (vllm-omni's payloads): its RECORD at once.
@@ -269,7 +272,7 @@ class _Encoder:
             # A plain contiguous CPU tensor: its bytes read, or viewed, straight from its memory. Each torch
             # call through its dispatcher (detach, view, numpy) costs tens of microseconds once the caches
             # went cold (a put every 20 ms); these are attribute reads and direct methods.
-            heads = _torch_prefixes(torch).get(tensor.dtype)
+            heads = (_torch_heads or _torch_prefixes(torch)).get(tensor.dtype)
             if (
                 heads is not None
                 and tensor.is_cpu
@@ -405,8 +408,14 @@ def _oob_ext(key: tuple[np.dtype[Any], tuple[int, ...], int], nbytes: int) -> ms
 _torch_heads: dict[Any, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}
 
 
+# (torch.Tensor, torch) from the first tensor on: the encoder's hook then tells a plain tensor first.
+_torch_seen: tuple[Any, Any] = (None, None)
+
+
 def _torch_prefixes(torch: Any) -> dict[Any, tuple[tuple[bytes, ...], tuple[bytes, ...]]]:
     """Descriptor prefixes by torch dtype: (inline by ndim, out of band by ndim), built at the first tensor."""
+    global _torch_seen
+    _torch_seen = (torch.Tensor, torch)
     if not _torch_heads:
         for dtype, name in _dtypes.torch_names(torch).items():
             inline = tuple(_descriptor_prefix(0, ndim, name) for ndim in range(65))
