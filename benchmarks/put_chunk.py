@@ -1,8 +1,8 @@
-"""``put`` of vllm-omni's ~4 KiB thinker chunk: ZmqConnector push ipc against main's SharedMemoryConnector.
+"""``put`` of vllm-omni's ~4 KiB thinker chunk: ZmqConnector push (ipc, or tcp) against main's SharedMemoryConnector.
 
 Run as a script (not a test)::
 
-    python benchmarks/put_chunk.py [--rounds 300] [--pace-ms 20] [--breakdown]
+    python benchmarks/put_chunk.py [--rounds 300] [--pace-ms 20] [--breakdown] [--transport ipc|tcp] [--shm auto|on|off]
 
 The payload is the thinker's decode chunk as main's ``thinker2talker_async_chunk``
 builds it: main's ``OmniPayloadStruct`` (msgspec, ``omit_defaults``) holding
@@ -33,12 +33,12 @@ from typing import Any
 WARMUP = 20
 
 
-def _receiver(endpoints: dict[str, str], keys: list[str], queue: Any) -> None:
+def _receiver(endpoints: dict[str, str], keys: list[str], queue: Any, shm: str) -> None:
     from zmq_omni.bench._vllm_main import MainShmConnector
     from zmq_omni.bench._vllm_stage import Payloads, PayloadShapes
     from zmq_omni.connectors import create_connector
 
-    extra = {"mode": "push", "endpoints": endpoints, "stage_id": 1, "role": "receiver"}
+    extra = {"mode": "push", "endpoints": endpoints, "stage_id": 1, "role": "receiver", "shm": shm}
     ours = create_connector({"name": "ZmqConnector", "extra": extra})
     theirs = MainShmConnector({"stage_id": 1})
     payloads = Payloads(PayloadShapes())
@@ -69,6 +69,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=300, help="puts of each backend (the first 20 are warm-up)")
     parser.add_argument("--pace-ms", type=float, default=20.0, help="ms between two puts (0: back to back)")
     parser.add_argument("--inline-threshold", type=int, default=None, help="our connector's inline_threshold")
+    parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc", help="our connector's endpoints")
+    parser.add_argument("--shm", choices=("auto", "on", "off"), default="auto", help="our connector's shm setting")
     parser.add_argument("--breakdown", action="store_true", help="also time encode and the sender's send (ours)")
     args = parser.parse_args()
 
@@ -77,20 +79,23 @@ def main() -> int:
     from zmq_omni.bench._vllm_main import MainShmConnector
     from zmq_omni.bench._vllm_stage import Payloads, PayloadShapes
     from zmq_omni.connectors import _zmq_puts, create_connector
-    from zmq_omni.transport import _sender
+    from zmq_omni.transport import _sender, reserve_loopback_port
 
     tmp = tempfile.mkdtemp(prefix="zmq-omni-put-")
-    endpoints = {str(s): f"ipc://{tmp}/s{s}.sock" for s in (0, 1)}
+    if args.transport == "ipc":
+        endpoints = {str(s): f"ipc://{tmp}/s{s}.sock" for s in (0, 1)}
+    else:
+        endpoints = {str(s): f"tcp://127.0.0.1:{reserve_loopback_port()}" for s in (0, 1)}
     nonce = secrets.token_hex(4)
     rounds = args.rounds + WARMUP
     keys = [key for n in range(1, rounds + 1) for key in (f"z{nonce}_{n}", f"m{nonce}_{n}")]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(endpoints, keys, queue), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(endpoints, keys, queue, args.shm), daemon=True)
     proc.start()
     if queue.get(timeout=60) != "up":
         return 1
-    extra: dict[str, Any] = {"mode": "push", "endpoints": endpoints, "stage_id": 0, "role": "sender"}
+    extra: dict[str, Any] = {"mode": "push", "endpoints": endpoints, "stage_id": 0, "role": "sender", "shm": args.shm}
     if args.inline_threshold is not None:
         extra["inline_threshold"] = args.inline_threshold
     ours = create_connector({"name": "ZmqConnector", "extra": extra})
@@ -136,7 +141,7 @@ def main() -> int:
         load = " ".join(f.read().split()[:3])
     print(f"put of a ~4 KiB thinker chunk, {args.rounds} each, a put every {args.pace_ms:g} ms; load average {load}")
     ours_t, theirs_t = times["ours"][WARMUP:], times["theirs"][WARMUP:]
-    for label, values in (("ZmqConnector push ipc", ours_t), ("main's SharedMemoryConnector", theirs_t)):
+    for label, values in ((f"ZmqConnector push {args.transport}", ours_t), ("main's SharedMemoryConnector", theirs_t)):
         spread = "  ".join(f"p{round(q * 100)} {_p(values, q):7.1f} us" for q in (0.5, 0.9, 0.99))
         print(f"  {label:<30} {spread}")
     for label, values in parts.items():

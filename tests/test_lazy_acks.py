@@ -234,3 +234,29 @@ def test_a_connector_with_an_allow_list_has_a_context_of_its_own(short_tmp: Path
     finally:
         guarded.close()
         plain.close()
+
+
+def test_a_get_between_a_flush_s_hand_over_and_its_end_makes_acks_due_again(short_tmp: Path) -> None:
+    # A get between a flush's hand-over and the end of that flush is not in it: it must make acks due again
+    # (no arrival follows, nobody asks), although gets while a flush is due wake no one.
+    with _edge(short_tmp, ack_delay_s=0.05) as (receiver, sender):
+        _connect(receiver, sender)
+        part = receiver._bound.receiver
+        assert part is not None
+        sock = part._rs
+        assert sender.put("0", "1", "a", 1)[0] and sender.put("0", "1", "b", 2)[0]
+        time.sleep(0.3)  # both arrived, their arrival acknowledged
+        inner = sock.hand_over
+        got: list[Any] = []
+
+        def hand_over_then_get() -> None:
+            inner()
+            if not got:
+                taker = threading.Thread(target=lambda: got.append(receiver.get("0", "1", "b")))
+                taker.start()
+                taker.join(10)
+
+        sock.hand_over = hand_over_then_get  # type: ignore[method-assign]
+        assert receiver.get_with_deadline("0", "1", "a", deadline=time.monotonic() + 10) is not None
+        assert wait_until(lambda: bool(got), 10) and got[0] is not None
+        assert wait_until(lambda: _unconfirmed(sender) == 0, 5)

@@ -379,6 +379,24 @@ def test_torch_tensor_frames_view_the_tensor_and_decode_views_writable_frames() 
     assert torch.equal(copied, tensor) and copied.data_ptr() != tensor.data_ptr()
 
 
+def test_shaped_tensors_of_every_dtype_decode_writable_and_view_a_writable_frame() -> None:
+    torch = pytest.importorskip("torch")
+    from zmq_omni.wire._dtypes import torch_names
+
+    for dtype in torch_names(torch):
+        for shape in ((), (3,), (2, 3), (2, 1, 4)):
+            want = torch.arange(math.prod(shape) or 1, dtype=torch.float64)[: math.prod(shape)].reshape(shape).to(dtype)
+            inline = decode(encode(want))
+            assert inline.dtype == dtype and inline.shape == want.shape and torch.equal(inline, want), (dtype, shape)
+            inline.zero_()  # a private, writable copy
+            frames = encode(want, inline_threshold=0)
+            received = [frames[0], *(bytearray(frame) for frame in frames[1:])]
+            viewed = decode(received)
+            assert viewed.dtype == dtype and viewed.shape == want.shape and torch.equal(viewed, want), (dtype, shape)
+            if want.nbytes:
+                assert viewed.data_ptr() == np.frombuffer(received[1], np.uint8).ctypes.data, (dtype, shape)
+
+
 def test_torch_tensor_decodes_to_numpy_where_torch_is_missing(tmp_path: Any) -> None:
     torch = pytest.importorskip("torch")
     frames = [bytes(f) for f in encode({"t": torch.arange(6, dtype=torch.int32).reshape(2, 3)}, inline_threshold=0)]
