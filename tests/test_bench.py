@@ -41,6 +41,7 @@ def test_bench_quick_prints_one_table_with_a_row_per_grid(tmp_path: Path) -> Non
         "ZmqConnector ipc rate",
         "ZmqConnector ipc RTT p50",
         "ZmqConnector ipc RTT p99",
+        "the ipc 1 KiB round trip above: placement off, same CPU ",
         "shm fast path",
         "save_async scheduler hold",
         "chunk save_async->assembled",
