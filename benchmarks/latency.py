@@ -3,7 +3,7 @@
 Run: ``python benchmarks/latency.py`` (about half a minute on 2 cores);
 ``--runs 3`` repeats the whole grid; ``--pin same --pin split`` runs it with both
 processes on one CPU and then on two (the placement decides the figure, raw
-pyzmq's too; with ``off``, the default, the last column says how often the echo
+pyzmq's too; with ``off``, the default, the last column says how often each echo
 had last run on our CPU). What each cell measures, and how, is
 written in ``zmq_omni.bench.latency`` (the measurement code); this script
 prints its rows.

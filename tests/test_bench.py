@@ -122,8 +122,9 @@ def test_latency_runs_both_processes_where_pinned_and_gives_this_process_its_cpu
         assert all(os.sched_getaffinity(int(tid)) == before for tid in os.listdir("/proc/self/task"))
         seen[pin] = rows[0].placement
     # Observed after each round: where the echo last ran against where this process runs.
-    assert seen["same"] == "same, same CPU 2/2" and seen["split"] == "split, same CPU 0/2", seen
-    assert re.fullmatch(r"off, same CPU [012]/2", seen["off"]), seen
+    assert seen["same"] == "same, same CPU raw 2/2 omni 2/2", seen
+    assert seen["split"] == "split, same CPU raw 0/2 omni 0/2", seen
+    assert re.fullmatch(r"off, same CPU raw [012]/2 omni [012]/2", seen["off"]), seen
     with pytest.raises(ValueError, match="pin must be one of"):
         run_latency([1024], transports=("ipc",), pin="cpu0")
 

@@ -22,7 +22,7 @@ thread switches, while one between two CPUs pays a cross-CPU wake-up (and cold
 caches) at every hop, several times dearer. ``pin`` fixes the placement
 (``"same"``: both processes on one CPU; ``"split"``: this process on one, the
 echo on another; ``"off"``: the scheduler decides), and each row says how often,
-sampled after every round, the omni echo had last run on this process's CPU.
+sampled after every round, each echo had last run on this process's CPU.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def run_latency(
         pin: ``"same"`` runs this process and the echoes on one CPU, ``"split"`` on two (this process on the
             first CPU it may use, the echoes on the second; all its threads, restored after), ``"off"``
             (default) leaves it to the scheduler; each row's ``placement`` also says how often, sampled after
-            each round, the omni echo had last run on this process's CPU.
+            each round, the raw and the omni echo had last run on this process's CPU.
         on_row: called with each row as soon as it is measured.
 
     Returns:
@@ -276,11 +276,11 @@ def run_latency(
                         for i in range(warmup):
                             contender.round_trip(data, i)
                     per_round = max(1, n // rounds)
-                    together = 0
+                    together = dict.fromkeys(contenders, 0)  # rounds after which the echo had last run on our CPU
                     for _ in range(rounds):
                         for name, contender in contenders.items():
                             samples[name].extend(contender.round_trip(data, i) for i in range(per_round))
-                        together += _last_cpu(os.getpid()) == _last_cpu(omni.proc.pid or 0)
+                            together[name] += _last_cpu(os.getpid()) == _last_cpu(contender.proc.pid or 0)
                     row = LatencyRow(
                         transport,
                         size,
@@ -289,7 +289,7 @@ def run_latency(
                         percentile(samples["raw"], 99),
                         percentile(samples["omni"], 50),
                         percentile(samples["omni"], 99),
-                        f"{pin}, same CPU {together}/{rounds}",
+                        f"{pin}, same CPU raw {together['raw']}/{rounds} omni {together['omni']}/{rounds}",
                     )
                     rows.append(row)
                     if on_row is not None:
