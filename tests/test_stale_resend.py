@@ -115,6 +115,16 @@ def test_a_malformed_incarnation_tag_is_refused_counted_and_never_raises(tag: An
     assert counters.get("rejected_frames") == 3 and counters.get("stale_resends_dropped") == 0
 
 
+def test_a_malformed_batch_with_a_foreign_tag_is_refused_as_malformed_not_counted_as_a_stale_resend() -> None:
+    counters = Counters()
+    protocol = _protocol(counters)
+    junk: list[Any] = [b"not a seq", 7, None, "x"] * 2
+    frames = [pack(Kind.BATCH, (SID, 0, "1", junk, "old"))]
+    assert protocol.receive(IDENTITY, frames, True, 1.0) is None
+    assert counters.get("rejected_frames") == 1 and counters.get("stale_resends_dropped") == 0
+    assert protocol.sources == {} and protocol.flush() == []  # no sender made up, no REPLY owed
+
+
 # -- the sender, against a bare ROUTER that plays two receiver incarnations -------------------------------------
 @pytest.fixture
 def router() -> Iterator[tuple[zmq.Socket, str]]:
