@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.conftest import bytes_protocol
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.metrics import Counters
 from zmq_omni.transport._envelope import Kind, pack, unpack
@@ -30,16 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _protocol(counters: Counters) -> ReceiveProtocol:
-    return ReceiveProtocol(
-        endpoint="tcp://test",
-        incarnation="new",
-        decode=lambda parts: bytes(parts[0]),
-        decode_each=lambda wires: [bytes(w) for w in wires],
-        max_message_bytes=1 << 20,
-        max_frames=8,
-        counters=counters,
-        shm=None,
-    )
+    return bytes_protocol(counters, endpoint="tcp://test", incarnation="new")
 
 
 def _data(seq: int, *tag: Any) -> list[bytes]:
