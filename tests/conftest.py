@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import zmq
 
+from zmq_omni.metrics import Counters
+from zmq_omni.transport._receive_protocol import ReceiveProtocol
+
 # Hypothesis profiles: CI runs the full count, derandomized so a failure reproduces.
 try:
     from hypothesis import HealthCheck, settings
@@ -114,3 +117,19 @@ def made() -> Iterator[list[Any]]:
     yield connectors
     for conn in connectors:
         conn.close_with_linger(0)
+
+
+def bytes_protocol(counters: Counters | None = None, **options: Any) -> ReceiveProtocol:
+    """A ``ReceiveProtocol`` fed by hand: each payload decodes to its bytes; ``options`` override the small defaults."""
+    settings: dict[str, Any] = {
+        "endpoint": "ipc://test",
+        "incarnation": "r1",
+        "decode": lambda parts: bytes(parts[0]),
+        "decode_each": lambda wires: [bytes(w) for w in wires],
+        "max_message_bytes": 1 << 20,
+        "max_frames": 8,
+        "counters": counters if counters is not None else Counters(),
+        "shm": None,
+    }
+    settings.update(options)
+    return ReceiveProtocol(**settings)

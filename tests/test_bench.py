@@ -17,6 +17,7 @@ import pytest
 from zmq_omni.bench import Comparison, parse_size, size_label
 from zmq_omni.bench.adapters import run_adapters
 from zmq_omni.bench.codec import run_struct_payloads
+from zmq_omni.bench.latency import run_latency
 from zmq_omni.bench.vllm_pipeline import BACKENDS, INSTALL_HINT, missing_dependencies, run_vllm_pipeline
 from zmq_omni.cli import _bench
 
@@ -40,6 +41,7 @@ def test_bench_quick_prints_one_table_with_a_row_per_grid(tmp_path: Path) -> Non
         "ZmqConnector ipc rate",
         "ZmqConnector ipc RTT p50",
         "ZmqConnector ipc RTT p99",
+        "the ipc 1 KiB round trip above: placement off, same CPU ",
         "shm fast path",
         "save_async scheduler hold",
         "chunk save_async->assembled",
@@ -101,13 +103,30 @@ def test_benchmark_scripts_stay_runnable_as_thin_wrappers() -> None:
     adapters = _run(sys.executable, "benchmarks/adapters.py", "--n", "50")
     assert adapters.returncode == 0, adapters.stderr
     assert "chunk save_async->assembled" in adapters.stdout and "recv worker CPU" in adapters.stdout
-    latency = _run(sys.executable, "benchmarks/latency.py", "--count", "50", "--transport", "ipc")
+    latency = _run(sys.executable, "benchmarks/latency.py", "--count", "50", "--transport", "ipc", "--pin", "same")
     assert latency.returncode == 0, latency.stderr
-    assert "1 MiB" in latency.stdout and "p99 ratio" in latency.stdout
+    assert "1 MiB" in latency.stdout and "p99 ratio" in latency.stdout and "same, same CPU" in latency.stdout
     aio = _run(sys.executable, "benchmarks/aio.py", "--rounds", "1", "--trips", "100", "--messages", "300")
     assert aio.returncode == 0, aio.stderr
     for row in ("async asyncio", "raw pyzmq, blocking", "async asyncio, all 300 waiting", "the loop alone takes"):
         assert row in aio.stdout, aio.stdout
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="split placement needs two CPUs")
+def test_latency_runs_both_processes_where_pinned_and_gives_this_process_its_cpus_back() -> None:
+    before = os.sched_getaffinity(0)
+    seen = {}
+    for pin in ("same", "split", "off"):
+        rows = run_latency([1024], transports=("ipc",), count=20, warmup=2, rounds=2, pin=pin)
+        assert os.sched_getaffinity(0) == before
+        assert all(os.sched_getaffinity(int(tid)) == before for tid in os.listdir("/proc/self/task"))
+        seen[pin] = rows[0].placement
+    # Observed after each round: where the echo last ran against where this process runs.
+    assert seen["same"] == "same, same CPU raw 2/2 omni 2/2", seen
+    assert seen["split"] == "split, same CPU raw 0/2 omni 0/2", seen
+    assert re.fullmatch(r"off, same CPU raw [012]/2 omni [012]/2", seen["off"]), seen
+    with pytest.raises(ValueError, match="pin must be one of"):
+        run_latency([1024], transports=("ipc",), pin="cpu0")
 
 
 def test_the_plot_shows_what_a_user_compares_and_leaves_zero_copy_against_copy_to_the_table() -> None:

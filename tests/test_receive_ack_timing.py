@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.conftest import bytes_protocol
 from zmq_omni.metrics import Counters
 from zmq_omni.transport._envelope import Kind, pack
 from zmq_omni.transport._mailbox import Mailbox
@@ -20,17 +21,7 @@ DELAY = 0.02
 
 
 def _protocol(counters: Counters | None = None) -> ReceiveProtocol:
-    return ReceiveProtocol(
-        endpoint="ipc://test",
-        incarnation="r1",
-        decode=lambda parts: bytes(parts[0]),
-        decode_each=lambda wires: [bytes(w) for w in wires],
-        max_message_bytes=1 << 30,
-        max_frames=8,
-        counters=counters or Counters(),
-        shm=None,
-        ack_delay_s=DELAY,
-    )
+    return bytes_protocol(counters, max_message_bytes=1 << 30, ack_delay_s=DELAY)
 
 
 def _data(protocol: ReceiveProtocol, seq: int, now: float, payload: bytes = b"x") -> None:

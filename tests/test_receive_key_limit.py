@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.conftest import bytes_protocol
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.errors import DecodeError
 from zmq_omni.metrics import Counters
@@ -83,17 +84,7 @@ def test_check_key_measures_utf8_bytes() -> None:
 
 
 def _protocol(counters: Counters, max_key_bytes: int) -> ReceiveProtocol:
-    return ReceiveProtocol(
-        endpoint="ipc://test",
-        incarnation="r1",
-        decode=lambda parts: bytes(parts[0]),
-        decode_each=lambda wires: [bytes(w) for w in wires],
-        max_message_bytes=1 << 20,
-        max_frames=8,
-        counters=counters,
-        shm=None,
-        max_key_bytes=max_key_bytes,
-    )
+    return bytes_protocol(counters, max_key_bytes=max_key_bytes)
 
 
 def test_the_protocol_refuses_a_long_key_in_a_data_and_alone_in_a_batch() -> None:

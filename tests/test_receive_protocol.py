@@ -33,6 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.conftest import bytes_protocol
 from zmq_omni.metrics import Counters
 from zmq_omni.transport import _dedupe
 from zmq_omni.transport._dedupe import MAX_PONG_RECENT, MAX_PONG_REPEATS, MAX_UNSENT_TRIES, SourceState
@@ -45,16 +46,7 @@ IDENTITY = b"d" + SID.encode()
 
 
 def _protocol(counters: Counters) -> ReceiveProtocol:
-    return ReceiveProtocol(
-        endpoint="ipc://test",
-        incarnation="r1",
-        decode=lambda parts: bytes(parts[0]),
-        decode_each=lambda wires: [bytes(w) for w in wires],
-        max_message_bytes=1 << 20,
-        max_frames=8,
-        counters=counters,
-        shm=None,
-    )
+    return bytes_protocol(counters)
 
 
 class ReceiveMachine(RuleBasedStateMachine):

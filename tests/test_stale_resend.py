@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.conftest import bytes_protocol
 from zmq_omni.connectors.zmq import ZmqConnector
 from zmq_omni.metrics import Counters
 from zmq_omni.transport._envelope import Kind, pack, unpack
@@ -30,16 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _protocol(counters: Counters) -> ReceiveProtocol:
-    return ReceiveProtocol(
-        endpoint="tcp://test",
-        incarnation="new",
-        decode=lambda parts: bytes(parts[0]),
-        decode_each=lambda wires: [bytes(w) for w in wires],
-        max_message_bytes=1 << 20,
-        max_frames=8,
-        counters=counters,
-        shm=None,
-    )
+    return bytes_protocol(counters, endpoint="tcp://test", incarnation="new")
 
 
 def _data(seq: int, *tag: Any) -> list[bytes]:
@@ -113,6 +105,16 @@ def test_a_malformed_incarnation_tag_is_refused_counted_and_never_raises(tag: An
         assert protocol.receive(IDENTITY, frames, True, 1.0) is None
     assert _keys(protocol) == [] and protocol.sources == {}
     assert counters.get("rejected_frames") == 3 and counters.get("stale_resends_dropped") == 0
+
+
+def test_a_malformed_batch_with_a_foreign_tag_is_refused_as_malformed_not_counted_as_a_stale_resend() -> None:
+    counters = Counters()
+    protocol = _protocol(counters)
+    junk: list[Any] = [b"not a seq", 7, None, "x"] * 2
+    frames = [pack(Kind.BATCH, (SID, 0, "1", junk, "old"))]
+    assert protocol.receive(IDENTITY, frames, True, 1.0) is None
+    assert counters.get("rejected_frames") == 1 and counters.get("stale_resends_dropped") == 0
+    assert protocol.sources == {} and protocol.flush() == []  # no sender made up, no REPLY owed
 
 
 # -- the sender, against a bare ROUTER that plays two receiver incarnations -------------------------------------

@@ -15,11 +15,21 @@ message in flight, each side answering as soon as it has the message:
 RTT = ``perf_counter`` before the send to after the answer is in hand. Raw and
 omni run in interleaved rounds (a noisy neighbour slows both alike), after an
 untimed warm-up; p50 and p99 are over every timed round trip.
+
+Where the two processes run decides the figure, for raw pyzmq and for us alike:
+on a small shared VM a round trip between processes on one CPU is a chain of
+thread switches, while one between two CPUs pays a cross-CPU wake-up (and cold
+caches) at every hop, several times dearer. ``pin`` fixes the placement
+(``"same"``: both processes on one CPU; ``"split"``: this process on one, the
+echo on another; ``"off"``: the scheduler decides), and each row says how often,
+sampled after every round, each echo had last run on this process's CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import time
@@ -35,7 +45,7 @@ import zmq
 from ..connectors.zmq import ZmqConnector
 from ._common import KIB, MIB, Comparison, percentile, size_label
 
-__all__ = ["LATENCY_SIZES", "LatencyRow", "run_latency"]
+__all__ = ["LATENCY_SIZES", "PLACEMENTS", "LatencyRow", "run_latency"]
 
 LATENCY_SIZES = [1 * KIB, 64 * KIB, 1 * MIB]
 _SPAWN = mp.get_context("spawn")
@@ -54,6 +64,7 @@ class LatencyRow:
     raw_p99: float
     omni_p50: float
     omni_p99: float
+    placement: str = "off"
 
     def comparisons(self) -> list[Comparison]:
         """The row as ratio-table cells (p50 and p99 of ZmqConnector against raw pyzmq)."""
@@ -65,8 +76,41 @@ class LatencyRow:
         ]
 
 
+# -- CPU placement --------------------------------------------------------------------------------------------
+PLACEMENTS = ("off", "same", "split")
+
+
+def _cpus_for(pin: str) -> tuple[set[int] | None, set[int] | None]:
+    # (this process's CPUs, the echo processes' CPUs) for a placement; None leaves it to the scheduler.
+    if pin not in PLACEMENTS:
+        raise ValueError(f"pin must be one of {PLACEMENTS}, not {pin!r}")
+    if pin == "off":
+        return None, None
+    allowed = sorted(os.sched_getaffinity(0))
+    if pin == "same":
+        return {allowed[0]}, {allowed[0]}
+    if len(allowed) < 2:
+        raise ValueError("pin='split' needs two CPUs")
+    return {allowed[0]}, {allowed[1]}
+
+
+def _pin_process(cpus: set[int]) -> None:
+    # Every thread of this process (a thread started later inherits its starter's CPUs).
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _last_cpu(pid: int) -> int:
+    # The CPU a process's main thread last ran on (field 39 of /proc/<pid>/stat).
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
 # -- echo processes (spawned: their own process and GIL, as a real next stage) --------------------------------
-def _raw_echo(endpoint: str, out: Any) -> None:
+def _raw_echo(endpoint: str, out: Any, cpus: set[int] | None = None) -> None:
+    if cpus is not None:
+        _pin_process(cpus)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
@@ -84,7 +128,9 @@ def _raw_echo(endpoint: str, out: Any) -> None:
     ctx.term()
 
 
-def _omni_echo(endpoint: str, shm: str, out: Any) -> None:
+def _omni_echo(endpoint: str, shm: str, out: Any, cpus: set[int] | None = None) -> None:
+    if cpus is not None:
+        _pin_process(cpus)
     inbound = ZmqConnector({"stage_id": "1", "role": "receiver", "endpoints": {"1": endpoint}, "shm": shm})
     with inbound:
         out.put(inbound.endpoint)
@@ -112,9 +158,9 @@ def _get(queue: Any) -> str:
 
 
 class _Raw:
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, cpus: set[int] | None) -> None:
         self.out = _SPAWN.Queue()
-        self.proc = _SPAWN.Process(target=_raw_echo, args=(endpoint, self.out), daemon=True)
+        self.proc = _SPAWN.Process(target=_raw_echo, args=(endpoint, self.out, cpus), daemon=True)
         self.proc.start()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sock = self.ctx.socket(zmq.PAIR)
@@ -144,9 +190,9 @@ class _Raw:
 
 
 class _Omni:
-    def __init__(self, endpoint: str, back: str, shm: str) -> None:
+    def __init__(self, endpoint: str, back: str, shm: str, cpus: set[int] | None) -> None:
         self.out = _SPAWN.Queue()
-        self.proc = _SPAWN.Process(target=_omni_echo, args=(endpoint, shm, self.out), daemon=True)
+        self.proc = _SPAWN.Process(target=_omni_echo, args=(endpoint, shm, self.out, cpus), daemon=True)
         self.proc.start()
         bound = _get(self.out)
         self.inbound = ZmqConnector({"stage_id": "2", "role": "receiver", "endpoints": {"2": back}, "shm": shm})
@@ -186,6 +232,7 @@ def run_latency(
     warmup: int = 200,
     rounds: int = 10,
     shm: str = "off",
+    pin: str = "off",
     on_row: Callable[[LatencyRow], None] | None = None,
 ) -> list[LatencyRow]:
     """RTT p50/p99 of one message in flight, per transport and size, raw pyzmq beside ZmqConnector.
@@ -197,11 +244,19 @@ def run_latency(
         warmup: untimed round trips per contender before the first round.
         rounds: the timed round trips are split in this many rounds, raw and omni in turn.
         shm: the connectors' ``shm`` policy; ``"off"`` (default) compares the same bytes on the same wire.
+        pin: ``"same"`` runs this process and the echoes on one CPU, ``"split"`` on two (this process on the
+            first CPU it may use, the echoes on the second; all its threads, restored after), ``"off"``
+            (default) leaves it to the scheduler; each row's ``placement`` also says how often, sampled after
+            each round, the raw and the omni echo had last run on this process's CPU.
         on_row: called with each row as soon as it is measured.
 
     Returns:
         The rows, in the order measured.
     """
+    ours, theirs = _cpus_for(pin)
+    before = os.sched_getaffinity(0)
+    if ours is not None:
+        _pin_process(ours)
     tmp = Path(tempfile.mkdtemp(prefix="zo-lat-", dir="/tmp"))
     rows: list[LatencyRow] = []
     try:
@@ -210,8 +265,8 @@ def run_latency(
             raw: _Raw | None = None
             omni: _Omni | None = None
             try:
-                raw = _Raw(endpoint.format("raw"))
-                omni = _Omni(endpoint.format("there"), endpoint.format("back"), shm)
+                raw = _Raw(endpoint.format("raw"), theirs)
+                omni = _Omni(endpoint.format("there"), endpoint.format("back"), shm, theirs)
                 for size in sizes:
                     n = count if size <= 64 * KIB else max(rounds, count // 4)
                     data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
@@ -221,9 +276,11 @@ def run_latency(
                         for i in range(warmup):
                             contender.round_trip(data, i)
                     per_round = max(1, n // rounds)
+                    together = dict.fromkeys(contenders, 0)  # rounds after which the echo had last run on our CPU
                     for _ in range(rounds):
                         for name, contender in contenders.items():
                             samples[name].extend(contender.round_trip(data, i) for i in range(per_round))
+                            together[name] += _last_cpu(os.getpid()) == _last_cpu(contender.proc.pid or 0)
                     row = LatencyRow(
                         transport,
                         size,
@@ -232,6 +289,7 @@ def run_latency(
                         percentile(samples["raw"], 99),
                         percentile(samples["omni"], 50),
                         percentile(samples["omni"], 99),
+                        f"{pin}, same CPU raw {together['raw']}/{rounds} omni {together['omni']}/{rounds}",
                     )
                     rows.append(row)
                     if on_row is not None:
@@ -242,4 +300,6 @@ def run_latency(
                         part.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if ours is not None:
+            _pin_process(before)
     return rows

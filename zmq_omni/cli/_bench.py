@@ -20,11 +20,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..bench import KIB, MIB, Comparison
+from ..bench import KIB, MIB, Comparison, size_label
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..bench.latency import LatencyRow
 
 __all__ = ["run_bench"]
 
@@ -122,6 +126,12 @@ def _line(c: Comparison) -> str:
     )
 
 
+def _latency_row(row: LatencyRow, emit: Callable[[list[Comparison]], None], note: Callable[[str], None]) -> None:
+    # Where the two processes ran decides a round trip (docs/benchmarks.md#latency): say it under the row.
+    emit(row.comparisons())
+    note(f"  (the {row.transport} {size_label(row.size)} round trip above: placement {row.placement})")
+
+
 def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None], note: Callable[[str], None]) -> None:
     from ..bench.adapters import run_adapters
     from ..bench.codec import run_codec, run_small_dict, run_struct_payloads
@@ -158,7 +168,7 @@ def _grids(plan: _Plan, emit: Callable[[list[Comparison]], None], note: Callable
         transports=plan.latency_transports,
         count=plan.latency_count,
         warmup=min(200, plan.latency_count),
-        on_row=lambda row: emit(row.comparisons()),
+        on_row=lambda row: _latency_row(row, emit, note),
     )
     run_shm(plan.shm_sizes, budget_bytes=plan.shm_budget, paths=_SHM_PATHS, on_row=lambda row: emit(row.comparisons()))
     emit(run_adapters(plan.adapters_n, cpu_window_s=0).comparisons())

@@ -144,7 +144,7 @@ def open_endpoint(
                 "stage's connectors threaded (AsyncConnector(ZmqConnector(extra)) awaits a threaded one)"
             )
 
-        def bind_here(held: StageLock | None) -> PushReceiver:
+        def bind_here(held: StageLock | None, lend_after_s: float = 0.0) -> PushReceiver:
             receiver = PushReceiver(
                 loop,
                 bind_at,
@@ -174,6 +174,7 @@ def open_endpoint(
                         encode, inline_threshold=cfg.inline_threshold, allow_pickle=cfg.allow_pickle
                     ),
                     peer_timeout_s=cfg.peer_timeout_s,
+                    lend_after_s=lend_after_s,
                 )
                 loop.on_term(held.release)
             return receiver

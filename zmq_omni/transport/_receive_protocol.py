@@ -437,10 +437,10 @@ class ReceiveProtocol:
         count = len(entries)
         if count < 8 or count % 4 or count > 4 * _MAX_BATCH_ENTRIES:
             raise DecodeError(f"BATCH of {count} fields is not 2..{_MAX_BATCH_ENTRIES} puts of 4 fields")
-        if tagged and self._foreign(sid, tag, count // 4):
-            return 0
         if tuple(map(type, entries)) != _BATCH_ENTRY * (count // 4):
             raise DecodeError("BATCH entries are not (seq, from_stage, key, wire) of (int, str, str, bytes)")
+        if tagged and self._foreign(sid, tag, count // 4):
+            return 0
         source = self.sources.get(sid) or self._source(sid)
         source.check_room(count // 4)
         source.note(low, self._now)

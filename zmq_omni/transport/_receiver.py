@@ -27,6 +27,9 @@ the driver's thread        the ROUTER, its monitor and descriptor, everything   
                                                                                 int, a hint) on any thread
 ``Mailbox.lock``           items, tombstones, consumptions handed over,         any thread (a get, the
                            counters, ``closed`` (the seal), the waiting gets    driver, a cleanup, close)
+``Mailbox.flush_pending``  a flush is due, so a take need not wake the driver   the driver alone sets it
+                           (read under ``Mailbox.lock``; ``handover`` clears    (no lock: one writer, a
+                           it under that lock)                                  bool); cleared at handover
 =========================  ===================================================  ==========================
 
 Clocks: acknowledgements wait ``ack_delay_s`` (default 20 ms) to be batched (a

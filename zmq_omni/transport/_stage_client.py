@@ -71,7 +71,6 @@ from ._receive_protocol import Item, Slot
 from ._receiver import DEFAULT_ACK_DELAY_S, PushReceiver
 from ._shm import ShmReceive
 from ._stage_lock import StageLock, pid_alive
-from ._stage_service import StageService
 from ._stage_share import WantBook
 
 __all__ = ["StageClient"]
@@ -100,8 +99,8 @@ class StageClient(PushReceiver):
         max_tombstones: most tombstones held.
         shm: the shared-memory reader for items lent as slot handles.
         lock: the stage lock, tried again when the binder goes silent.
-        become_binder: binds the stage endpoint on ``loop`` (and serves it) once ``lock`` is
-            held: this process is the binder from then on.
+        become_binder: binds the stage endpoint on ``loop`` (and serves it, lending nothing for the
+            seconds it is given) once ``lock`` is held: this process is the binder from then on.
     """
 
     def __init__(
@@ -120,7 +119,7 @@ class StageClient(PushReceiver):
         max_tombstones: int = 65536,
         shm: ShmReceive | None = None,
         lock: StageLock | None = None,
-        become_binder: Callable[[StageLock], PushReceiver] | None = None,
+        become_binder: Callable[[StageLock, float], PushReceiver] | None = None,
     ) -> None:
         # Not PushReceiver.__init__: no stage socket here; the fields its gets and expiry use are set below.
         self._loop = loop  # type: ignore[assignment]
@@ -379,7 +378,8 @@ class StageClient(PushReceiver):
         binds = token is None and self._lock is not None and self._become_binder is not None
         if binds and self._lock is not None and self._become_binder is not None and self._lock.try_acquire():
             try:
-                inner = self._become_binder(self._lock)
+                # Its service lends nothing for a peer timeout: the other clients' hellos come first.
+                inner = self._become_binder(self._lock, self._peer_timeout)
             except Exception:
                 self._lock.release()
                 log.exception("the binder of %s is gone and binding it here failed", self.endpoint)
@@ -389,9 +389,6 @@ class StageClient(PushReceiver):
                 inner.on_arrivals = hook
                 inner.mailbox.consumed_elsewhere(self._taken.taken_since())
                 self._open_at = time.monotonic() + self._peer_timeout  # the other clients' hellos first
-                service = getattr(inner.mailbox.on_lendable, "__self__", None)
-                if isinstance(service, StageService):
-                    service.hold(self._peer_timeout)
                 self._mailbox = inner.mailbox  # before _inner: a get that sees _inner finds its mailbox
                 self._inner = inner
                 log.warning(

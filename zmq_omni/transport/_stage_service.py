@@ -84,6 +84,8 @@ class StageService:
         address: the service address (``ipc://...``).
         encode: an object to frames (items that are not in shared memory are sent encoded).
         peer_timeout_s: silence after which a client's process is looked up (dead: its leases come back).
+        lend_after_s: lend nothing for this long (:meth:`hold`): a binder that took over from a dead one
+            waits for the other clients' hellos first.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class StageService:
         *,
         encode: Callable[[Any], list[Any]],
         peer_timeout_s: float,
+        lend_after_s: float = 0.0,
     ) -> None:
         self._loop = loop
         self._mailbox = mailbox
@@ -112,6 +115,8 @@ class StageService:
         loop.add_reader(sock, self._drive)
         loop.every(max(0.05, peer_timeout_s / 4), self._tick)
         loop.on_stop(self.close)
+        if lend_after_s > 0:
+            self.hold(lend_after_s)
 
     def _drive(self) -> None:
         """Read every queued request (the socket's handler)."""
