@@ -178,8 +178,11 @@ class ReceiveSocket:
                 break
             if time.monotonic() > until:  # costly messages (many frames): the rest next turn
                 break
+        # Scheduled before the store (a settle sends what is due now; the driver times the rest): a get
+        # the store wakes finds the flush due and leaves its take to that flush, waking no driver.
+        if protocol.schedule(now) is not None:
+            mailbox.flush_pending = True
         self._store(now)
-        protocol.schedule(now)  # (a settle sends what is due now; the driver times the rest)
         return drained
 
     def _read_until(self, now: float) -> float:
