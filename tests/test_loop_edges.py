@@ -1,9 +1,9 @@
 """The I/O loop watches a ZeroMQ socket by its edge-triggered ZMQ_FD: nothing queued is left unread (real sockets).
 
 libzmq's descriptor signals a change, not a state: once a wake-up was spent, messages
-already queued raise no new edge. The loop reads ZMQ_EVENTS before each wait, so a
-handler that reads one message a call is called again until the socket holds nothing,
-with no new arrival; a wake-up that brought no message calls no handler.
+already queued raise no new edge. The loop reads each socket's ZMQ_EVENTS (``zmq_poll``)
+on every pass, so a handler that reads one message a call is called again until the socket
+holds nothing, with no new arrival; a wake-up that brought no message calls no handler.
 """
 
 from __future__ import annotations
