@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -133,3 +134,33 @@ def bytes_protocol(counters: Counters | None = None, **options: Any) -> ReceiveP
     }
     settings.update(options)
     return ReceiveProtocol(**settings)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python_in_repo(
+    *args: str, env: dict[str, str] | None = None, stderr: int | None = subprocess.STDOUT
+) -> subprocess.Popen[str]:
+    """``python *args`` from the repository root (this checkout importable), lines on text pipes, stderr merged."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def stage_receiver_extra(endpoint: str, shm_dir: str, peer_timeout_s: float = 0.5) -> dict[str, object]:
+    """A receiver of stage 1 at ``endpoint``, with heartbeats quick enough for a binder's death to show soon."""
+    return {
+        "stage_id": 1,
+        "role": "receiver",
+        "endpoints": {"1": endpoint},
+        "heartbeat_s": 0.1,
+        "peer_timeout_s": peer_timeout_s,
+        "shm_dir": shm_dir,
+    }

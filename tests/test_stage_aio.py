@@ -8,41 +8,23 @@ holds the lock it is refused with a ConfigError that says how to build it instea
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import python_in_repo, stage_receiver_extra
 from zmq_omni.connectors.zmq import ZmqConnector
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _aio_proc(extra: dict[str, Any]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.stage_aio_proc", json.dumps(extra)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return python_in_repo("-m", "tests.stage_aio_proc", json.dumps(extra))
 
 
 def _extra(short_tmp: Path, shm_dir: str) -> dict[str, Any]:
-    return {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": f"ipc://{short_tmp}/stage1.sock"},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.5,
-        "shm_dir": shm_dir,
-    }
+    return stage_receiver_extra(f"ipc://{short_tmp}/stage1.sock", shm_dir)
 
 
 @pytest.mark.timeout(60)

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import python_in_repo
 from zmq_omni.connectors.zmq import ZmqConnector
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = "k_0_0"
 
 
@@ -33,14 +30,7 @@ class Proc:
 
     def __init__(self, mode: str, extra: dict[str, object], key: str = KEY, seconds: float | None = None) -> None:
         args = [mode, json.dumps(extra), key, *([] if seconds is None else [str(seconds)])]
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.stage_change_proc", *args],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.popen = python_in_repo("-m", "tests.stage_change_proc", *args, stderr=None)
 
     def line(self) -> str:
         assert self.popen.stdout is not None

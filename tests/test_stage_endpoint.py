@@ -8,10 +8,8 @@ test's processes are real OS processes; the sender is this test's process.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.conftest import python_in_repo, stage_receiver_extra
 from zmq_omni.connectors.zmq import ZmqConnector
 
-ROOT = Path(__file__).resolve().parent.parent
 BIG = 700 << 10  # above the shared-memory threshold: lent as a slot handle
 
 
@@ -30,29 +28,9 @@ def _start(
     extra: dict[str, object], keys: list[str], wait_s: float | str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     blocking = [] if wait_s is None else [str(wait_s)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.stage_endpoint_proc", json.dumps(extra), ",".join(keys), *blocking],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = python_in_repo("-m", "tests.stage_endpoint_proc", json.dumps(extra), ",".join(keys), *blocking, env=env)
     assert proc.stdout is not None
     return proc
-
-
-def _stage_extra(endpoint: str, shm_dir: str, peer_timeout_s: float = 0.5) -> dict[str, object]:
-    """A receiver of stage 1 at ``endpoint``, with heartbeats quick enough for a binder's death to show soon."""
-    return {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": peer_timeout_s,
-        "shm_dir": shm_dir,
-    }
 
 
 def _start_binder(extra: dict[str, object], procs: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
@@ -86,7 +64,7 @@ def test_a_binder_killed_mid_stream_loses_nothing_confirmed(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = _stage_extra(endpoint, shm_dir)
+    extra = stage_receiver_extra(endpoint, shm_dir)
     keys = [f"req-{i}_0_0" for i in range(12)]
     binder = _start_binder(extra, procs)
     client = _start(extra, keys)
@@ -114,7 +92,7 @@ def test_a_shared_memory_get_mapping_as_the_binder_dies_is_counted_consumed_once
 ) -> None:
     """The client's get maps a lent slot (slowly) while the binder dies: the next binder counts it consumed."""
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = _stage_extra(endpoint, shm_dir, peer_timeout_s=0.3)
+    extra = stage_receiver_extra(endpoint, shm_dir, peer_timeout_s=0.3)
     keys = [f"req-{i}_0_0" for i in range(4)]  # req-2 is in shared memory
     binder = _start_binder(extra, procs)
     client = _start(extra, keys, env={"SLOW_SHM_OPEN_S": "1.0"})
@@ -143,7 +121,7 @@ def test_after_the_binder_dies_one_client_binds_and_the_other_gets_from_it(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = _stage_extra(endpoint, shm_dir)
+    extra = stage_receiver_extra(endpoint, shm_dir)
     mine = {name: [f"{name}-{i}_0_0" for i in range(6)] for name in ("a", "b")}
     binder = _start_binder(extra, procs)
     clients = {name: _start(extra, keys) for name, keys in mine.items()}
@@ -185,14 +163,7 @@ def test_a_client_that_closes_gives_back_what_no_get_took(short_tmp: Path, shm_d
         ZmqConnector(extra) as binder,
         ZmqConnector({"role": "sender", "endpoints": {"1": endpoint}, "shm_dir": shm_dir}) as sender,
     ):
-        child = subprocess.Popen(
-            [sys.executable, "-c", code, json.dumps(extra)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        child = python_in_repo("-c", code, json.dumps(extra), stderr=None)
         try:
             assert child.stdout is not None and child.stdin is not None
             assert child.stdout.readline().split() == ["StageClient", "None"]
@@ -218,7 +189,7 @@ def test_a_blocking_get_in_flight_when_the_binder_dies_waits_on_to_its_deadline(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = _stage_extra(endpoint, shm_dir)
+    extra = stage_receiver_extra(endpoint, shm_dir)
     binder = _start_binder(extra, procs)
     client = _start(extra, ["late_0_0"], wait_s=20.0)
     procs.append(client)
@@ -239,7 +210,7 @@ def test_a_stalled_client_keeps_what_it_was_lent_and_gets_it_once_it_runs_again(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = _stage_extra(endpoint, shm_dir)
+    extra = stage_receiver_extra(endpoint, shm_dir)
     with ZmqConnector(extra) as binder:  # this process binds; the client asks it for the key
         client = _start(extra, ["k_0_0"])
         procs.append(client)
@@ -297,7 +268,7 @@ def test_a_stalled_binder_keeps_its_role_and_its_client_keeps_what_it_was_lent(
     short_tmp: Path, shm_dir: str, procs: list[subprocess.Popen[str]]
 ) -> None:
     endpoint = f"ipc://{short_tmp}/stage1.sock"
-    extra = _stage_extra(endpoint, shm_dir)
+    extra = stage_receiver_extra(endpoint, shm_dir)
     binder = _start_binder(extra, procs)
     client = _start(extra, ["k_0_0"], "once")
     procs.append(client)

@@ -9,18 +9,14 @@ process of the stage) binds the endpoint.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import python_in_repo, stage_receiver_extra
 from zmq_omni.connectors.zmq import ZmqConnector
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(90)
@@ -32,23 +28,8 @@ def test_a_child_forked_by_the_binder_is_a_client_and_binds_once_the_parent_dies
 
     monkeypatch.setenv("ZMQ_OMNI_RUN_DIR", str(short_tmp / "run"))
     endpoint = f"ipc://{short_tmp}/stage1.sock" if transport == "ipc" else f"tcp://127.0.0.1:{reserve_port()}"
-    extra = {
-        "stage_id": 1,
-        "role": "receiver",
-        "endpoints": {"1": endpoint},
-        "heartbeat_s": 0.1,
-        "peer_timeout_s": 0.5,
-        "shm_dir": shm_dir,
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.stage_fork_proc", json.dumps(extra), "k_0_0"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    extra = stage_receiver_extra(endpoint, shm_dir)
+    proc = python_in_repo("-m", "tests.stage_fork_proc", json.dumps(extra), "k_0_0")
     assert proc.stdout is not None and proc.stdin is not None
     try:
         assert proc.stdout.readline().split() == ["up", "PushReceiver"]

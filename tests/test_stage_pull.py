@@ -9,11 +9,9 @@ fetching stage 1 is this test's process.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,9 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import python_in_repo
 from zmq_omni.connectors.zmq import ZmqConnector
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Proc:
@@ -33,15 +30,7 @@ class Proc:
     def __init__(self, *argv: Any) -> None:
         """Start ``tests.stage_pull_proc`` with ``argv`` (dicts as JSON)."""
         args = [json.dumps(arg) if isinstance(arg, dict) else str(arg) for arg in argv]
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "tests.stage_pull_proc", *args],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        self.popen = python_in_repo("-m", "tests.stage_pull_proc", *args)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
