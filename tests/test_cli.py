@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
+import zmq
 
 from tests.ports import reserve_port
+from zmq_omni.cli import main as cli_main
 
 CLI = [sys.executable, "-m", "zmq_omni.cli"]
 STAGES = (("thinker", 0), ("talker", 1), ("vocoder", 2))
@@ -212,6 +214,15 @@ def test_health_against_nothing_exits_1_with_one_line() -> None:
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "unhealthy" in result.stderr
     assert "within 0.5 s" in result.stderr, result.stderr
+
+
+def test_health_takes_a_server_key_that_begins_with_a_dash(capsys: pytest.CaptureFixture[str]) -> None:
+    # Z85 keys may begin with '-', which argparse alone reads as an option ("expected one argument").
+    public = next(key for key in (zmq.curve_keypair()[0].decode() for _ in range(10_000)) if key.startswith("-"))
+    endpoint = f"tcp://127.0.0.1:{reserve_port()}"
+    status = cli_main(["health", "--endpoint", endpoint, "--server-key", public, "--timeout", "0.3"])
+    assert status == 1, capsys.readouterr()  # probed with that key: nothing answers; 2 would be a usage error
+    assert "unhealthy" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

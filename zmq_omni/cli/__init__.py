@@ -245,10 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _keys_as_values(argv: list[str]) -> list[str]:
+    """Join ``--server-key KEY`` into ``--server-key=KEY``.
+
+    A Z85 key may begin with ``-``, which argparse would read as an option and
+    refuse with "expected one argument".
+    """
+    joined: list[str] = []
+    items = iter(argv)
+    for arg in items:
+        value = next(items, None) if arg == "--server-key" else None
+        joined.append(arg if value is None else f"{arg}={value}")
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``zmq-omni``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_keys_as_values(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("zmq_omni").setLevel(args.log_level)
     command = args.command
