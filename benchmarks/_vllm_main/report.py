@@ -49,7 +49,7 @@ def host_cpu() -> float:
 
 
 def print_cpu(result: RunResult) -> None:
-    """The burst's CPU per chunk: each stage process, then its threads and connector calls of 0.01 ms or more."""
+    """The burst's CPU per chunk: each stage process (its connector's share), its threads and calls of >= 0.01 ms."""
     total = sum(stage["(process)"] for stage in result.cpu_ms_per_chunk.values())
     print(
         f"    burst CPU ms/chunk: stages {total:.2f} (3 stages at {result.chunks_per_s:.0f} chunks/s:"
@@ -57,7 +57,12 @@ def print_cpu(result: RunResult) -> None:
     )
     for stage, threads in result.cpu_ms_per_chunk.items():
         rest = sorted(((v, k) for k, v in threads.items() if k != "(process)" and v >= 0.01), reverse=True)
-        print(f"      stage {stage} {threads['(process)']:.2f}: " + ", ".join(f"{k} {v:.2f}" for v, k in rest))
+        # the connector's: its calls, ZmqConnector's I/O threads and libzmq's; the rest is main's code and the harness
+        ours = sum(v for k, v in threads.items() if k.startswith(("(in ", "zmq-omni", "ZMQbg")))
+        print(
+            f"      stage {stage} {threads['(process)']:.2f} (connector {ours:.2f}, the rest"
+            f" {threads['(process)'] - ours:.2f}): " + ", ".join(f"{k} {v:.2f}" for v, k in rest)
+        )
 
 
 def report(results: dict[str, list[RunResult]], args: argparse.Namespace) -> None:

@@ -127,14 +127,15 @@ _FRAMES: dict[int, Any] = {}
 def frames(ordinal: int, count: int) -> Any:
     """The first ``count`` codec frames of a request, ``[count, 16]`` int64, never 0 (main skips all-zero frames).
 
-    Made once per request and sliced, so the stand-in model and the checks cost
-    the stages little next to what is measured.
+    Made once per request (again, twice as long, when a request outgrows it) and
+    sliced, so the stand-in model and the checks cost the stages little next to
+    what is measured.
     """
     import torch
 
     made = _FRAMES.get(ordinal)
     if made is None or made.shape[0] < count:
-        index = torch.arange(max(count, 1024), dtype=torch.int64).unsqueeze(1)
+        index = torch.arange(max(count, 1024, 0 if made is None else 2 * made.shape[0]), dtype=torch.int64).unsqueeze(1)
         start = (ordinal * 7919 + index * CODEBOOKS) % 2000
         made = _FRAMES[ordinal] = (start + torch.arange(CODEBOOKS, dtype=torch.int64)) % 2047 + 1
     return made[:count]
