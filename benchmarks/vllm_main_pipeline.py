@@ -86,6 +86,14 @@ theirs; latency: theirs / ours; above 1, ZmqConnector is better). Each line
 per run also shows where a paced chunk's time goes (p50 of each leg) and how
 many of the thinker's puts took ZmqConnector's shared-memory path.
 
+``--cpu`` adds, per run, each stage process's CPU over the burst in ms per
+chunk (the burst's chunks), by thread, and the CPU its connector calls took
+(``(in put)``, ``(in get hit)``, ``(in get miss)``), with how many cores the
+three stages kept busy and the whole host (``/proc/stat``: other work on the
+host shows there). When the host has cores to spare the talker process is the
+bottleneck: its threads share one GIL, so code2wav's chunks/s is close to
+1000 / (the talker's CPU ms per chunk).
+
 ``--quick``: one repetition, 1 paced request and 8 burst requests of 20
 chunks (about 40 s on two cores at load average 1.4).
 """
@@ -112,20 +120,13 @@ from typing import Any
 
 import yaml
 from _vllm_main import env as main_env
+from _vllm_main.report import BACKENDS, BASELINE, RunResult, host_cpu, pct, print_cpu, report
 
 from zmq_omni.transport import reserve_loopback_port
 
 STAGE_SCRIPT = Path(__file__).resolve().parent / "_vllm_main" / "stage.py"
 DEPLOY_YAML = "vllm_omni/deploy/qwen3_omni_moe.yaml"
 SHM_ROOT = Path("/dev/shm")
-BASELINE = "main-shm"
-BACKENDS = ("main-shm", "zmq-push-ipc", "zmq-push-tcp", "zmq-pull-tcp")
-LABELS = {
-    "main-shm": "main's SharedMemoryConnector (YAML as shipped)",
-    "zmq-push-ipc": "ZmqConnector push ipc, shm auto",
-    "zmq-push-tcp": "ZmqConnector push tcp, shm off",
-    "zmq-pull-tcp": "ZmqConnector pull tcp",
-}
 
 
 class BenchmarkFailed(RuntimeError):
@@ -202,26 +203,6 @@ class StageProc:
             self.seen.add(got)
 
 
-@dataclass
-class RunResult:
-    """One backend, one repetition."""
-
-    chunk0_ms: list[float]
-    per_chunk_ms: list[float]
-    chunks_per_s: float
-    put_us: list[float]
-    paced_put_us: list[float]
-    first_chunk0_ms: float
-    hops_ms: dict[str, list[float]]
-    shm_puts: int | None
-    hop1_chunks_per_s: float
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str) -> RunResult:
     """Start three stages, run the paced then the burst workload, stop them, check nothing is left."""
     t_start = time.monotonic()
@@ -270,10 +251,16 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
             by_stage[2].wait_event(f"done {rid}", time.monotonic() + args.chunks_paced * args.pace_ms / 1e3 + 30)
         phases["first+paced"] = time.monotonic() - t_start - phases["start"]
         burst = [(f"{nonce}-b{i}", 100 + i) for i in range(args.requests)]
+        for sp in stages:
+            sp.send("cpu before")
+        host_before, wall_before = host_cpu(), time.monotonic()
         add(burst, args.chunks, 0.0)
         burst_by = time.monotonic() + args.burst_timeout
         for rid, _ in burst:
             by_stage[2].wait_event(f"done {rid}", burst_by)
+        for sp in stages:
+            sp.send("cpu after")
+        host_busy = (host_cpu() - host_before) / (time.monotonic() - wall_before)
         ok = True
     finally:
         t_stop = time.monotonic()
@@ -303,7 +290,9 @@ def run_once(checkout: Path, backend: str, args: argparse.Namespace, nonce: str)
                 print(f"{backend}: {problem}", file=sys.stderr)
     if problems:
         raise BenchmarkFailed(f"{backend}: " + "; ".join(problems[:10]))
-    return _measure(records, first[0], paced, burst, args)
+    result = _measure(records, first[0], paced, burst, args)
+    result.host_busy_cores = host_busy
+    return result
 
 
 def _stop(stages: list[StageProc], timeout: float) -> list[str]:
@@ -382,7 +371,16 @@ def _measure(
     # called once per codec frame) sets the pace of the second hop
     hop1_end = max(talker_gets[f"{rid}_0_{k}"] for rid, _ in burst for k in range(args.chunks))
     hop1_rate = len(burst) * args.chunks / (hop1_end - burst_start)
-    return RunResult(chunk0, per_chunk, rate, put_us, paced_put_us, latency(first, 0) * 1e3, hops, shm_puts, hop1_rate)
+    # each stage's CPU over the burst, per thread, in ms per code2wav chunk
+    cpu: dict[str, dict[str, float]] = {}
+    for stage, record in records.items():
+        before, after = record["cpu"]["before"], record["cpu"]["after"]
+        cpu[str(stage)] = {
+            name: (spent - before.get(name, 0.0)) * 1e3 / (len(burst) * args.chunks) for name, spent in after.items()
+        }
+    return RunResult(
+        chunk0, per_chunk, rate, put_us, paced_put_us, latency(first, 0) * 1e3, hops, shm_puts, hop1_rate, cpu
+    )
 
 
 def main() -> int:
@@ -400,6 +398,7 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=90.0)
     parser.add_argument("--burst-timeout", type=float, default=120.0)
     parser.add_argument("--stop-timeout", type=float, default=30.0)
+    parser.add_argument("--cpu", action="store_true", help="print each stage's CPU per chunk in the burst, by thread")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument("--records", type=Path, help="keep each stage's raw timings (JSON) in this directory")
     args = parser.parse_args()
@@ -428,62 +427,17 @@ def main() -> int:
             results[backend].append(result)
             print(
                 f"  rep {rep} {backend:13s} chunk0 p50 {statistics.median(result.chunk0_ms):6.2f} ms"
-                f"  per-chunk p50 {_pct(result.per_chunk_ms, 0.5):6.2f} p99 {_pct(result.per_chunk_ms, 0.99):6.2f} ms"
+                f"  per-chunk p50 {pct(result.per_chunk_ms, 0.5):6.2f} p99 {pct(result.per_chunk_ms, 0.99):6.2f} ms"
                 f"  {result.chunks_per_s:7.1f} chunks/s (hop 1 {result.hop1_chunks_per_s:.0f})"
-                f"  put p50 {_pct(result.put_us, 0.5):7.1f} us (paced {_pct(result.paced_put_us, 0.5):.1f})"
-                f"  (hops p50 ms: {', '.join(f'{k} {_pct(v, 0.5):.2f}' for k, v in result.hops_ms.items())};"
+                f"  put p50 {pct(result.put_us, 0.5):7.1f} us (paced {pct(result.paced_put_us, 0.5):.1f})"
+                f"  (hops p50 ms: {', '.join(f'{k} {pct(v, 0.5):.2f}' for k, v in result.hops_ms.items())};"
                 f" thinker shm puts {result.shm_puts if result.shm_puts is not None else '-'})",
                 flush=True,
             )
-    _report(results, args)
+            if args.cpu:
+                print_cpu(result)
+    report(results, args)
     return 0
-
-
-def _report(results: dict[str, list[RunResult]], args: argparse.Namespace) -> None:
-    def med(backend: str, pick: Any) -> float:
-        return float(statistics.median(pick(r) for r in results[backend]))
-
-    rows = {}
-    for backend, runs in results.items():
-        rows[backend] = {
-            "chunk0_p50_ms": med(backend, lambda r: statistics.median(r.chunk0_ms)),
-            "first_chunk0_ms": med(backend, lambda r: r.first_chunk0_ms),
-            "per_chunk_p50_ms": med(backend, lambda r: _pct(r.per_chunk_ms, 0.5)),
-            "per_chunk_p99_ms": med(backend, lambda r: _pct(r.per_chunk_ms, 0.99)),
-            "chunks_per_s": med(backend, lambda r: r.chunks_per_s),
-            "hop1_chunks_per_s": med(backend, lambda r: r.hop1_chunks_per_s),
-            "put_p50_us": med(backend, lambda r: _pct(r.put_us, 0.5)),
-            "put_p99_us": med(backend, lambda r: _pct(r.put_us, 0.99)),
-            "paced_put_p50_us": med(backend, lambda r: _pct(r.paced_put_us, 0.5)),
-            "runs": len(runs),
-        }
-    base = rows.get(BASELINE)
-    print(f"\nmedians of {args.reps} reps (ratio: vs {BASELINE} in this run; above 1, better than it)")
-    print(
-        f"{'backend':48s} {'chunk0 p50':>10s} {'1st chunk0':>10s} {'chunk p50':>9s} {'chunk p99':>9s}"
-        f" {'chunks/s':>9s} {'ratio':>6s} {'put p50':>9s} {'put p99':>9s} {'paced put p50':>13s}"
-    )
-    for backend, row in rows.items():
-        ratio = f"{row['chunks_per_s'] / base['chunks_per_s']:.2f}x" if base else "-"
-        print(
-            f"{LABELS[backend]:48s} {row['chunk0_p50_ms']:8.2f}ms {row['first_chunk0_ms']:8.2f}ms"
-            f" {row['per_chunk_p50_ms']:7.2f}ms {row['per_chunk_p99_ms']:7.2f}ms {row['chunks_per_s']:9.1f}"
-            f" {ratio:>6s} {row['put_p50_us']:7.0f}us {row['put_p99_us']:7.0f}us {row['paced_put_p50_us']:11.0f}us"
-        )
-    if base:
-        print("\nlatency ratios (theirs / ours; above 1, ZmqConnector is faster):")
-        for backend, row in rows.items():
-            if backend != BASELINE:
-                print(
-                    f"  {backend:13s} chunk0 {base['chunk0_p50_ms'] / row['chunk0_p50_ms']:.2f}x"
-                    f"  per-chunk p50 {base['per_chunk_p50_ms'] / row['per_chunk_p50_ms']:.2f}x"
-                    f"  p99 {base['per_chunk_p99_ms'] / row['per_chunk_p99_ms']:.2f}x"
-                    f"  put p50 {base['put_p50_us'] / row['put_p50_us']:.2f}x"
-                    f" (paced {base['paced_put_p50_us'] / row['paced_put_p50_us']:.2f}x)"
-                )
-    if args.json:
-        raw = {b: [r.__dict__ for r in runs] for b, runs in results.items()}
-        args.json.write_text(json.dumps({"medians": rows, "runs": raw, "args": vars(args)}, default=str, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,11 +37,11 @@ scheduler and model around them:
 
 Commands arrive on stdin, one a line: ``add RID ORDINAL CHUNKS PACE_S`` (a
 request; the orchestrator sends it to stages 2, 1, 0 in that order) and
-``finish``. Events go to stdout as lines starting ``@@``: ``@@ready``,
+``finish`` (and ``cpu LABEL``, below). Events go to stdout as lines starting ``@@``: ``@@ready``,
 ``@@done RID`` (code2wav has every chunk of RID), ``@@records PATH``.
 Anything else on stdout/stderr is log, shown by the harness on failure.
 
-Timing: the connector's ``put`` and ``get`` are wrapped (``_Timed``) to record,
+Timing: the connector's ``put`` and ``get`` are wrapped (``timing.Timed``) to record,
 with ``time.monotonic()`` (system-wide on Linux, so comparable between the
 processes), when each put started and ended, when each get that returned a
 chunk started and ended, and how long each miss took; the thinker records
@@ -49,6 +49,12 @@ when it called ``save_async`` for each step. The talker's last frame of a
 request finishes it (``is_finished``, and ``is_segment_finished`` as main's
 AR scheduler passes it); code2wav calls the adapter's ``cleanup`` at a
 request's end, as main's generation scheduler does.
+
+CPU: a ``cpu LABEL`` line on stdin (answered by the command thread at once)
+records, under ``cpu.LABEL``, the CPU seconds each live thread has spent
+(``/proc/self/task``, clock ticks), the process's own (``(process)``) and
+the CPU seconds the calling threads spent inside ``put``, ``get`` hits and
+``get`` misses (``time.thread_time`` around each call).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _vllm_main import env as main_env
+from _vllm_main.timing import Timed, cpu_by_thread
 
 HIDDEN = 2048
 CODEBOOKS = 16
@@ -120,14 +127,15 @@ _FRAMES: dict[int, Any] = {}
 def frames(ordinal: int, count: int) -> Any:
     """The first ``count`` codec frames of a request, ``[count, 16]`` int64, never 0 (main skips all-zero frames).
 
-    Made once per request and sliced, so the stand-in model and the checks cost
-    the stages little next to what is measured.
+    Made once per request (again, twice as long, when a request outgrows it) and
+    sliced, so the stand-in model and the checks cost the stages little next to
+    what is measured.
     """
     import torch
 
     made = _FRAMES.get(ordinal)
     if made is None or made.shape[0] < count:
-        index = torch.arange(max(count, 1024), dtype=torch.int64).unsqueeze(1)
+        index = torch.arange(max(count, 1024, 0 if made is None else 2 * made.shape[0]), dtype=torch.int64).unsqueeze(1)
         start = (ordinal * 7919 + index * CODEBOOKS) % 2000
         made = _FRAMES[ordinal] = (start + torch.arange(CODEBOOKS, dtype=torch.int64)) % 2047 + 1
     return made[:count]
@@ -184,37 +192,6 @@ class RequestQueue(deque[Request]):
         self.extendleft(reversed(requests))
 
 
-# ---------------------------------------------------------------- instrumentation
-
-
-class _Timed:
-    """Wraps the adapter's connector: each ``put`` (start, end, ok), ``get`` hit (start, end) and miss (duration)."""
-
-    def __init__(self, connector: Any, records: dict[str, Any]) -> None:
-        self._connector = connector
-        self._puts = records.setdefault("puts", {})
-        self._gets = records.setdefault("gets", {})
-        self._misses = records.setdefault("misses", [])
-
-    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> Any:
-        start = time.monotonic()
-        result = self._connector.put(from_stage=from_stage, to_stage=to_stage, put_key=put_key, data=data)
-        self._puts[put_key] = (start, time.monotonic(), bool(result[0]))
-        return result
-
-    def get(self, from_stage: str, to_stage: str, get_key: str, metadata: Any = None) -> Any:
-        start = time.monotonic()
-        result = self._connector.get(from_stage, to_stage, get_key, metadata)
-        if result is not None:
-            self._gets.setdefault(get_key, (start, time.monotonic()))
-        else:
-            self._misses.append(time.monotonic() - start)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._connector, name)
-
-
 # ---------------------------------------------------------------- the stage
 
 
@@ -242,7 +219,8 @@ class Stage:
         vllm_config = SimpleNamespace(model_config=model_config, scheduler_config=SimpleNamespace(max_num_seqs=64))
         self.adapter = OmniChunkTransferAdapter(vllm_config)
         self.connector = self.adapter.connector
-        self.adapter.connector = _Timed(self.connector, self.records)
+        self.timed = Timed(self.connector, self.records)
+        self.adapter.connector = self.timed
         self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -254,6 +232,9 @@ class Stage:
     # the orchestrator's commands, on stdin
     def read_commands(self) -> None:
         for line in sys.stdin:
+            if line.startswith("cpu "):  # answered here, not by the scheduler loop, so the snapshot is on time
+                self.records.setdefault("cpu", {})[line.split()[1]] = {**cpu_by_thread(), **self.timed.calls_cpu}
+                continue
             self.commands.put(line.strip())
         self.commands.put("finish")
 
