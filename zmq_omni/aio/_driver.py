@@ -104,6 +104,7 @@ class LoopDriver(Driver):
     """
 
     threaded: ClassVar[bool] = False
+    turn: int = 0  # one more at each callback of ours the loop runs (the parts' per-turn read budgets)
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         super().__init__(name, private_context=private_context)
@@ -119,6 +120,7 @@ class LoopDriver(Driver):
         self._timers: set[_Timer] = set()  # pending one-shot timers and every periodic one
         self._on_stop: list[Callable[[], None]] = []
         self._on_term: list[Callable[[], None]] = []
+        self.turn = 0
 
     # -- binding to the loop (loop thread) ----------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -337,6 +339,7 @@ class LoopDriver(Driver):
     def _on_timer(self, timer: _Timer) -> None:
         if self._stopped:
             return
+        self.turn += 1
         if timer.interval is None:
             self._timers.discard(timer)
         else:
@@ -349,6 +352,7 @@ class LoopDriver(Driver):
         self._calls_armed = False
         if self._stopped:
             return
+        self.turn += 1
         calls = self._calls
         for _ in range(len(calls)):
             self._guard(calls.popleft())
@@ -358,6 +362,7 @@ class LoopDriver(Driver):
         """The loop saw ``reader``'s descriptor readable."""
         if self._stopped or self._readers.get(reader.sock if reader.sock is not None else reader.fd) is not reader:
             return
+        self.turn += 1
         sock = reader.sock
         if sock is None or self._holds_messages(sock):  # (the look also resets ZeroMQ's descriptor)
             try:
