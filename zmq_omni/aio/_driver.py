@@ -24,6 +24,10 @@ at ``zmq.EVENTS``) may spend that signal while a message waits. So:
   watched as it is (level-triggered); its handler keeps the rule above itself,
   and uses no registered ZeroMQ socket either.
 
+Each callback of the driver's own (a handler, a timer, a round of calls, the stop) is one of its turns,
+counted in :attr:`LoopDriver.turn`: a part's read budget is a turn's (every read of the turn shares
+it), with no call queued to end it.
+
 The driver may be built before the loop runs: until :meth:`LoopDriver.attach`
 (the ``AsyncConnector``'s first await), readers, timers and calls are
 recorded, and installed when it attaches.
@@ -261,6 +265,7 @@ class LoopDriver(Driver):
                 return
             self._stopped = True
             self._started = True
+            self.turn += 1  # (the stop is a turn of its own: what it runs reads on a budget of its own)
             calls = self._calls
             while calls:  # handed over before the stop: they may open what the hooks close
                 self._guard(calls.popleft())
