@@ -194,13 +194,17 @@ class Mailbox:
             if not self.flush_pending:
                 self._on_left(False)
 
-    def handover(self) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
-        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)`` (the driver's)."""
+    def handover(self, *, still_pending: bool = False) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
+        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)`` (the driver's).
+
+        ``still_pending``: the driver times another flush at once, so :attr:`flush_pending` stays set.
+        """
         with self.lock:
             consumed, self._consumed = self._consumed, []
             dropped, self._dropped = self._dropped, []
             nbytes, self._taken_bytes = self._taken_bytes, 0
-            self._told = self.flush_pending = False
+            self._told = False
+            self.flush_pending = still_pending
         return consumed, dropped, nbytes
 
     # -- any thread -----------------------------------------------------------------------
