@@ -34,7 +34,9 @@ the driver's thread        the ROUTER, its monitor and descriptor, everything   
 
 Clocks: acknowledgements wait ``ack_delay_s`` (default 20 ms) to be batched (a
 lone message stream pays one REPLY per delay rather than one per put; a sender
-that needs its acks sooner pings, which is answered at once); senders not heard
+that needs its acks sooner pings, which is answered at once; acks due within a
+quarter of the delay go out on an arrival's turn instead, and their timer is
+cancelled: see :meth:`PushReceiver._flush_early`); senders not heard
 from for ``source_ttl_s`` and items nobody took for ``unclaimed_ttl_s`` expire on
 periodic timers. Everything else is a wake-up: the descriptor, an arrival in the
 mailbox, the seal.
