@@ -71,6 +71,36 @@ async def test_awaited_round_trips_with_a_peer_process(short_tmp: Path, mode: st
 
 
 @pytest.mark.anyio
+async def test_a_message_read_on_the_loop_hands_the_driver_no_call(short_tmp: Path) -> None:
+    # The read budget of a driver turn ends with the turn (the driver counts its callbacks), not with a call
+    # queued per message read: a lone round trip costs the loop no callback beyond the read and the get's task.
+    n = 40
+    endpoints = {"a": f"ipc://{short_tmp}/a.sock", "b": f"ipc://{short_tmp}/b.sock"}
+    with peer("echo", config={"stage_id": "b", "role": "dual", "endpoints": endpoints}, n=n, face="threaded") as echo:
+        echo.event("ready")
+        async with AsyncConnector.create(spec(stage_id="a", role="dual", endpoints=endpoints)) as conn:
+            driver = conn.connector.driver
+            assert (await conn.put("a", "b", "p0", {"i": 0}))[0]  # connections made, first calls run
+            assert await conn.get("b", "a", "q0", timeout=60) is not None
+            runs = 0
+            run_calls = driver._run_calls
+
+            def counted() -> None:
+                nonlocal runs
+                runs += 1
+                run_calls()
+
+            driver._run_calls = counted
+            turn = driver.turn
+            for i in range(1, n):
+                assert (await conn.put("a", "b", f"p{i}", {"i": i}))[0]
+                assert await conn.get("b", "a", f"q{i}", timeout=60) is not None
+            assert driver.turn - turn >= n - 1  # each message read in a turn of the driver's
+            assert runs < n // 4, f"{runs} calls run for {n - 1} messages read"
+            await asyncio.to_thread(echo.event, "echoed")
+
+
+@pytest.mark.anyio
 async def test_create_starts_no_thread(short_tmp: Path) -> None:
     # The ZeroMQ context's own I/O threads are C threads: threading does not list them.
     endpoints = {"a": f"ipc://{short_tmp}/a.sock", "b": f"ipc://{short_tmp}/b.sock"}

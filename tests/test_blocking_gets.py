@@ -8,6 +8,7 @@ in one process.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from zmq_omni.connectors.zmq import ZmqConnector
+from zmq_omni.transport._signal import thread_sleeper
 
 from .conftest import wait_until
 
@@ -149,3 +151,21 @@ def test_what_queued_behind_a_getters_item_reaches_the_mailbox_and_is_acknowledg
                 got = receiver.get("0", "1", key)
                 assert got is not None and got[0] == {"k": key}
         assert sender.flush(10.0)
+
+
+def test_a_forked_child_waits_on_a_sleeper_of_its_own() -> None:
+    # A wake meant for the parent's thread must not be read by a wait in the child (they would share an eventfd).
+    parent = thread_sleeper()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        child = thread_sleeper()
+        parent.wake()  # (the parent's eventfd, inherited): the child's wait must not see it
+        start = time.monotonic()
+        child.wait(0.05)
+        os._exit(0 if child is not parent and child.fd != parent.fd and time.monotonic() - start >= 0.04 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    parent.wait(0.0)  # what the child wrote to the parent's eventfd is read: it ends at once
+    start = time.monotonic()
+    parent.wait(0.05)  # and the next wait sleeps its time
+    assert time.monotonic() - start >= 0.04

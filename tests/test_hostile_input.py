@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from hypothesis import given, settings
@@ -40,6 +41,8 @@ from zmq_omni.transport._dedupe import MAX_UNCONFIRMED, MAX_UNSENT_TRIES, Source
 from zmq_omni.transport._envelope import _PREAMBLE, MAGIC, MAX_HEADER_DEPTH, VERSION, Kind, pack, unpack
 from zmq_omni.transport._shm import NONCE_BYTES, ShmReceive
 from zmq_omni.wire import DecodeLimits, brief, check_shape, decode, decode_each, encode
+from zmq_omni.wire._format import PREAMBLE_SIZE
+from zmq_omni.wire._shape import flat_ext_map
 
 from .conftest import wait_until
 from .contention import Ticker
@@ -146,6 +149,37 @@ def test_check_shape_agrees_with_a_plain_walk(obj: Any, slack_depth: int, slack_
             else:
                 with pytest.raises(DecodeError, match=r"deeper than the limit|more than the limit"):
                     check_shape(data, max_depth, max_objects)
+
+
+exts = st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=70000))
+ext_maps = st.dictionaries(st.text(max_size=31), st.one_of(exts, scalars), max_size=17)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(ext_maps, st.integers(0, 2), st.integers(-2, 2), st.binary(max_size=3))
+def test_a_flat_ext_map_passes_without_a_walk_only_within_the_bounds(
+    obj: dict[str, Any], max_depth: int, slack_objects: int, tail: bytes
+) -> None:
+    body = msgpack.packb(obj)
+    depth, objects = reference(obj)
+    max_objects = max(1, objects + slack_objects)
+    flat = flat_ext_map(body, max_depth, max_objects)
+    if flat:  # never a pass the walk would refuse
+        assert depth <= max_depth and objects <= max_objects
+        check_shape(body, max_depth, max_objects)
+    short_keys = all(len(k.encode()) < 32 for k in obj)
+    plain = 0 < len(obj) <= 15 and short_keys and all(type(v) is msgpack.ExtType for v in obj.values())
+    assert flat == (plain and depth <= max_depth and objects <= max_objects)
+    assert not flat_ext_map(body[:-1], max_depth, max_objects)  # truncated
+    if tail:
+        assert not flat_ext_map(body + tail, max_depth, max_objects)  # trailing bytes
+
+
+def test_a_put_of_one_array_needs_no_walk() -> None:
+    for size in (16, 300, 1024, 60_000):
+        body = encode({"data": np.zeros(size, np.uint8)})[0][PREAMBLE_SIZE:]
+        assert flat_ext_map(body, LIMIT, 1 << 20)
+        assert not flat_ext_map(body, 0, 1 << 20) and not flat_ext_map(body, LIMIT, 2)
 
 
 def test_depth_is_rejected_one_level_past_the_limit_and_at_ten_thousand() -> None:

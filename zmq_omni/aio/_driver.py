@@ -24,6 +24,10 @@ at ``zmq.EVENTS``) may spend that signal while a message waits. So:
   watched as it is (level-triggered); its handler keeps the rule above itself,
   and uses no registered ZeroMQ socket either.
 
+Each callback of the driver's own (a handler, a timer, a round of calls, the stop) is one of its turns,
+counted in :attr:`LoopDriver.turn`: a part's read budget is a turn's (every read of the turn shares
+it), with no call queued to end it.
+
 The driver may be built before the loop runs: until :meth:`LoopDriver.attach`
 (the ``AsyncConnector``'s first await), readers, timers and calls are
 recorded, and installed when it attaches.
@@ -110,6 +114,7 @@ class LoopDriver(Driver):
     """
 
     threaded: ClassVar[bool] = False
+    turn: int = 0  # one more at each callback of ours the loop runs (the parts' per-turn read budgets)
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         super().__init__(name, private_context=private_context)
@@ -125,6 +130,7 @@ class LoopDriver(Driver):
         self._timers: set[_Timer] = set()  # pending one-shot timers and every periodic one
         self._on_stop: list[Callable[[], None]] = []
         self._on_term: list[Callable[[], None]] = []
+        self.turn = 0
 
     # -- binding to the loop (loop thread) ----------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -265,6 +271,7 @@ class LoopDriver(Driver):
                 return
             self._stopped = True
             self._started = True
+            self.turn += 1  # (the stop is a turn of its own: what it runs reads on a budget of its own)
             calls = self._calls
             while calls:  # handed over before the stop: they may open what the hooks close
                 self._guard(calls.popleft())
@@ -345,6 +352,7 @@ class LoopDriver(Driver):
     def _on_timer(self, timer: _Timer) -> None:
         if self._stopped:
             return
+        self.turn += 1
         if timer.interval is None:
             self._timers.discard(timer)
         else:
@@ -357,6 +365,7 @@ class LoopDriver(Driver):
         self._calls_armed = False
         if self._stopped:
             return
+        self.turn += 1
         calls = self._calls
         for _ in range(len(calls)):
             self._guard(calls.popleft())
@@ -366,6 +375,7 @@ class LoopDriver(Driver):
         """The loop saw ``reader``'s descriptor readable."""
         if self._stopped or self._readers.get(reader.sock if reader.sock is not None else reader.fd) is not reader:
             return
+        self.turn += 1
         sock = reader.sock
         if sock is None or self._holds_messages(sock):  # (the look also resets ZeroMQ's descriptor)
             try:

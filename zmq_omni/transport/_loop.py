@@ -91,6 +91,9 @@ class Driver(ABC):
     #: True when put and get threads may use the parts' sockets beside the driver (the transport's
     #: locks decide who, one at a time); False when the driver's thread alone uses them.
     threaded: ClassVar[bool] = True
+    #: A number that changes between the driver's turns, where the driver keeps one (an event-loop driver:
+    #: each callback of its own is a turn); None where it does not (a per-turn state ends in a ``call_soon``).
+    turn: int | None = None
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         self._name = name

@@ -11,10 +11,10 @@ single reads of that kind: ``closed`` on the driver (``ReceiveSocket.read`` and
 ``on_lendable`` are set without it (under the shared endpoint's lock) and read
 as one attribute each. The receiver's
 driver stores arrivals; any thread takes, waiting (:meth:`Mailbox.take`) until an
-arrival, the seal or its deadline wakes it. A waiting thread sleeps on a lock of
-its own, listed under the mailbox lock and released by whoever wakes it (what
-``threading.Condition`` does, without its Python-level bookkeeping on the round
-trip of every lone message). An event
+arrival, the seal or its deadline wakes it. A waiting thread sleeps on an
+eventfd of its own, listed under the mailbox lock; whoever wakes it takes it off
+the list and writes it, the driver after letting go of the lock, and then yields
+the CPU: the get woken runs before the rest of the driver's turn. An event
 loop is woken by :attr:`Mailbox.on_arrivals`, which is called outside the lock
 with the addresses that arrived.
 
@@ -36,9 +36,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 import time
-from _thread import allocate_lock
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +47,7 @@ from ..metrics import Counters
 from ._push_protocol import DROPPED_CANCELLED, DROPPED_UNCLAIMED
 from ._receive_protocol import ACK_BYTES, Item, Slot
 from ._shm import ShmReceive
+from ._signal import Sleeper, thread_sleeper
 from ._tombstones import Tombstones
 
 __all__ = ["Mailbox"]
@@ -90,7 +91,7 @@ class Mailbox:
         self._decode = decode
         self._counters = counters
         self.lock = threading.Lock()
-        self._sleepers: list[Any] = []  # the locks of the threads waiting, each held: releasing it wakes that thread
+        self._sleepers: list[Sleeper] = []  # those of the threads waiting (a wake takes it off)
         self._box: dict[Slot, Item] = {}  # arrival order: a re-put moves to the end
         self._tombs = Tombstones(tombstone_ttl_s, max_tombstones)
         self._consumed: list[tuple[str, int]] = []  # for the protocol: taken by gets or replaced by re-puts
@@ -122,6 +123,7 @@ class Mailbox:
         (``ReceiveProtocol.schedule``) once its drain is done.
         """
         gone: list[Item] = []
+        sleepers: list[Sleeper] = []
         with self.lock:
             if self._tombs.entries:
                 arrivals = self._drop_buried(arrivals, gone, now)
@@ -135,8 +137,13 @@ class Mailbox:
                     self._consumed.append((old.sid, old.seq))
                     gone.append(old)
             self.generation += 1
-            if self.waiting:
-                self._wake_all()
+            if self._sleepers:  # woken once the lock is let go: a get woken takes its item without waiting for it
+                sleepers, self._sleepers = self._sleepers, []
+        if sleepers:
+            for sleeper in sleepers:
+                sleeper.wake()
+            # The get woken runs now, and the rest of this turn after it: off the round trip of a lone message.
+            os.sched_yield()
         if gone:
             self._discard(gone)
         if arrivals:
@@ -318,18 +325,16 @@ class Mailbox:
 
         An arrival, a seal or a wake-up: the caller looks again at what it waits for.
         """
-        sleeper = allocate_lock()
-        sleeper.acquire()
+        sleeper = thread_sleeper()
         self._sleepers.append(sleeper)
         self.waiting += 1
         self.lock.release()
-        woken = False
         try:
-            woken = sleeper.acquire(True, timeout)
+            sleeper.wait(timeout)
         finally:
             self.lock.acquire()
             self.waiting -= 1
-            if not woken and sleeper in self._sleepers:  # (a timeout, or interrupted, with no wake meanwhile)
+            if sleeper in self._sleepers:  # (a timeout, or interrupted, with no wake meanwhile)
                 self._sleepers.remove(sleeper)
 
     def _wake_all(self) -> None:
@@ -338,7 +343,7 @@ class Mailbox:
         if sleepers:
             self._sleepers = []
             for sleeper in sleepers:
-                sleeper.release()
+                sleeper.wake()
 
     def wake_waiters(self) -> None:
         """Wake the waiting threads: each checks its ``stop`` again."""

@@ -76,6 +76,7 @@ class PullRouter:
         self.bound: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._reader = RoutedReader(self.sock, 1, max_frames)
         self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
+        self._budget_turn: int | None = None  # the driver's turn that ``_turn_until`` is of (a driver counting turns)
         loop.add_reader(self.sock, self._on_readable)
 
     def _open(self, endpoint: str) -> Any:
@@ -104,9 +105,14 @@ class PullRouter:
 
     def _read_until(self) -> float:
         """When reading stops: one budget for every read of a driver turn on its thread (elsewhere: each read)."""
-        now = time.monotonic()
-        if not self._loop.in_loop():
+        now, loop = time.monotonic(), self._loop
+        if not loop.in_loop():
             return now + READ_BUDGET_S
+        turn = loop.turn
+        if turn is not None:  # the driver counts its turns: no call to end this one
+            if turn != self._budget_turn:
+                self._budget_turn, self._turn_until = turn, now + READ_BUDGET_S
+            return self._turn_until
         if not self._turn_until:
             self._turn_until = now + READ_BUDGET_S
             self._loop.call_soon(self._end_turn)  # (runs on the driver's next turn)

@@ -123,6 +123,7 @@ class ReceiveSocket:
         # A message of up to max_frames frames is kept whole (after its header); past it the socket is bound anew.
         self._reader = RoutedReader(self.socket, max_frames + 1, max_frames)
         self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
+        self._budget_turn: int | None = None  # the driver's turn that ``_turn_until`` is of (a driver counting turns)
 
     def _open(self, endpoint: str) -> Any:
         sock, self._stop_refusals = open_router(
@@ -187,8 +188,14 @@ class ReceiveSocket:
 
     def _read_until(self, now: float) -> float:
         """When reading stops this turn: one budget for every read of a driver turn, on the driver's thread."""
-        if not self._loop.in_loop():  # (before a loop drives it: each read its own budget)
+        loop = self._loop
+        if not loop.in_loop():  # (before a loop drives it: each read its own budget)
             return now + _DRAIN_BUDGET_S
+        turn = loop.turn
+        if turn is not None:  # the driver counts its turns: no call to end this one
+            if turn != self._budget_turn:
+                self._budget_turn, self._turn_until = turn, now + _DRAIN_BUDGET_S
+            return self._turn_until
         if not self._turn_until:
             self._turn_until = now + _DRAIN_BUDGET_S
             self._loop.call_soon(self._end_turn)  # (runs on the driver's next turn)

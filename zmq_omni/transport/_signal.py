@@ -1,11 +1,17 @@
-"""Signals for callers that wait on an event loop instead of a thread (``zmq_omni.aio``)."""
+"""Signals for waiting callers: a thread's own sleeper, and conditions an event loop can hear (``zmq_omni.aio``)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import select
 import threading
 from collections.abc import Callable
 
-__all__ = ["NotifyingCondition", "WouldBlock"]
+__all__ = ["NotifyingCondition", "Sleeper", "WouldBlock", "thread_sleeper"]
+
+_LONGEST_SLEEP_S = 86400.0  # one wait's longest sleep (poll takes milliseconds in a C int); callers wait again
 
 
 class WouldBlock(Exception):
@@ -28,3 +34,53 @@ class NotifyingCondition(threading.Condition):
         listener = self.listener
         if listener is not None:
             listener()
+
+
+class Sleeper:
+    """What a thread waits on in a mailbox's take: an eventfd, one per thread (:func:`thread_sleeper`).
+
+    Writing an eventfd lets go of the GIL (releasing a lock does not): the thread woken takes the GIL at
+    once instead of waking only to wait for it, one thread switch there and one back less a wake-up.
+    """
+
+    __slots__ = ("fd", "poll")
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.poll = select.poll()
+        self.poll.register(self.fd, select.POLLIN)
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until woken or ``timeout`` seconds passed, at most a day (a late wake ends the next wait early)."""
+        if self.poll.poll(math.ceil(min(timeout, _LONGEST_SLEEP_S) * 1000.0)):
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self.fd)
+
+    def wake(self) -> None:
+        """End its wait, or its next one (any thread; the GIL is let go meanwhile)."""
+        os.eventfd_write(self.fd, 1)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, TypeError):  # (TypeError: at interpreter exit, os may be gone)
+            os.close(self.fd)
+
+
+_local = threading.local()
+
+
+def _forget_sleepers() -> None:
+    # A forked child shares its parent's eventfds: a wake there could be read here. It makes its own.
+    global _local
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_sleepers)
+
+
+def thread_sleeper() -> Sleeper:
+    """The calling thread's sleeper (made at its first wait)."""
+    try:
+        sleeper: Sleeper = _local.sleeper
+    except AttributeError:
+        sleeper = _local.sleeper = Sleeper()
+    return sleeper

@@ -63,7 +63,7 @@ from ._format import (
     WIRE_VERSION,
 )
 from ._limits import DecodeLimits
-from ._shape import _COPY_TO_COUNT, CONTAINER_MAP, walk_shape
+from ._shape import _COPY_TO_COUNT, CONTAINER_MAP, flat_ext_map, walk_shape
 
 # The entry points, and the format's names (defined in _format), importable from here.
 __all__ = [
@@ -179,7 +179,7 @@ def encode(
         len(body) > lim.max_objects
         or (inline >= _WALK_INLINE_BYTES and len(body) - inline <= _WALK_INLINE_BYTES)
         or body.translate(CONTAINER_MAP).count(1) > lim.max_depth
-    ):
+    ) and not flat_ext_map(body, lim.max_depth, lim.max_objects):
         try:
             walk_shape(body, lim.max_depth, lim.max_objects)
         except DecodeError as exc:
@@ -391,15 +391,17 @@ def decode(
         _reject_preamble(head, flags, n_oob, count, size, lim)
     try:
         # Depth and object count before msgpack builds anything. Inlined here, check_shape's first test for
-        # the usual small header: too few bytes that may open an array or a map to nest past the limit.
+        # the usual small header: too few bytes that may open an array or a map to nest past the limit; or a
+        # put's usual header, a flat map of arrays (flat_ext_map: cheaper than counting its array's bytes).
+        depth, objects = lim.max_depth, lim.max_objects
         if isinstance(body, memoryview):
-            _check_view(body, lim.max_depth, lim.max_objects)
+            _check_view(body, depth, objects)
         elif size > lim.max_objects or (
-            body.translate(CONTAINER_MAP).count(1) > lim.max_depth
+            body.translate(CONTAINER_MAP).count(1) > lim.max_depth and not flat_ext_map(body, depth, objects)
             if size <= _COUNT_FIRST
-            else _many_containers(body, lim.max_depth)
+            else not flat_ext_map(body, depth, objects) and _many_containers(body, depth)
         ):
-            walk_shape(body, lim.max_depth, lim.max_objects)
+            walk_shape(body, depth, objects)
         if not flags:
             # Plain msgpack: the metadata-only hot path.
             # msgpack bounds every declared length by the input's length when no limit is

@@ -92,6 +92,41 @@ def check_shape(data: bytes | memoryview, max_depth: int, max_objects: int) -> N
     walk_shape(data if type(data) is bytes else memoryview(data).cast("B"), max_depth, max_objects)
 
 
+_FIXEXT_SIZES: Final = (3, 4, 6, 10, 18)  # fixext 1, 2, 4, 8, 16 (0xd4-0xd8): type byte, code, data
+
+
+def flat_ext_map(data: bytes, max_depth: int, max_objects: int) -> bool:
+    """True when ``data`` is a map of up to 15 short-str keys to extension values, ending where it does.
+
+    Such a header (``{"data": array}``, a put's usual one) is one level deep and decodes into
+    ``1 + 2 * entries`` objects: within the bounds here, it needs no walk. False says nothing.
+    """
+    try:
+        n = data[0] - 0x80
+        if not 0 < n <= 15 or max_depth < 1 or 2 * n + 1 > max_objects:
+            return False
+        pos = 1
+        for _ in range(n):
+            key = data[pos]
+            if not 0xA0 <= key <= 0xBF:
+                return False
+            pos += 1 + (key & 0x1F)
+            b = data[pos]
+            if b == 0xC7:
+                pos += 3 + data[pos + 1]
+            elif b == 0xC8:
+                pos += 4 + int.from_bytes(data[pos + 1 : pos + 3], "big")
+            elif b == 0xC9:
+                pos += 6 + int.from_bytes(data[pos + 1 : pos + 5], "big")
+            elif 0xD4 <= b <= 0xD8:
+                pos += _FIXEXT_SIZES[b - 0xD4]
+            else:
+                return False
+    except IndexError:
+        return False  # truncated: the walk (or the unpacker) decides
+    return pos == len(data)
+
+
 def walk_shape(data: Any, max_depth: int, max_objects: int) -> None:
     """:func:`check_shape` without its first test: walk the type bytes of ``data``'s first object.
 
