@@ -45,3 +45,31 @@ def test_lone_round_trips_wake_the_driver_for_few_takes_and_every_put_is_confirm
     while send.health()["pending"] and time.monotonic() < deadline:  # every consumption reaches the sender
         time.sleep(0.01)
     assert send.health()["pending"] == 0
+
+
+def test_a_stream_paced_just_under_the_ack_delay_is_acknowledged_on_its_arrivals_turns(
+    connectors: list[ZmqConnector], short_tmp: Path
+) -> None:
+    recv = make(connectors, stage_id="1", role="receiver", endpoints={"1": f"ipc://{short_tmp}/r.sock"})
+    send = make(connectors, stage_id="0", role="sender", endpoints={"1": recv.endpoint})
+    receiver = recv._bound.receiver  # type: ignore[union-attr]
+    timed: list[float] = []
+    flush_due = receiver._flush_due
+
+    def counting() -> None:
+        timed.append(time.monotonic())
+        flush_due()
+
+    receiver._flush_due = counting
+    count = 40
+    for i in range(count):
+        time.sleep(0.017)  # each arrival 3 ms before the flush its predecessor left due (ack_delay_s 20 ms)
+        assert send.put("0", "1", f"k{i}", {"i": i})[0]
+        got = recv.get_with_deadline("0", "1", f"k{i}", None, deadline=time.monotonic() + 10)
+        assert got is not None and got[0] == {"i": i}
+    # Before: a timer woke the driver to flush 3 ms after every other arrival (~20). Now the arrivals' turns do.
+    assert len(timed) <= count // 4, f"{len(timed)} flushes of {count} arrivals woke the driver"
+    deadline = time.monotonic() + 10
+    while send.health()["pending"] and time.monotonic() < deadline:  # every consumption reaches the sender
+        time.sleep(0.01)
+    assert send.health()["pending"] == 0

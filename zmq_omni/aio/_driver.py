@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 import zmq
 
-from ..transport import Driver
+from ..transport import Driver, Timer
 
 __all__ = ["LoopDriver"]
 
@@ -75,16 +75,22 @@ class _Reader:
         self.queued = False  # its handler is due on the loop's next turn
 
 
-class _Timer:
-    """A one-shot or periodic timer (``interval`` None: one shot), kept to move it to a new loop."""
+class _Timer(Timer):
+    """A one-shot or periodic timer (``interval`` None: one shot), kept in ``pending`` to move it to a new loop."""
 
-    __slots__ = ("due", "fn", "handle", "interval")
+    __slots__ = ("due", "fn", "handle", "interval", "pending")
 
-    def __init__(self, due: float, fn: Callable[[], None], interval: float | None) -> None:
+    def __init__(self, due: float, fn: Callable[[], None], interval: float | None, pending: set[_Timer]) -> None:
         self.due = due  # time.monotonic() based (the loops' clock too)
         self.fn = fn
         self.interval = interval
         self.handle: asyncio.TimerHandle | None = None
+        self.pending = pending
+
+    def cancel(self) -> None:
+        self.pending.discard(self)
+        if self.handle is not None:
+            self.handle.cancel()
 
 
 class LoopDriver(Driver):
@@ -313,13 +319,15 @@ class LoopDriver(Driver):
         if loop is not None and not loop.is_closed():
             loop.remove_reader(reader.fd)
 
-    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once, ``delay`` seconds from now."""
-        self._add_timer(_Timer(time.monotonic() + delay, fn, None))
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        """Call ``fn`` once, ``delay`` seconds from now, unless the timer returned is cancelled."""
+        timer = _Timer(time.monotonic() + delay, fn, None, self._timers)
+        self._add_timer(timer)
+        return timer
 
     def every(self, interval: float, fn: Callable[[], None]) -> None:
         """Call ``fn`` every ``interval`` seconds (the first time ``interval`` from now)."""
-        self._add_timer(_Timer(time.monotonic() + interval, fn, interval))
+        self._add_timer(_Timer(time.monotonic() + interval, fn, interval, self._timers))
 
     def on_stop(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` as the driver stops, on the loop's thread (flush, close sockets)."""

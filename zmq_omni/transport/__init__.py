@@ -7,7 +7,7 @@ contract's ``(ok, nbytes, metadata)`` / ``None`` happens once, in the connector.
 from __future__ import annotations
 
 from ._endpoints import ENV_BIND, ENV_ENDPOINT_PREFIX, EndpointMap, check_endpoint, env_name
-from ._loop import Driver, IoLoop
+from ._loop import Driver, IoLoop, Timer
 from ._probe import probe
 from ._pull_client import SILENT_S, FetchChannel, PullClient
 from ._pull_lot import MAX_PARK_S
@@ -48,6 +48,7 @@ __all__ = [
     "StageLock",
     "StagePull",
     "StageService",
+    "Timer",
     "Tombstones",
     "WouldBlock",
     "close_inherited_sockets",

@@ -33,7 +33,7 @@ import zmq
 
 from ._sockets import release_context, use_context
 
-__all__ = ["Driver", "IoLoop"]
+__all__ = ["Driver", "IoLoop", "Timer"]
 
 log = logging.getLogger("zmq_omni.transport")
 
@@ -45,6 +45,30 @@ class _Periodic:
         self.interval = interval
         self.fn = fn
         self.due = time.monotonic() + interval
+
+
+class Timer(ABC):
+    """A one-shot timer :meth:`Driver.call_later` set."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Never run it (nothing if it ran already); on the driver's thread, or before the driver started.
+
+        A cancelled timer wakes nothing: the driver does not wait for its due time.
+        """
+
+
+class _Later(Timer):
+    __slots__ = ("cancelled", "fn")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class Driver(ABC):
@@ -114,8 +138,8 @@ class Driver(ABC):
         """Stop watching ``sock`` (before closing it)."""
 
     @abstractmethod
-    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once, ``delay`` seconds from now (driver's thread only)."""
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        """Call ``fn`` once, ``delay`` seconds from now, unless the timer returned is cancelled (driver's thread)."""
 
     @abstractmethod
     def every(self, interval: float, fn: Callable[[], None]) -> None:
@@ -172,7 +196,7 @@ class IoLoop(Driver):
         self._calls: deque[Callable[[], None]] = deque()
         self._timers: list[_Periodic] = []
         self._timers_due = math.inf  # the earliest due time of the periodic timers
-        self._later: list[tuple[float, int, Callable[[], None]]] = []
+        self._later: list[tuple[float, int, _Later]] = []  # cancelled ones too, till they reach the top
         self._later_ids = 0
         self._on_stop: list[Callable[[], None]] = []
         self._on_term: list[Callable[[], None]] = []
@@ -278,10 +302,12 @@ class IoLoop(Driver):
         if self._handlers.pop(sock, None) is not None:
             self._poller.unregister(sock)
 
-    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once, ``delay`` seconds from now (loop thread only)."""
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
+        """Call ``fn`` once, ``delay`` seconds from now, unless the timer returned is cancelled (loop thread only)."""
         self._later_ids += 1
-        heapq.heappush(self._later, (time.monotonic() + delay, self._later_ids, fn))
+        timer = _Later(fn)
+        heapq.heappush(self._later, (time.monotonic() + delay, self._later_ids, timer))
+        return timer
 
     def every(self, interval: float, fn: Callable[[], None]) -> None:
         """Call ``fn`` every ``interval`` seconds."""
@@ -308,6 +334,8 @@ class IoLoop(Driver):
                     timeout = 0
                 else:
                     due = self._timers_due
+                    while later and later[0][2].cancelled:  # (a cancelled timer sets no timeout)
+                        heapq.heappop(later)
                     if later and later[0][0] < due:
                         due = later[0][0]
                     wait_ms = (due - monotonic()) * 1000.0
@@ -330,8 +358,11 @@ class IoLoop(Driver):
                         self._guard(calls.popleft())
                 now = monotonic()
                 while later and later[0][0] <= now:
-                    self.turn += 1
-                    self._guard(heapq.heappop(later)[2])
+                    once = heapq.heappop(later)[2]
+                    if not once.cancelled:
+                        once.cancelled = True  # (ran: a cancel now does nothing)
+                        self.turn += 1
+                        self._guard(once.fn)
                 if self._timers_due <= now:
                     for timer in timers:
                         if timer.due <= now:

@@ -201,13 +201,13 @@ class Mailbox:
             if not self.flush_pending:
                 self._on_left(False)
 
-    def handover(self) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
-        """What left the mailbox since the last call: ``(consumed, dropped, bytes taken)`` (the driver's)."""
+    def handover(self, *, still_pending: bool = False) -> tuple[list[tuple[str, int]], list[tuple[str, int, int]], int]:
+        """What left since last call: ``(consumed, dropped, bytes taken)``; ``flush_pending`` = ``still_pending``."""
         with self.lock:
             consumed, self._consumed = self._consumed, []
             dropped, self._dropped = self._dropped, []
             nbytes, self._taken_bytes = self._taken_bytes, 0
-            self._told = self.flush_pending = False
+            self._told, self.flush_pending = False, still_pending  # (still: the driver times a flush again at once)
         return consumed, dropped, nbytes
 
     # -- any thread -----------------------------------------------------------------------

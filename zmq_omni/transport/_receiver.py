@@ -34,7 +34,9 @@ the driver's thread        the ROUTER, its monitor and descriptor, everything   
 
 Clocks: acknowledgements wait ``ack_delay_s`` (default 20 ms) to be batched (a
 lone message stream pays one REPLY per delay rather than one per put; a sender
-that needs its acks sooner pings, which is answered at once); senders not heard
+that needs its acks sooner pings, which is answered at once; acks due within a
+quarter of the delay go out on an arrival's turn instead, and their timer is
+cancelled: see :meth:`PushReceiver._flush_early`); senders not heard
 from for ``source_ttl_s`` and items nobody took for ``unclaimed_ttl_s`` expire on
 periodic timers. Everything else is a wake-up: the descriptor, an arrival in the
 mailbox, the seal.
@@ -49,7 +51,7 @@ from typing import Any
 
 from ..metrics import Counters
 from ._envelope import DEFAULT_MAX_KEY_BYTES
-from ._loop import Driver
+from ._loop import Driver, Timer
 from ._mailbox import Mailbox
 from ._receive_protocol import DEFAULT_ACK_DELAY_S, Slot
 from ._receive_socket import ReceiveSocket
@@ -60,6 +62,11 @@ from ._tombstones import Tombstones
 __all__ = ["DEFAULT_ACK_DELAY_S", "PushReceiver"]
 
 log = logging.getLogger("zmq_omni.transport")
+
+# Acknowledgements due within this share of ack_delay_s go out on an arrival's turn, after its store:
+# a paced stream's flush timer, set at the previous arrival, would otherwise wake the driver again
+# just after this one, while the consumer works on it.
+_EARLY_SHARE = 0.25
 
 
 class PushReceiver:
@@ -92,7 +99,9 @@ class PushReceiver:
         self._counters = counters
         self._source_ttl = source_ttl_s
         self._unclaimed_ttl = unclaimed_ttl_s
-        self._timer_at: float | None = None  # when the flush timer set last fires (driver's)
+        self._ack_delay = ack_delay_s
+        self._timer: Timer | None = None  # the flush timer armed (driver's)
+        self._timer_at: float | None = None  # when it fires (driver's)
         self._mailbox = Mailbox(
             tombstone_ttl_s=tombstone_ttl_s,
             max_tombstones=max_tombstones,
@@ -181,7 +190,26 @@ class PushReceiver:
             return
         if not self._rs.settle():
             self._loop.call_soon(self._drive)
+        else:
+            self._flush_early()
         self._time_flush()
+
+    def _flush_early(self) -> None:
+        """Send the acknowledgements due soon now, the arrivals stored, rather than on a wake of their own."""
+        protocol, now = self._rs.protocol, time.monotonic()
+        due = protocol.flush_due
+        if due is None or due - now > self._ack_delay * _EARLY_SHARE:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_at = None
+        # What was just stored will be taken: that consumption is owed by the next flush, timed now, so a
+        # take (even one racing this flush) finds a flush due and wakes no driver.
+        protocol.taken(*self._mailbox.handover(still_pending=True))
+        self._rs.send(protocol.flush())
+        protocol.left_mailbox(now)
+        if not self._rs.settle():  # (the sends may have hidden new arrivals from the descriptor)
+            self._loop.call_soon(self._drive)
 
     def _left_mailbox(self, heavy: bool) -> None:
         """Something left the mailbox (it calls this under its lock, from any thread): only schedule."""
@@ -204,12 +232,14 @@ class PushReceiver:
             # Every flush hands over what left the mailbox first: a get need not wake the driver till then.
             self._mailbox.flush_pending = True
             if self._timer_at is None or due < self._timer_at:
+                if self._timer is not None:
+                    self._timer.cancel()
                 self._timer_at = due
-                self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
+                self._timer = self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
 
     def _flush_due(self) -> None:
         """Send the acknowledgements that are due (and read what the sends may have hidden from the descriptor)."""
-        self._timer_at = None
+        self._timer = self._timer_at = None
         if self._shut:
             return
         protocol, now = self._rs.protocol, time.monotonic()
