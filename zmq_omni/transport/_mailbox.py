@@ -139,6 +139,10 @@ class Mailbox:
             self.generation += 1
             if self._sleepers:  # woken once the lock is let go: a get woken takes its item without waiting for it
                 sleepers, self._sleepers = self._sleepers, []
+        if arrivals:  # first: a stage client that asked for a key is lent it before a get woken here looks
+            for hook in (self.on_arrivals, self.on_lendable):
+                if hook is not None:
+                    hook([slot for slot, _ in arrivals])
         if sleepers:
             for sleeper in sleepers:
                 sleeper.wake()
@@ -146,10 +150,6 @@ class Mailbox:
             os.sched_yield()
         if gone:
             self._discard(gone)
-        if arrivals:
-            for hook in (self.on_arrivals, self.on_lendable):
-                if hook is not None:
-                    hook([slot for slot, _ in arrivals])
 
     def _drop_buried(self, arrivals: list[tuple[Slot, Item]], gone: list[Item], now: float) -> list[tuple[Slot, Item]]:
         kept = []
