@@ -99,3 +99,30 @@ def test_a_spent_edge_does_not_hide_a_message_and_an_empty_wake_calls_no_handler
     push.send(b"y")
     assert _wait(arrived)
     assert got == [b"y"]
+
+
+def test_each_handler_call_and_each_round_of_calls_is_a_turn_of_its_own(
+    pair: tuple[IoLoop, zmq.Socket[bytes], zmq.Socket[bytes]],
+) -> None:
+    # A part's read budget is a turn's: it ends with the turn, with no call queued to end it.
+    loop, pull, push = pair
+    turns: list[tuple[str, int]] = []
+
+    def one() -> None:
+        try:
+            pull.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        turns.append(("read", loop.turn))
+        loop.call_soon(lambda: turns.append(("call", loop.turn)))
+
+    loop.add_reader(pull, one)
+    loop.start()
+    for i in range(3):
+        push.send(b"%d" % i)
+        deadline = time.monotonic() + 5
+        while len(turns) < 2 * (i + 1) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    numbers = [turn for _, turn in turns]
+    assert [kind for kind, _ in turns] == ["read", "call"] * 3
+    assert numbers == sorted(numbers) and len(set(numbers)) == 6, turns

@@ -181,7 +181,13 @@ class Driver(ABC):
 
 
 class IoLoop(Driver):
-    """A poller thread with thread-safe wake-ups, deferred calls and periodic timers."""
+    """A poller thread with thread-safe wake-ups, deferred calls and periodic timers.
+
+    Each handler call, each round of queued calls and each timer call is one of its turns, counted in
+    :attr:`turn` (a part's read budget is a turn's: every read of the turn shares it).
+    """
+
+    turn: int = 0  # one more at each handler call, round of calls and timer call (the parts' per-turn budgets)
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         super().__init__(name, private_context=private_context)
@@ -341,25 +347,31 @@ class IoLoop(Driver):
                         continue
                     handler = handlers.get(sock)
                     if handler is not None:
+                        self.turn += 1
                         try:
                             handler()
                         except Exception:
                             log.exception("%s: handler %r failed", self._name, handler)
-                while calls:
-                    self._guard(calls.popleft())
+                if calls:
+                    self.turn += 1
+                    while calls:
+                        self._guard(calls.popleft())
                 now = monotonic()
                 while later and later[0][0] <= now:
                     once = heapq.heappop(later)[2]
                     if not once.cancelled:
                         once.cancelled = True  # (ran: a cancel now does nothing)
+                        self.turn += 1
                         self._guard(once.fn)
                 if self._timers_due <= now:
                     for timer in timers:
                         if timer.due <= now:
                             timer.due = now + timer.interval
+                            self.turn += 1
                             self._guard(timer.fn)
                     self._timers_due = min(timer.due for timer in timers)
         finally:
+            self.turn += 1  # (the stop is a turn of its own: what it runs reads on a budget of its own)
             while self._calls:
                 self._guard(self._calls.popleft())
             for fn in self._on_stop:

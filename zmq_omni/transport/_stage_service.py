@@ -175,7 +175,7 @@ class StageService:
 
     def _arrived(self, slots: list[Slot]) -> None:
         """Items reached the mailbox (or came back): lend those a client waits for."""
-        if not self._closed:
+        if not self._closed and self._book.waits():
             self._offer(slots)
 
     def hold(self, seconds: float) -> None:

@@ -131,6 +131,10 @@ class LeaseBook:
         waiting = self._wants.get(slot)
         return next(iter(waiting)) if waiting else None
 
+    def waits(self) -> bool:
+        """Whether some client waits for a key (else nothing that arrives is lent)."""
+        return bool(self._wants)
+
     def wanted(self) -> list[Slot]:
         """Every key some client waits for (the driver looks each up in the mailbox after a binder change)."""
         return list(self._wants)
