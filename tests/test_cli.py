@@ -220,9 +220,13 @@ def test_health_takes_a_server_key_that_begins_with_a_dash(capsys: pytest.Captur
     # Z85 keys may begin with '-', which argparse alone reads as an option ("expected one argument").
     public = next(key for key in (zmq.curve_keypair()[0].decode() for _ in range(10_000)) if key.startswith("-"))
     endpoint = f"tcp://127.0.0.1:{reserve_port()}"
-    status = cli_main(["health", "--endpoint", endpoint, "--server-key", public, "--timeout", "0.3"])
-    assert status == 1, capsys.readouterr()  # probed with that key: nothing answers; 2 would be a usage error
-    assert "unhealthy" in capsys.readouterr().err
+    for option in ("--server-key", "--server-k"):  # (argparse takes an option's unique abbreviation too)
+        status = cli_main(["health", "--endpoint", endpoint, option, public, "--timeout", "0.3"])
+        assert status == 1, capsys.readouterr()  # probed with that key: nothing answers; 2 would be a usage error
+        assert "unhealthy" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # a forgotten key is not taken from the next option
+        cli_main(["health", "--endpoint", endpoint, "--server-key", "--timeout", "0.3"])
+    assert usage.value.code == 2 and "expected one argument" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

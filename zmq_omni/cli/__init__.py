@@ -245,17 +245,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _keys_as_values(argv: list[str]) -> list[str]:
-    """Join ``--server-key KEY`` into ``--server-key=KEY``.
+_Z85_KEY_CHARS = 40  # a CURVE key of 32 bytes, Z85-encoded
 
-    A Z85 key may begin with ``-``, which argparse would read as an option and
-    refuse with "expected one argument".
+
+def _keys_as_values(argv: list[str]) -> list[str]:
+    """Join ``--server-key KEY`` (or an abbreviation of the option) into ``--server-key=KEY``.
+
+    A Z85 key (40 characters) may begin with ``-``, which argparse would read as an
+    option and refuse with "expected one argument". Anything else is left to argparse.
     """
     joined: list[str] = []
-    items = iter(argv)
-    for arg in items:
-        value = next(items, None) if arg == "--server-key" else None
-        joined.append(arg if value is None else f"{arg}={value}")
+    position = 0
+    while position < len(argv):
+        arg = argv[position]
+        value = argv[position + 1] if position + 1 < len(argv) else ""
+        if arg.startswith("--server") and "--server-key".startswith(arg) and len(value) == _Z85_KEY_CHARS:
+            joined.append(f"--server-key={value}")
+            position += 2
+        else:
+            joined.append(arg)
+            position += 1
     return joined
 
 

@@ -184,7 +184,8 @@ class IoLoop(Driver):
     """A poller thread with thread-safe wake-ups, deferred calls and periodic timers.
 
     Each handler call, each round of queued calls and each timer call is one of its turns, counted in
-    :attr:`turn` (a part's read budget is a turn's: every read of the turn shares it).
+    :attr:`turn` (a part's read budget is a turn's: every read of the turn shares it). A round runs the
+    calls queued before it; a call queued meanwhile runs in the next round, after a poll.
     """
 
     turn: int = 0  # one more at each handler call, round of calls and timer call (the parts' per-turn budgets)
@@ -352,9 +353,9 @@ class IoLoop(Driver):
                             handler()
                         except Exception:
                             log.exception("%s: handler %r failed", self._name, handler)
-                if calls:
+                if calls:  # a round: the calls queued before it (those it queues run on the next, after a poll)
                     self.turn += 1
-                    while calls:
+                    for _ in range(len(calls)):
                         self._guard(calls.popleft())
                 now = monotonic()
                 while later and later[0][0] <= now:

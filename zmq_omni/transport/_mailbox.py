@@ -317,17 +317,15 @@ class Mailbox:
                 self._wait(remaining)
 
     def _wait(self, timeout: float) -> None:
-        """Wait at most ``timeout`` for :meth:`_wake_all` (holds :attr:`lock`, released meanwhile).
-
-        An arrival, a seal or a wake-up: the caller looks again at what it waits for.
-        """
-        sleeper = thread_sleeper()
+        """Wait at most ``timeout`` for an arrival, a seal or a wake (holds :attr:`lock`, released meanwhile)."""
+        sleeper = thread_sleeper()  # in use till released (a get in a signal handler meanwhile takes another)
         self._sleepers.append(sleeper)
         self.waiting += 1
         self.lock.release()
         try:
             sleeper.wait(timeout)
         finally:
+            sleeper.in_use = False
             self.lock.acquire()
             self.waiting -= 1
             if sleeper in self._sleepers:  # (a timeout, or interrupted, with no wake meanwhile)

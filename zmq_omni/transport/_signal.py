@@ -43,16 +43,17 @@ class Sleeper:
     once instead of waking only to wait for it, one thread switch there and one back less a wake-up.
     """
 
-    __slots__ = ("fd", "poll")
+    __slots__ = ("fd", "in_use", "poll")
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.poll = select.poll()
         self.poll.register(self.fd, select.POLLIN)
+        self.in_use = False  # listed by a waiter (:func:`thread_sleeper` hands it out again once that one clears it)
 
     def wait(self, timeout: float) -> None:
         """Sleep until woken or ``timeout`` seconds passed, at most a day (a late wake ends the next wait early)."""
-        if self.poll.poll(math.ceil(min(timeout, _LONGEST_SLEEP_S) * 1000.0)):
+        if self.poll.poll(math.ceil(min(max(timeout, 0.0), _LONGEST_SLEEP_S) * 1000.0)):
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self.fd)
 
@@ -78,9 +79,16 @@ os.register_at_fork(after_in_child=_forget_sleepers)
 
 
 def thread_sleeper() -> Sleeper:
-    """The calling thread's sleeper (made at its first wait)."""
+    """The calling thread's sleeper (made at its first wait), marked in use; the caller clears ``in_use``.
+
+    While it is in use (a signal handler's wait interrupting the thread's own), a sleeper of its own:
+    the interrupted wait's wake must stay where that wait looks for it.
+    """
     try:
         sleeper: Sleeper = _local.sleeper
     except AttributeError:
         sleeper = _local.sleeper = Sleeper()
+    if sleeper.in_use:
+        sleeper = Sleeper()
+    sleeper.in_use = True
     return sleeper
