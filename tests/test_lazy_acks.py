@@ -249,8 +249,8 @@ def test_a_get_between_a_flush_s_hand_over_and_its_end_makes_acks_due_again(shor
         inner = sock.hand_over
         got: list[Any] = []
 
-        def hand_over_then_get() -> None:
-            inner()
+        def hand_over_then_get(*, still_pending: bool = False) -> None:
+            inner(still_pending=still_pending)
             if not got:
                 taker = threading.Thread(target=lambda: got.append(receiver.get("0", "1", "b")))
                 taker.start()

@@ -114,7 +114,6 @@ class LoopDriver(Driver):
     """
 
     threaded: ClassVar[bool] = False
-    turn: int = 0  # one more at each callback of ours the loop runs (the parts' per-turn read budgets)
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         super().__init__(name, private_context=private_context)
@@ -130,7 +129,6 @@ class LoopDriver(Driver):
         self._timers: set[_Timer] = set()  # pending one-shot timers and every periodic one
         self._on_stop: list[Callable[[], None]] = []
         self._on_term: list[Callable[[], None]] = []
-        self.turn = 0
 
     # -- binding to the loop (loop thread) ----------------------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -48,9 +48,10 @@ class _Periodic:
 
 
 class Timer(ABC):
-    """A one-shot timer :meth:`Driver.call_later` set."""
+    """A one-shot timer :meth:`Driver.call_later` set; ``due``: when it runs (``time.monotonic()``)."""
 
     __slots__ = ()
+    due: float
 
     @abstractmethod
     def cancel(self) -> None:
@@ -61,9 +62,10 @@ class Timer(ABC):
 
 
 class _Later(Timer):
-    __slots__ = ("cancelled", "fn")
+    __slots__ = ("cancelled", "due", "fn")
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    def __init__(self, due: float, fn: Callable[[], None]) -> None:
+        self.due = due
         self.fn = fn
         self.cancelled = False
 
@@ -91,9 +93,9 @@ class Driver(ABC):
     #: True when put and get threads may use the parts' sockets beside the driver (the transport's
     #: locks decide who, one at a time); False when the driver's thread alone uses them.
     threaded: ClassVar[bool] = True
-    #: A number that changes between the driver's turns, where the driver keeps one (an event-loop driver:
-    #: each callback of its own is a turn); None where it does not (a per-turn state ends in a ``call_soon``).
-    turn: int | None = None
+    #: A number that changes between the driver's turns (each handler call, round of queued calls, timer
+    #: call and the stop is one): a part's per-turn state (a read budget) is keyed by it.
+    turn: int = 0
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         self._name = name
@@ -187,8 +189,6 @@ class IoLoop(Driver):
     :attr:`turn` (a part's read budget is a turn's: every read of the turn shares it). A round runs the
     calls queued before it; a call queued meanwhile runs in the next round, after a poll.
     """
-
-    turn: int = 0  # one more at each handler call, round of calls and timer call (the parts' per-turn budgets)
 
     def __init__(self, name: str, *, private_context: bool = False) -> None:
         super().__init__(name, private_context=private_context)
@@ -306,8 +306,8 @@ class IoLoop(Driver):
     def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
         """Call ``fn`` once, ``delay`` seconds from now, unless the timer returned is cancelled (loop thread only)."""
         self._later_ids += 1
-        timer = _Later(fn)
-        heapq.heappush(self._later, (time.monotonic() + delay, self._later_ids, timer))
+        timer = _Later(time.monotonic() + delay, fn)
+        heapq.heappush(self._later, (timer.due, self._later_ids, timer))
         return timer
 
     def every(self, interval: float, fn: Callable[[], None]) -> None:

@@ -75,8 +75,8 @@ class PullRouter:
         self.sock = self._open(endpoint)
         self.bound: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._reader = RoutedReader(self.sock, 1, max_frames)
-        self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
-        self._budget_turn: int | None = None  # the driver's turn that ``_turn_until`` is of (a driver counting turns)
+        self._turn_until = 0.0  # the read deadline every read of this driver turn shares
+        self._budget_turn = -1  # the driver's turn that ``_turn_until`` is of
         loop.add_reader(self.sock, self._on_readable)
 
     def _open(self, endpoint: str) -> Any:
@@ -108,18 +108,9 @@ class PullRouter:
         now, loop = time.monotonic(), self._loop
         if not loop.in_loop():
             return now + READ_BUDGET_S
-        turn = loop.turn
-        if turn is not None:  # the driver counts its turns: no call to end this one
-            if turn != self._budget_turn:
-                self._budget_turn, self._turn_until = turn, now + READ_BUDGET_S
-            return self._turn_until
-        if not self._turn_until:
-            self._turn_until = now + READ_BUDGET_S
-            self._loop.call_soon(self._end_turn)  # (runs on the driver's next turn)
+        if loop.turn != self._budget_turn:
+            self._budget_turn, self._turn_until = loop.turn, now + READ_BUDGET_S
         return self._turn_until
-
-    def _end_turn(self) -> None:
-        self._turn_until = 0.0
 
     def _rebind(self) -> None:
         self._counters.add("rebinds")

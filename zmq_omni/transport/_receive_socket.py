@@ -122,8 +122,8 @@ class ReceiveSocket:
         self._poll_in = [(self.socket, zmq.POLLIN)]
         # A message of up to max_frames frames is kept whole (after its header); past it the socket is bound anew.
         self._reader = RoutedReader(self.socket, max_frames + 1, max_frames)
-        self._turn_until = 0.0  # the read deadline every read of this driver turn shares (0.0: none set)
-        self._budget_turn: int | None = None  # the driver's turn that ``_turn_until`` is of (a driver counting turns)
+        self._turn_until = 0.0  # the read deadline every read of this driver turn shares
+        self._budget_turn = -1  # the driver's turn that ``_turn_until`` is of
 
     def _open(self, endpoint: str) -> Any:
         sock, self._stop_refusals = open_router(
@@ -191,18 +191,9 @@ class ReceiveSocket:
         loop = self._loop
         if not loop.in_loop():  # (before a loop drives it: each read its own budget)
             return now + _DRAIN_BUDGET_S
-        turn = loop.turn
-        if turn is not None:  # the driver counts its turns: no call to end this one
-            if turn != self._budget_turn:
-                self._budget_turn, self._turn_until = turn, now + _DRAIN_BUDGET_S
-            return self._turn_until
-        if not self._turn_until:
-            self._turn_until = now + _DRAIN_BUDGET_S
-            self._loop.call_soon(self._end_turn)  # (runs on the driver's next turn)
+        if loop.turn != self._budget_turn:
+            self._budget_turn, self._turn_until = loop.turn, now + _DRAIN_BUDGET_S
         return self._turn_until
-
-    def _end_turn(self) -> None:
-        self._turn_until = 0.0
 
     def _rebind(self) -> None:
         """Close the ROUTER (the message past ``max_frames`` goes with it) and bind a new one on its endpoint."""
@@ -290,14 +281,17 @@ class ReceiveSocket:
                 return False
         return True
 
-    def flush(self) -> None:
-        """Send every acknowledgement owed."""
-        self.hand_over()
+    def flush(self, *, still_pending: bool = False) -> None:
+        """Send every acknowledgement owed (``still_pending``: see :meth:`hand_over`)."""
+        self.hand_over(still_pending=still_pending)
         self.send(self.protocol.flush())
 
-    def hand_over(self) -> None:
-        """Give the protocol what left the mailbox since the last hand-over."""
-        self.protocol.taken(*self._mailbox.handover())
+    def hand_over(self, *, still_pending: bool = False) -> None:
+        """Give the protocol what left the mailbox since the last hand-over.
+
+        ``still_pending``: a next flush is timed at once, so a take meanwhile need not wake the driver.
+        """
+        self.protocol.taken(*self._mailbox.handover(still_pending=still_pending))
 
     def send(self, replies: Iterable[Reply], refused: list[Reply] | None = None) -> tuple[int, int]:
         """Send ``replies`` without waiting; how many ZeroMQ refused as unroutable and as full.

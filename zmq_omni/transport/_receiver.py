@@ -22,7 +22,7 @@ what                       guards / means                                       
 =========================  ===================================================  ==========================
 the driver's thread        the ROUTER, its monitor and descriptor, everything   the driver's handlers and
                            of ``ReceiveSocket`` and ``ReceiveProtocol``         timers write it; one read
-                           (``flush_due`` too), ``_shut``, ``_timer_at``        off it: ``stats()`` reads
+                           (``flush_due`` too), ``_shut``, ``_timer``           off it: ``stats()`` reads
                                                                                 ``protocol.batches`` (an
                                                                                 int, a hint) on any thread
 ``Mailbox.lock``           items, tombstones, consumptions handed over,         any thread (a get, the
@@ -101,7 +101,6 @@ class PushReceiver:
         self._unclaimed_ttl = unclaimed_ttl_s
         self._ack_delay = ack_delay_s
         self._timer: Timer | None = None  # the flush timer armed (driver's)
-        self._timer_at: float | None = None  # when it fires (driver's)
         self._mailbox = Mailbox(
             tombstone_ttl_s=tombstone_ttl_s,
             max_tombstones=max_tombstones,
@@ -202,11 +201,10 @@ class PushReceiver:
             return
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = self._timer_at = None
+            self._timer = None
         # What was just stored will be taken: that consumption is owed by the next flush, timed now, so a
         # take (even one racing this flush) finds a flush due and wakes no driver.
-        protocol.taken(*self._mailbox.handover(still_pending=True))
-        self._rs.send(protocol.flush())
+        self._rs.flush(still_pending=True)
         protocol.left_mailbox(now)
         if not self._rs.settle():  # (the sends may have hidden new arrivals from the descriptor)
             self._loop.call_soon(self._drive)
@@ -231,15 +229,14 @@ class PushReceiver:
         if due is not None:
             # Every flush hands over what left the mailbox first: a get need not wake the driver till then.
             self._mailbox.flush_pending = True
-            if self._timer_at is None or due < self._timer_at:
+            if self._timer is None or due < self._timer.due:
                 if self._timer is not None:
                     self._timer.cancel()
-                self._timer_at = due
                 self._timer = self._loop.call_later(max(0.0, due - time.monotonic()), self._flush_due)
 
     def _flush_due(self) -> None:
         """Send the acknowledgements that are due (and read what the sends may have hidden from the descriptor)."""
-        self._timer = self._timer_at = None
+        self._timer = None
         if self._shut:
             return
         protocol, now = self._rs.protocol, time.monotonic()
